@@ -1,0 +1,27 @@
+"""The GPU benchmark model (0.95B parameters): tools/bench.py and docs/benchmarks.md use it.
+
+Sized to fill one H100: seq 2048, global batch 16. Settings here are the fastest measured ones.
+"""
+
+from ushard.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.model.vocab_size = 32000
+    c.model.d_model = 2048
+    c.model.n_layers = 16
+    c.model.n_heads = 16
+    c.model.n_kv_heads = 16
+    c.model.d_ff = 5632
+    c.model.rope_theta = 500000.0
+    c.model.compute_dtype = "bfloat16"
+    c.model.remat = "none"
+    c.train.steps = 20
+    c.train.batch_size = 16
+    c.train.seq_len = 2048
+    c.train.lr = 3e-4
+    c.train.warmup_steps = 5
+    c.train.log_every = 5
+    c.train.eval_every = 0
+    return c

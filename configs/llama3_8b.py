@@ -1,0 +1,27 @@
+"""Llama 3 8B shapes (vocab 128256, GQA 32/8 heads, d_ff 14336, RoPE theta 500000, seq 8192).
+
+With the byte tokenizer only 257 of the 128256 embedding rows are used; the shapes, memory and speed
+are those of the real model. ZeRO-3 over all devices by default.
+"""
+
+from ushard.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.model.vocab_size = 128256
+    c.model.d_model = 4096
+    c.model.n_layers = 32
+    c.model.n_heads = 32
+    c.model.n_kv_heads = 8
+    c.model.d_ff = 14336
+    c.model.rope_theta = 500000.0
+    c.model.remat = "full"
+    c.train.steps = 10000
+    c.train.batch_size = 256
+    c.train.seq_len = 8192
+    c.train.lr = 3e-4
+    c.train.warmup_steps = 2000
+    c.train.log_every = 10
+    c.train.eval_every = 500
+    return c

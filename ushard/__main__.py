@@ -1,0 +1,5 @@
+import sys
+
+from ushard.cli import main
+
+sys.exit(main())

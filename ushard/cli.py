@@ -1,0 +1,85 @@
+"""`ushard train --config NAME_OR_PATH [--config.a.b=value ...] [--workdir DIR]`.
+
+A user's mistake (`UserError`) ends with one sentence on stderr and exit status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from ushard.errors import UserError
+
+
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separates `--config.a.b=v` / `--config.a.b v` overrides from the other arguments."""
+    rest, overrides = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--config."):
+            item = arg[len("--config."):]
+            if "=" not in item:
+                if i + 1 >= len(argv):
+                    raise UserError(f"override {arg} has no value; write {arg}=VALUE.")
+                item = f"{item}={argv[i + 1]}"
+                i += 1
+            overrides.append(item)
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ushard", description="SPMD training of transformer language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model", description="Train a model from a config.")
+    train.add_argument("--config", required=True, help="a shipped config name (e.g. tiny) or a path to a config .py")
+    train.add_argument("--workdir", help="where metrics.jsonl and TensorBoard events go (default: runs/NAME-TIME)")
+    train.add_argument("--coordinator_address", help="HOST:PORT of process 0, for multi-process runs")
+    train.add_argument("--num_processes", type=int, help="number of processes in a multi-process run")
+    train.add_argument("--process_id", type=int, help="this process's index in a multi-process run")
+    return parser
+
+
+
+
+def train(args, overrides) -> None:
+    if args.coordinator_address or args.num_processes or args.process_id is not None:
+        import jax
+
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id
+        )
+    from ushard.config import load_config
+    from ushard.train.loop import Trainer
+
+    config = load_config(args.config, overrides)
+    name = os.path.splitext(os.path.basename(args.config))[0]
+    workdir = args.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    records = Trainer(config, workdir).run()
+    if records:
+        print(f"done: final loss {records[-1]['loss']:.4f}; metrics in {os.path.join(workdir, 'metrics.jsonl')}")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        rest, overrides = _split_overrides(argv)
+        args = _parser().parse_args(rest)  # argparse reports its own usage errors with exit status 2
+        if args.command == "train":
+            train(args, overrides)
+        return 0
+    except UserError as e:
+        print(f"ushard: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ushard: interrupted.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The config schema, its defaults, loading from files and `--config.a.b=value` overrides, validation.
+
+Every key a user may set exists in `default_config()`; the dict is locked, so a misspelt key is an
+error rather than a silently ignored value. `validate()` checks everything that can be checked before
+any device work starts and raises `UserError` with one sentence naming the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+import os
+from importlib import resources
+
+import ml_collections
+
+from ushard.errors import UserError
+
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
+# Axes whose implementation has not landed yet: a size other than 1 is refused with a clear sentence.
+UNSUPPORTED_MESH_AXES = ("pipeline", "expert")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = ("cosine", "linear", "constant")
+DATA_SOURCES = ("stdlib", "text", "jsonl")
+# Tokens each tokenizer can emit; model.vocab_size must hold them all.
+TOKENIZER_VOCAB = {"byte": 257}
+TOKENIZERS = tuple(TOKENIZER_VOCAB)
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every key ushard understands, with its default. Shipped configs start from this."""
+    c = ml_collections.ConfigDict()
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 512
+    c.model.d_model = 256
+    c.model.n_layers = 4
+    c.model.n_heads = 4
+    c.model.n_kv_heads = 4
+    c.model.d_ff = 768
+    c.model.rope_theta = 10000.0
+    c.model.norm_eps = 1e-5
+    c.model.tie_embeddings = False
+    c.model.compute_dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+    c.model.attention_impl = "auto"  # auto: cuDNN flash attention where available, else XLA
+    c.model.remat = "none"  # none | full | dots | dots_no_batch
+    c.model.document_mask = True  # packed documents never attend to each other
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 1000
+    c.train.batch_size = 32  # global, in sequences
+    c.train.seq_len = 256
+    c.train.lr = 3e-4
+    c.train.min_lr_ratio = 0.1  # the schedule ends at lr * min_lr_ratio
+    c.train.warmup_steps = 100
+    c.train.schedule = "cosine"
+    c.train.weight_decay = 0.1
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.eps = 1e-8
+    c.train.grad_clip = 1.0  # global norm; 0 disables clipping
+    c.train.grad_accum = 1  # microbatches per step
+    c.train.seed = 0
+    c.train.log_every = 10
+    c.train.eval_every = 100  # 0 disables eval
+    c.train.eval_batches = 4
+
+    c.mesh = ml_collections.ConfigDict()
+    for axis in MESH_AXES:
+        c.mesh[axis] = 1
+    c.mesh.fsdp = -1  # -1: all devices not used by the other axes
+    c.mesh.dcn = ml_collections.ConfigDict()
+    for axis in MESH_AXES:
+        c.mesh.dcn[axis] = 1
+
+    c.parallel = ml_collections.ConfigDict()
+    c.parallel.zero_stage = 3
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "stdlib"  # stdlib | text | jsonl
+    c.data.paths = ""  # a glob, or several separated by commas (text, jsonl)
+    c.data.jsonl_field = "text"
+    c.data.tokenizer = "byte"
+    c.data.eval_fraction = 0.02  # share of documents held out for eval loss
+
+    c.lock()
+    return c
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def shipped_config_names() -> list[str]:
+    files = resources.files("ushard.configs")
+    return sorted(p.name[:-3] for p in files.iterdir() if p.name.endswith(".py") and p.name != "__init__.py")
+
+
+def _resolve_config_path(name: str) -> str:
+    if os.path.isfile(name):
+        return name
+    bare = os.path.splitext(os.path.basename(name))[0]
+    if os.sep not in name.rstrip(os.sep) or name.startswith("configs" + os.sep):
+        candidate = resources.files("ushard.configs").joinpath(bare + ".py")
+        if candidate.is_file():
+            return str(candidate)
+    raise UserError(
+        f"--config {name!r} is neither a file nor a shipped config; shipped configs are: "
+        f"{', '.join(shipped_config_names())}."
+    )
+
+
+def load_config(name: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
+    """Loads `name` (a path, or the bare name of a shipped config) and applies `--config.a.b=v` overrides."""
+    path = _resolve_config_path(name)
+    spec = importlib.util.spec_from_file_location("_ushard_user_config", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's config file is user input
+        raise UserError(f"config file {path} failed to load: {type(e).__name__}: {e}.") from None
+    if not hasattr(module, "get_config"):
+        raise UserError(f"config file {path} defines no get_config() function returning the config.")
+    try:
+        config = module.get_config()
+    except AttributeError as e:
+        raise UserError(f"config file {path} sets a key ushard does not know: {e}.") from None
+    apply_overrides(config, overrides)
+    return config
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
+    """Applies strings `a.b=value` (the `--config.` prefix already removed) with the existing type."""
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"override --config.{item} has no value; write --config.{item}=VALUE.")
+        key, text = item.split("=", 1)
+        parent, leaf = _lookup_parent(config, key)
+        old = parent[leaf]
+        with parent.ignore_type():
+            parent[leaf] = _parse_like(old, text, key)
+
+
+def _lookup_parent(config, key):
+    parts = key.split(".")
+    node = config
+    for depth, part in enumerate(parts):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            where = ".".join(parts[:depth]) or "the config"
+            valid = ", ".join(sorted(node.keys())) if isinstance(node, ml_collections.ConfigDict) else "none"
+            raise UserError(f"unknown config key {key!r}: {where} has no {part!r}; valid keys there: {valid}.")
+        if depth == len(parts) - 1:
+            return node, part
+        node = node[part]
+
+
+def _parse_like(old, text: str, key: str):
+    if isinstance(old, ml_collections.ConfigDict):
+        raise UserError(f"--config.{key} is a group of settings, not a value; set one of its keys instead.")
+    try:
+        if isinstance(old, bool):
+            low = text.lower()
+            if low not in ("true", "false", "1", "0"):
+                raise ValueError
+            return low in ("true", "1")
+        if isinstance(old, int):
+            return int(text)
+        if isinstance(old, float):
+            return float(text)
+        if isinstance(old, str) or old is None:
+            return text
+        return type(old)(ast.literal_eval(text))
+    except (ValueError, SyntaxError):
+        raise UserError(
+            f"--config.{key}={text!r} is not a valid {type(old).__name__} (current value {old!r})."
+        ) from None
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _choice(value, valid, key):
+    if value not in valid:
+        raise UserError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}.")
+
+
+def _positive(value, key, allow_zero=False):
+    low = 0 if allow_zero else 1
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < low:
+        raise UserError(f"{key}={value!r} must be a number >= {low}.")
+
+
+def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
+    """Axis sizes with the one -1 filled in; the product must equal the device count."""
+    sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
+    fill = [a for a, s in sizes.items() if s == -1]
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise UserError(f"mesh.{axis}={size} is not valid; use a positive size or -1 for the remaining devices.")
+    if len(fill) > 1:
+        raise UserError(f"mesh axes {', '.join('mesh.' + a for a in fill)} are all -1; at most one axis may be -1.")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if fill:
+        if num_devices % fixed:
+            raise UserError(
+                f"the fixed mesh axes multiply to {fixed}, which does not divide the {num_devices} devices, "
+                f"so mesh.{fill[0]}=-1 cannot be filled; choose sizes whose product divides {num_devices}."
+            )
+        sizes[fill[0]] = num_devices // fixed
+    product = math.prod(sizes.values())
+    if product != num_devices:
+        shown = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all 1"
+        raise UserError(
+            f"the mesh ({shown}) has {product} devices but {num_devices} are available; "
+            f"make the product of the mesh.* sizes {num_devices}, or set one axis to -1."
+        )
+    return sizes
+
+
+def batch_shards(mesh_shape: dict[str, int]) -> int:
+    """How many ways the batch is split: the data, fsdp and expert axes all carry batch."""
+    return mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["expert"]
+
+
+def validate(config, num_devices: int) -> dict[str, int]:
+    """Checks the whole config against itself and the device count; returns the resolved mesh shape."""
+    m, t, d = config.model, config.train, config.data
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+        _positive(m[key], f"model.{key}")
+    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
+        _positive(t[key], f"train.{key}")
+    for key in ("warmup_steps", "eval_every", "eval_batches", "weight_decay", "grad_clip", "lr"):
+        _positive(t[key], f"train.{key}", allow_zero=True)
+    _choice(m.remat, REMAT_POLICIES, "model.remat")
+    _choice(m.attention_impl, ATTENTION_IMPLS, "model.attention_impl")
+    _choice(m.compute_dtype, DTYPES, "model.compute_dtype")
+    _choice(m.param_dtype, DTYPES, "model.param_dtype")
+    _choice(t.schedule, SCHEDULES, "train.schedule")
+    _choice(d.source, DATA_SOURCES, "data.source")
+    _choice(d.tokenizer, TOKENIZERS, "data.tokenizer")
+    _choice(config.parallel.zero_stage, (0, 1, 2, 3), "parallel.zero_stage")
+    if not 0.0 < d.eval_fraction < 1.0:
+        raise UserError(f"data.eval_fraction={d.eval_fraction!r} must be strictly between 0 and 1.")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise UserError(f"train.min_lr_ratio={t.min_lr_ratio!r} must be between 0 and 1.")
+    if m.d_model % m.n_heads:
+        raise UserError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; pick sizes so head_dim is whole.")
+    if (m.d_model // m.n_heads) % 2:
+        raise UserError(f"head_dim = d_model/n_heads = {m.d_model // m.n_heads} must be even for rotary embeddings.")
+    if m.n_heads % m.n_kv_heads:
+        raise UserError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; grouped-query attention needs whole groups.")
+    if m.vocab_size < TOKENIZER_VOCAB[d.tokenizer]:
+        raise UserError(f"model.vocab_size={m.vocab_size} is smaller than the {d.tokenizer!r} tokenizer's {TOKENIZER_VOCAB[d.tokenizer]} tokens; use at least that.")
+    if d.source != "stdlib" and not d.paths:
+        raise UserError(f"data.source={d.source!r} needs data.paths, a glob of files to read.")
+
+    mesh = resolve_mesh_shape(config.mesh, num_devices)
+    for axis in UNSUPPORTED_MESH_AXES:
+        if mesh[axis] != 1:
+            raise UserError(f"mesh.{axis}={mesh[axis]} is not supported yet; valid: 1 (use data, fsdp, sequence or tensor).")
+    for axis in MESH_AXES:
+        dcn = config.mesh.dcn[axis]
+        if not isinstance(dcn, int) or dcn < 1 or mesh[axis] % dcn:
+            raise UserError(f"mesh.dcn.{axis}={dcn!r} must be a positive divisor of mesh.{axis}={mesh[axis]}.")
+    tp = mesh["tensor"]
+    for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        if m[key] % tp:
+            raise UserError(f"model.{key}={m[key]} is not divisible by mesh.tensor={tp}; tensor parallelism splits it evenly.")
+    if config.parallel.zero_stage >= 1 and m.d_model % mesh["fsdp"]:
+        raise UserError(f"model.d_model={m.d_model} is not divisible by mesh.fsdp={mesh['fsdp']}; ZeRO shards the embed dimension over fsdp.")
+    if t.seq_len % mesh["sequence"]:
+        raise UserError(f"train.seq_len={t.seq_len} is not divisible by mesh.sequence={mesh['sequence']}.")
+    shards = batch_shards(mesh)
+    if t.batch_size % (shards * t.grad_accum):
+        raise UserError(
+            f"train.batch_size={t.batch_size} is not divisible by the batch-sharding axes (data x fsdp x expert = {shards}) "
+            f"times train.grad_accum={t.grad_accum}; use a multiple of {shards * t.grad_accum}."
+        )
+    return mesh

@@ -1,0 +1,50 @@
+"""Grouped-query self-attention with rotary positions and document masking for packed sequences."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ushard.models.layers import BTD, fan_in_init, param, rotary
+from ushard.sharding import constrain
+
+Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
+KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
+
+
+def causal_attention(q, k, v, segment_ids, impl: str):
+    """Causal attention on [B, T, heads, head_dim]; tokens attend only within their own segment.
+
+    `segment_ids` ([B, T]) is None when documents may see each other. `impl` "auto" lets JAX pick
+    cuDNN flash attention where the platform and shapes allow it, XLA otherwise.
+    """
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
+    implementation = None if impl == "auto" else impl
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg, dtype, rngs: nnx.Rngs):
+        d, h, kv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
+        hd = d // h
+        self.wq = param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), fan_in_init(d), dtype)
+        self.wk = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
+        self.wv = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
+        self.wo = param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), fan_in_init(h * hd), dtype)
+        self.rope_theta = cfg.rope_theta
+        self.impl = cfg.attention_impl
+        self.document_mask = cfg.document_mask
+
+    def __call__(self, x, positions, segment_ids):
+        dt = x.dtype
+        q = constrain(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), Q_NAMES)
+        k = constrain(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), KV_NAMES)
+        v = constrain(jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt)), KV_NAMES)
+        q = rotary(q, positions, self.rope_theta)
+        k = rotary(k, positions, self.rope_theta)
+        out = causal_attention(q, k, v, segment_ids if self.document_mask else None, self.impl)
+        out = constrain(out, Q_NAMES)
+        return constrain(jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt)), BTD)

@@ -1,0 +1,75 @@
+"""A Llama-3-style decoder: embeddings, a scanned stack of pre-norm blocks, final norm, LM head.
+
+Layers are created stacked (one array per weight with a leading `layers` axis) and run with
+`jax.lax.scan`, so compile time does not grow with depth. Parameters are stored in `param_dtype` and
+cast to `compute_dtype` where they are used.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ushard.models.attention import Attention
+from ushard.models.layers import BTD, RMSNorm, SwiGLU, fan_in_init, param
+from ushard.sharding import constrain
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
+        self.attn = Attention(cfg, dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, dtype, rngs)
+
+    def __call__(self, x, positions, segment_ids):
+        x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids), BTD)
+        return constrain(x + self.mlp(self.mlp_norm(x)), BTD)
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+        self.remat = cfg.remat
+        self.tie_embeddings = cfg.tie_embeddings
+        self.embedding = param(
+            rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), jax.nn.initializers.normal(0.02), dtype
+        )
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = stacked_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), fan_in_init(cfg.d_model), dtype)
+
+    def __call__(self, tokens, positions, segment_ids=None):
+        """tokens, positions, segment_ids: int [batch, length] -> logits [batch, length, vocab]."""
+        dt = self.compute_dtype
+        x = constrain(jnp.take(self.embedding[...], tokens, axis=0).astype(dt), BTD)
+
+        graphdef, layer_states = nnx.split(self.blocks)
+
+        def one_layer(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, positions, segment_ids), None
+
+        if self.remat != "none":
+            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(one_layer, x, layer_states)
+
+        x = self.final_norm(x)
+        head = self.embedding[...].T if self.tie_embeddings else self.lm_head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt))
+        return constrain(logits, ("act_batch", "act_length", "act_vocab"))

@@ -1,0 +1,1 @@
+"""Training: optimizer, model state, the jitted step, and the loop around it."""

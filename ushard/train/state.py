@@ -1,0 +1,43 @@
+"""The model as plain pytrees: a definition to merge params into, their logical names and shapes.
+
+Params travel through jit as a pure dict of arrays (flattening NNX state on every call costs host
+time); `ModelDef.apply` rebuilds the NNX module inside the traced function.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from ushard.models.llama import Llama
+
+
+def _build(model_cfg, seed: int) -> Llama:
+    # Shardings are applied by ushard from the logical names, not eagerly by Flax at construction.
+    with nnx.use_eager_sharding(False):
+        return Llama(model_cfg, rngs=nnx.Rngs(params=seed))
+
+
+class ModelDef:
+    """Everything about the model that is not its weights."""
+
+    def __init__(self, model_cfg):
+        self.cfg = model_cfg
+        abstract = nnx.eval_shape(lambda: _build(model_cfg, 0))
+        self.graphdef, self._abstract_state = nnx.split(abstract)
+        variables = nnx.to_pure_dict(self._abstract_state, extract_fn=lambda v: v)
+        is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        self.logical = jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), variables, is_leaf=is_var)
+        self.shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), variables, is_leaf=is_var)
+
+    def init(self, seed: int):
+        """Fresh parameters as a pure dict (call under jit with out_shardings to create them sharded)."""
+        return nnx.to_pure_dict(nnx.split(_build(self.cfg, seed))[1])
+
+    def apply(self, params, tokens, positions, segment_ids=None):
+        state = jax.tree.map(lambda x: x, self._abstract_state)  # a fresh container to fill
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)(tokens, positions, segment_ids)
+
+    def num_params(self) -> int:
+        return sum(x.size for x in jax.tree.leaves(self.shapes))

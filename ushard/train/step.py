@@ -1,0 +1,134 @@
+"""The jitted training and eval steps, with explicit shardings and donated state.
+
+The loss is a *sum* over target tokens and the gradient is divided by the token count of the whole
+global batch at the end, so one microbatch or many, one device or many, compute the same number.
+Gradient accumulation runs microbatches in a `lax.scan`; the accumulator carries the gradient
+sharding (replicated below ZeRO-2, sharded over fsdp from ZeRO-2 on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ushard.sharding import BATCH_AXES, ZeroRules, activation_rules, named_shardings
+from ushard.train.state import ModelDef
+
+
+def cross_entropy_sums(logits, targets, loss_mask):
+    """Sum of next-token cross-entropy (in float32) over unmasked targets, and their count."""
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    mask = loss_mask.astype(jnp.float32)
+    return jnp.sum((log_z - target_logit) * mask), jnp.sum(mask)
+
+
+@dataclass
+class StateShardings:
+    params: Any
+    grads: Any
+    opt_state: Any
+    batch: NamedSharding
+    replicated: NamedSharding
+
+    @property
+    def state(self):
+        return {"params": self.params, "opt_state": self.opt_state, "step": self.replicated}
+
+
+def state_shardings(model: ModelDef, tx: optax.GradientTransformation, zero: ZeroRules, mesh) -> StateShardings:
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = named_shardings(model.logical, zero.params, mesh)
+    opt_like_params = named_shardings(model.logical, zero.opt_state, mesh)
+    abstract_opt = jax.eval_shape(tx.init, model.shapes)
+    # Optimizer leaves shaped like a parameter (Adam's moments) take that parameter's ZeRO sharding;
+    # the rest (step counts) are replicated scalars.
+    opt_state = optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract_opt, opt_like_params, transform_non_params=lambda _: replicated
+    )
+    return StateShardings(
+        params=params,
+        grads=named_shardings(model.logical, zero.grads, mesh),
+        opt_state=opt_state,
+        batch=NamedSharding(mesh, PartitionSpec(BATCH_AXES)),
+        replicated=replicated,
+    )
+
+
+class Steps:
+    """The compiled functions of one (model, optimizer, mesh, ZeRO stage). Build one per layout."""
+
+    def __init__(self, model: ModelDef, tx, schedule, zero: ZeroRules, mesh, grad_accum: int):
+        self.model, self.tx, self.schedule, self.zero, self.mesh = model, tx, schedule, zero, mesh
+        self.grad_accum = grad_accum
+        self.shardings = state_shardings(model, tx, zero, mesh)
+        sh = self.shardings
+        batch_sh = jax.tree.map(lambda _: sh.batch, dict.fromkeys(("inputs", "targets", "segment_ids", "positions", "loss_mask")))
+        self.batch_shardings = batch_sh
+        self.init = jax.jit(self._init, static_argnums=0, out_shardings=sh.state)
+        self.train_step = jax.jit(
+            self._train_step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, sh.replicated), donate_argnums=0
+        )
+        self.loss_and_grads = jax.jit(
+            self._loss_and_grads, in_shardings=(sh.params, batch_sh), out_shardings=(sh.replicated, sh.grads)
+        )
+        self.eval_step = jax.jit(self._eval_sums, in_shardings=(sh.params, batch_sh), out_shardings=sh.replicated)
+
+    # ------------------------------------------------------------------ traced functions
+
+    def _init(self, seed: int):
+        params = self.model.init(seed)
+        return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def _sums(self, params, batch):
+        logits = self.model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
+        return cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
+
+    def _eval_sums(self, params, batch):
+        with activation_rules(self.mesh, self.zero.params):
+            return jnp.stack(self._sums(params, batch))
+
+    def _grad_sums(self, params, batch):
+        """Summed loss, token count and summed gradients over the global batch, microbatch by microbatch."""
+        grad_fn = jax.value_and_grad(self._sums, has_aux=True)
+        pin = lambda g: jax.lax.with_sharding_constraint(g, self.shardings.grads)  # noqa: E731
+        if self.grad_accum == 1:
+            (loss, count), grads = grad_fn(params, batch)
+            return loss, count, pin(grads)
+
+        a = self.grad_accum
+        micro_sharding = NamedSharding(self.mesh, PartitionSpec(None, BATCH_AXES))
+
+        def split(x):
+            # Row i*a + j goes to microbatch j: every device keeps its own rows, nothing moves.
+            x = x.reshape(x.shape[0] // a, a, *x.shape[1:]).swapaxes(0, 1)
+            return jax.lax.with_sharding_constraint(x, micro_sharding)
+
+        def one_microbatch(carry, micro):
+            loss_acc, count_acc, grad_acc = carry
+            (loss, count), grads = grad_fn(params, micro)
+            return (loss_acc + loss, count_acc + count, pin(jax.tree.map(jnp.add, grad_acc, grads))), None
+
+        zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
+        (loss, count, grads), _ = jax.lax.scan(one_microbatch, init, jax.tree.map(split, batch))
+        return loss, count, grads
+
+    def _loss_and_grads(self, params, batch):
+        with activation_rules(self.mesh, self.zero.params):
+            loss, count, grads = self._grad_sums(params, batch)
+            count = jnp.maximum(count, 1.0)
+            return loss / count, jax.tree.map(lambda g: g / count, grads)
+
+    def _train_step(self, state, batch):
+        loss, grads = self._loss_and_grads(state["params"], batch)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": self.schedule(state["step"])}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
