@@ -23,6 +23,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+# cuDNN flash attention on GPUs; JAX's default (implementation=None) is XLA, which materialises [T, T].
+ATTN_IMPL = "cudnn" if jax.default_backend() == "gpu" else "xla"
+
 
 def flops_per_token(n_params_no_embed, n_layers, seq_len, d_model):
     """Training FLOPs per token: 6*N (fwd+bwd matmuls over the weights, N
@@ -40,7 +43,7 @@ def parse_args():
                           ("warmup", 3), ("seed", 0)]:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--remat", choices=["none", "dots", "full"], default="none")
+    p.add_argument("--remat", choices=["none", "dots", "full"], default="dots")
     p.add_argument("--fixed_batch", action="store_true",
                    help="reuse one random batch every step (loss should fall)")
     p.add_argument("--log_loss", action="store_true",
@@ -99,7 +102,7 @@ def make_loss_fn(a):
         q = apply_rope((h @ p["wq"]).reshape(B, T, a.n_heads, hd), cos, sin)
         k = apply_rope((h @ p["wk"]).reshape(B, T, a.n_kv_heads, hd), cos, sin)
         v = (h @ p["wv"]).reshape(B, T, a.n_kv_heads, hd)
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=ATTN_IMPL)
         x = x + o.reshape(B, T, a.n_heads * hd) @ p["wo"]
         h = rms_norm(x, p["mlp_norm"])
         return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]

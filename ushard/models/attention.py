@@ -16,14 +16,17 @@ KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
 def causal_attention(q, k, v, segment_ids, impl: str):
     """Causal attention on [B, T, heads, head_dim]; tokens attend only within their own segment.
 
-    `segment_ids` ([B, T]) is None when documents may see each other. `impl` "auto" lets JAX pick
-    cuDNN flash attention where the platform and shapes allow it, XLA otherwise.
+    `segment_ids` ([B, T]) is None when documents may see each other. `impl` "auto" means cuDNN flash
+    attention on GPUs in 16-bit compute, XLA otherwise (JAX's own default is always XLA, which
+    materialises the [T, T] scores and runs out of memory at real sizes).
     """
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
-    implementation = None if impl == "auto" else impl
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+    if impl == "auto":
+        cudnn_ok = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+        impl = "cudnn" if cudnn_ok else "xla"
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 
 
 class Attention(nnx.Module):

@@ -15,10 +15,22 @@ from ushard.models.attention import Attention
 from ushard.models.layers import BTD, RMSNorm, SwiGLU, fan_in_init, param
 from ushard.sharding import constrain
 
+
+
+def _is_fused_attention(prim, *_, **__) -> bool:
+    # The forward of a fused attention kernel (cuDNN's is `dot_product_attention_fwd`): its output and
+    # softmax statistics are small next to what recomputing it costs.
+    return "attention" in prim.name
+
+
+# What the backward pass may keep from the forward; everything else is recomputed.
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _is_fused_attention
+    ),
 }
 
 

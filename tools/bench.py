@@ -1,0 +1,138 @@
+"""Benchmark: train a config for a fixed number of steps on whatever devices exist, print throughput.
+
+    python tools/bench.py --config configs/bench_1b.py [--config.a.b=v ...] [--steps 10] [--warmup 3]
+        [--variant LABEL="--config.a.b=v ..."]... [--peers jax,torch]
+
+Each ushard variant and each peer (tools/peer_jax.py, tools/peer_torch.py) runs in its own process, so
+one cannot inherit another's memory. The last thing printed is one table: tokens/s, TFLOP/s per device,
+MFU against the chip's datasheet bf16 dense peak, and peak device memory. FLOPs are counted as in
+ushard/metrics.py (6*N + causal attention), the same formula the peers use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    """Times `steps` training steps after `warmup` untimed ones, in this process."""
+    import jax
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    from ushard.config import load_config
+    from ushard.train.loop import Trainer
+
+    config = load_config(config_name, overrides)
+    trainer = Trainer(config)
+    state = trainer.steps.init(config.train.seed)
+    batches = [trainer.global_batch(s) for s in range(warmup + steps)]
+    start = time.perf_counter()
+    step_fn = trainer.steps.train_step.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - start
+    for s in range(warmup):
+        state, metrics = step_fn(state, batches[s])
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for s in range(warmup, warmup + steps):
+        state, metrics = step_fn(state, batches[s])
+    jax.block_until_ready((state, metrics))
+    step_time = (time.perf_counter() - start) / steps
+    tokens_per_s = config.train.batch_size * config.train.seq_len / step_time
+    tflops = trainer.flops_per_token * tokens_per_s / trainer.mesh.size / 1e12
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return {
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": step_time,
+        "tflops_per_device": tflops,
+        "mfu": tflops * 1e12 / trainer.peak if trainer.peak else None,
+        "peak_mem_gib": peak / 2**30 if peak else None,
+        "final_loss": float(metrics["loss"]),
+        "compile_s": compile_s,
+        "devices": f"{trainer.mesh.size} x {jax.devices()[0].device_kind}",
+    }
+
+
+def _subprocess_json(label: str, cmd: list[str], env: dict | None = None) -> dict:
+    print(f"--- {label}: {' '.join(f'{k}={v}' for k, v in (env or {}).items())} {shlex.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        print(proc.stdout[-3000:], flush=True)
+        return {"name": label, "error": f"exit {proc.returncode}"}
+    result = json.loads(lines[-1])
+    result["name"] = label
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def peer_command(name: str, config_name: str, overrides: list[str], steps: int, warmup: int) -> list[str]:
+    sys.path.insert(0, os.path.dirname(HERE))
+    from ushard.config import load_config
+
+    c = load_config(config_name, overrides)
+    m, t = c.model, c.train
+    return [
+        sys.executable, os.path.join(HERE, f"peer_{name}.py"),
+        "--vocab", str(m.vocab_size), "--d_model", str(m.d_model), "--n_layers", str(m.n_layers),
+        "--n_heads", str(m.n_heads), "--n_kv_heads", str(m.n_kv_heads), "--d_ff", str(m.d_ff),
+        "--seq_len", str(t.seq_len), "--batch", str(t.batch_size), "--steps", str(steps), "--warmup", str(warmup),
+    ]
+
+
+def print_table(results: list[dict]) -> None:
+    cols = ("tokens_per_s", "tflops_per_device", "mfu", "peak_mem_gib", "step_time_s")
+    width = max(len(r["name"]) for r in results) + 2
+    print("\n" + "name".ljust(width) + "".join(c.rjust(19) for c in cols))
+    for r in results:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append((r.get("error", "-") if v is None and c == cols[0] else
+                          "-" if v is None else f"{100 * v:.1f}%" if c == "mfu" else f"{v:,.3f}" if v < 100 else f"{v:,.0f}").rjust(19))
+        print(r["name"].ljust(width) + "".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=os.path.join(os.path.dirname(HERE), "configs", "bench_1b.py"))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--variant", action="append", default=[],
+                        help='LABEL="[ENV=value ...] --config.a=b ..." (repeatable; ENV: environment for that run)')
+    parser.add_argument("--peers", default="", help="comma-separated: jax,torch")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # run in this process
+    args, overrides = parser.parse_known_args()
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        parser.error(f"unknown arguments {bad}; overrides look like --config.a.b=value")
+    overrides = [o[len("--config."):] for o in overrides]
+
+    if args.one:
+        print(json.dumps(run_ushard_once(args.config, overrides, args.steps, args.warmup)), flush=True)
+        return
+
+    variants = [v.split("=", 1) for v in args.variant] or [["ushard", ""]]
+    results = []
+    for label, extra in variants:
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", "--config", args.config,
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        words = shlex.split(extra)
+        env = dict(w.split("=", 1) for w in words if not w.startswith("--"))
+        cmd += ["--config." + o for o in overrides] + [w for w in words if w.startswith("--")]
+        results.append(_subprocess_json(label, cmd, env))
+    for peer in filter(None, args.peers.split(",")):
+        results.append(_subprocess_json(f"peer_{peer}", peer_command(peer, args.config, overrides, args.steps, args.warmup)))
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()
