@@ -128,6 +128,8 @@ def load_config(name: str, overrides: list[str] = ()) -> ml_collections.ConfigDi
         config = module.get_config()
     except AttributeError as e:
         raise UserError(f"config file {path} sets a key ushard does not know: {e}.") from None
+    except TypeError as e:  # a locked ConfigDict refuses a value of another type
+        raise UserError(f"config file {path} sets a value of the wrong type: {e}.") from None
     apply_overrides(config, overrides)
     return config
 
@@ -189,7 +191,7 @@ def _choice(value, valid, key):
 
 def _positive(value, key, allow_zero=False):
     low = 0 if allow_zero else 1
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < low:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < low:
         raise UserError(f"{key}={value!r} must be a number >= {low}.")
 
 

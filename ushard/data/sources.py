@@ -62,9 +62,11 @@ def documents(data_cfg):
                 try:
                     record = json.loads(line)
                     text = record[data_cfg.jsonl_field]
+                    if not isinstance(text, str):
+                        raise TypeError
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise UserError(
-                        f"{path}:{lineno} is not a JSON object with a {data_cfg.jsonl_field!r} field "
+                        f"{path}:{lineno} is not a JSON object with a string {data_cfg.jsonl_field!r} field "
                         f"(data.jsonl_field names the field holding the text)."
                     ) from None
                 yield f"{path}:{lineno}", text

@@ -130,5 +130,5 @@ class Steps:
         loss, grads = self._loss_and_grads(state["params"], batch)
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": self.schedule(state["step"])}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(state["step"])}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics

@@ -1,0 +1,39 @@
+"""Tests run on 8 simulated CPU devices in float32 (an explicit JAX_NUM_CPU_DEVICES is respected)."""
+
+import os
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from ushard.config import load_config  # noqa: E402
+from ushard.data import make_batches  # noqa: E402
+
+
+def small_config(**overrides):
+    """configs/tiny.py shrunk so a layout compiles in a second or two; float32 for exact comparisons."""
+    config = load_config("tiny")
+    settings = {
+        "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 128,
+        "model.compute_dtype": "float32", "train.seq_len": 32, "train.batch_size": 16, "train.steps": 3,
+        "train.warmup_steps": 1, "train.lr": 1e-3, "train.eval_every": 0, "train.log_every": 1,
+        "mesh.fsdp": 1,
+    }
+    settings.update(overrides)
+    from ushard.config import apply_overrides
+
+    apply_overrides(config, [f"{k}={v}" for k, v in settings.items()])
+    return config
+
+
+@pytest.fixture(scope="session")
+def stdlib_batches():
+    """The embedded default data at the small test sizes, loaded once per test session."""
+    config = small_config()
+    return make_batches(config.data, config.train.seq_len, config.train.seed)
+
+
+def pytest_report_header(config):
+    return f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices"
