@@ -29,7 +29,7 @@ ATTN_IMPL = "cudnn" if jax.default_backend() == "gpu" else "xla"
 
 def flops_per_token(n_params_no_embed, n_layers, seq_len, d_model):
     """Training FLOPs per token: 6*N (fwd+bwd matmuls over the weights, N
-    excluding the input embedding table but including the output projection)
+    excluding the input embedding table and norm scales, including the output projection)
     plus 6*L*T*d for causal attention scores and values (12*L*T*d fwd+bwd,
     halved because of the causal mask)."""
     return 6 * n_params_no_embed + 6 * n_layers * seq_len * d_model
@@ -132,7 +132,9 @@ def main():
     key_params, key_data = jax.random.split(jax.random.PRNGKey(a.seed))
     params = init_params(key_params, a)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    n_no_embed = n_params - params["embed"].size
+    # Norm scales multiply no matmul: leave them out of N, as ushard/metrics.py does.
+    n_norm = (2 * a.n_layers + 1) * a.d_model
+    n_no_embed = n_params - params["embed"].size - n_norm
 
     tx = optax.adamw(a.lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     opt_state = tx.init(params)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 def flops_per_token(n_params_no_embed, n_layers, seq_len, d_model):
     """Training FLOPs per token: 6*N (fwd+bwd matmuls over the weights, N
-    excluding the input embedding table but including the output projection)
+    excluding the input embedding table and norm scales, including the output projection)
     plus 6*L*T*d for causal attention scores and values (12*L*T*d fwd+bwd,
     halved because of the causal mask)."""
     return 6 * n_params_no_embed + 6 * n_layers * seq_len * d_model
@@ -133,7 +133,9 @@ def main():
 
     model = LM(a).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    n_no_embed = n_params - model.embed.weight.numel()
+    # Norm scales multiply no matmul: leave them out of N, as ushard/metrics.py does.
+    n_norm = (2 * a.n_layers + 1) * a.d_model
+    n_no_embed = n_params - model.embed.weight.numel() - n_norm
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.1, fused=cuda)
     cmodel = model if a.compile_mode == "none" else torch.compile(model, mode=a.compile_mode)

@@ -2,8 +2,8 @@
 
 FLOPs per token (the convention of the Chinchilla and PaLM papers, and of MaxText and torchtitan):
     6 * N  +  6 * n_layers * seq_len * d_model
-N counts every parameter that takes part in a matmul: all of them except the input embedding table
-(a lookup), but the output projection counts (a tied table counts once). 6 = 2 FLOPs per multiply-add
+N counts every parameter that takes part in a matmul: all except the input embedding table (a
+lookup) and norm scales, while the output projection counts (a tied table counts once). 6 = 2 FLOPs per multiply-add
 x (forward + 2 x backward). The second term is attention's two [T x T] matmuls: 4*T*d per token and
 layer forward, x3 with the backward = 12*T*d, halved because causal attention needs only the lower
 triangle. Remat recomputation is not counted: MFU measures useful work.
@@ -40,14 +40,10 @@ def peak_flops(device=None) -> float | None:
     return None
 
 
-def matmul_params(model_cfg, num_params: int) -> int:
-    embedding_lookup = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model
-    return num_params - embedding_lookup
-
-
-def flops_per_token(model_cfg, num_params: int, seq_len: int) -> float:
+def flops_per_token(model_cfg, matmul_params: int, seq_len: int) -> float:
+    """Training FLOPs per token; `matmul_params` is N above (`ModelDef.num_matmul_params()`)."""
     attention = 6 * model_cfg.n_layers * seq_len * model_cfg.d_model
-    return 6 * matmul_params(model_cfg, num_params) + attention
+    return 6 * matmul_params + attention
 
 
 class MetricsWriter:

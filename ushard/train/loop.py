@@ -44,7 +44,7 @@ class Trainer:
         t = config.train
         self.batch_shape = (t.batch_size, t.seq_len)
         self.rows = local_rows(self.steps.shardings.batch, self.batch_shape)
-        self.flops_per_token = flops_per_token(config.model, self.model.num_params(), t.seq_len)
+        self.flops_per_token = flops_per_token(config.model, self.model.num_matmul_params(), t.seq_len)
         self.peak = peak_flops(devices[0])
 
     # ------------------------------------------------------------------ batches

@@ -41,3 +41,10 @@ class ModelDef:
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.shapes))
+
+    def num_matmul_params(self) -> int:
+        """Parameters that multiply activations in a matmul: not norm scales, not an untied input table."""
+        names = jax.tree.leaves(self.logical, is_leaf=lambda x: isinstance(x, tuple))
+        sizes = jax.tree.leaves(self.shapes)
+        total = sum(s.size for n, s in zip(names, sizes) if n[-1] != "norm")
+        return total if self.cfg.tie_embeddings else total - self.shapes["embedding"].size

@@ -1,0 +1,280 @@
+"""Every class of bad input ends in one clear sentence and a non-zero exit, never a traceback.
+
+A few cases go through the real `ushard train` CLI in a subprocess (exit status 2, one line on stderr);
+the remaining classes are checked in-process against `validate`, `load_config` and `apply_overrides`,
+which is where the CLI's sentences come from.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ushard.cli import _split_overrides, main
+from ushard.config import apply_overrides, default_config, load_config, validate
+from ushard.errors import UserError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICES = 8
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _one_sentence(excinfo) -> str:
+    """The message of a raised UserError, checked to be one line ending in a full stop."""
+    message = str(excinfo.value)
+    assert "\n" not in message, f"not one line: {message!r}"
+    assert message.rstrip().endswith("."), f"not a sentence: {message!r}"
+    return message
+
+
+def _tiny(*overrides: str):
+    return load_config("tiny", list(overrides))
+
+
+def _invalid(config, match: str, num_devices: int = DEVICES) -> str:
+    with pytest.raises(UserError, match=match) as excinfo:
+        validate(config, num_devices)
+    return _one_sentence(excinfo)
+
+
+def _run_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["JAX_NUM_CPU_DEVICES"] = str(DEVICES)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "ushard", "train", *args, "--workdir", str(tmp_path / "run")]
+    # The timeout only matters if validation wrongly lets a bad config through and training starts.
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+
+
+# --------------------------------------------------------------------------- through the CLI
+
+# (arguments after `train`, substrings the one line must contain: the offending key and value)
+CLI_CASES = {
+    "unknown_key": (["--config", "tiny", "--config.model.d_modle=3"], ["model.d_modle", "d_model"]),
+    "bad_type": (["--config", "tiny", "--config.train.steps=abc"], ["train.steps", "'abc'", "int"]),
+    "mesh_product": (["--config", "tiny", "--config.mesh.fsdp=3"], ["fsdp=3", "8"]),
+    "kv_heads": (["--config", "tiny", "--config.model.n_kv_heads=4"], ["model.n_heads=6", "model.n_kv_heads=4"]),
+    "batch_shards": (["--config", "tiny", "--config.train.batch_size=12"], ["train.batch_size=12", "multiple of 8"]),
+    "zero_stage": (["--config", "tiny", "--config.parallel.zero_stage=4"], ["parallel.zero_stage=4", "0, 1, 2, 3"]),
+    "unknown_shipped": (["--config", "no_such_config"], ["'no_such_config'", "tiny"]),
+    "empty_glob": (
+        ["--config", "tiny", "--config.data.source=text", "--config.data.paths=/nonexistent/*.txt"],
+        ["data.paths", "/nonexistent/*.txt"],
+    ),
+    "unsupported_axis": (
+        ["--config", "tiny", "--config.mesh.pipeline=2", "--config.mesh.fsdp=4"],
+        ["mesh.pipeline=2", "valid: 1"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_bad_input_is_one_line_exit_2(tmp_path, case):
+    args, needles = CLI_CASES[case]
+    proc = _run_cli(tmp_path, *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("ushard: error: "), proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+# --------------------------------------------------------------------------- valid input
+
+
+def test_shipped_tiny_is_valid_on_8_and_1_devices():
+    assert validate(_tiny(), DEVICES)["fsdp"] == 8
+    assert validate(_tiny(), 1)["fsdp"] == 1
+
+
+def test_default_config_is_valid():
+    assert validate(default_config(), DEVICES)["fsdp"] == 8
+
+
+def test_overrides_parse_to_the_existing_type():
+    c = _tiny("train.steps=5", "model.tie_embeddings=true", "train.lr=1", "model.remat=full", "mesh.data=2")
+    assert c.train.steps == 5 and type(c.train.steps) is int
+    assert c.model.tie_embeddings is True
+    assert c.train.lr == 1.0 and type(c.train.lr) is float
+    assert c.model.remat == "full"
+    assert c.mesh.data == 2
+    c = _tiny("model.tie_embeddings=False", "model.document_mask=0")
+    assert c.model.tie_embeddings is False and c.model.document_mask is False
+    assert validate(_tiny("mesh.data=2", "mesh.fsdp=4"), DEVICES)["data"] == 2
+
+
+def test_cli_splits_both_override_forms():
+    rest, overrides = _split_overrides(
+        ["train", "--config", "tiny", "--config.train.steps=5", "--config.model.remat", "full", "--workdir", "w"]
+    )
+    assert rest == ["train", "--config", "tiny", "--workdir", "w"]
+    assert overrides == ["train.steps=5", "model.remat=full"]
+
+
+def test_config_by_path_or_configs_prefix_from_another_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config("configs/tiny.py").model.d_model == 192  # no such file here: the shipped one
+    assert load_config(os.path.join(REPO, "configs", "tiny.py")).model.d_model == 192
+    (tmp_path / "mine.py").write_text(
+        "from ushard.config import default_config\n"
+        "def get_config():\n    c = default_config()\n    c.train.steps = 7\n    return c\n"
+    )
+    assert load_config("mine.py", ["train.seq_len=64"]).train.steps == 7
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("model.d_modle=3", r"unknown config key 'model\.d_modle'.*d_model"),
+        ("modle.d_model=3", r"unknown config key 'modle\.d_model'.*model"),
+        ("train.steps.x=1", r"unknown config key 'train\.steps\.x'"),
+        ("train.steps=abc", r"train\.steps='abc' is not a valid int"),
+        ("train.steps=2.5", r"train\.steps='2\.5' is not a valid int"),
+        ("train.lr=fast", r"train\.lr='fast' is not a valid float"),
+        ("model.tie_embeddings=maybe", r"model\.tie_embeddings='maybe' is not a valid bool"),
+        ("mesh=3", r"--config\.mesh is a group of settings"),
+        ("train.steps", r"--config\.train\.steps has no value"),
+    ],
+)
+def test_bad_override(override, match):
+    config = _tiny()
+    with pytest.raises(UserError, match=match) as excinfo:
+        apply_overrides(config, [override])
+    _one_sentence(excinfo)
+
+
+def test_cli_main_in_process_returns_2(capsys):
+    assert main(["train", "--config", "tiny", "--config.train.steps"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ushard: error: ") and len(err.splitlines()) == 1 and "train.steps" in err
+
+
+# --------------------------------------------------------------------------- config files
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("no_such_config", r"'no_such_config' is neither a file nor a shipped config.*tiny"),
+        ("configs/no_such_config.py", r"is neither a file nor a shipped config"),
+        ("/nonexistent/dir/cfg.py", r"'/nonexistent/dir/cfg\.py' is neither a file"),
+    ],
+)
+def test_missing_config(tmp_path, monkeypatch, name, match):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=match) as excinfo:
+        load_config(name)
+    _one_sentence(excinfo)
+
+
+HEADER = "from ushard.config import default_config\n"
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ("def get_config(:\n", r"failed to load: SyntaxError"),
+        ("raise RuntimeError('boom')\n", r"failed to load: RuntimeError: boom"),
+        ("CONFIG = 1\n", r"defines no get_config\(\)"),
+        (HEADER + "def get_config():\n    c = default_config()\n    c.model.d_modle = 3\n    return c\n",
+         r"sets a key ushard does not know.*d_modle"),
+        (HEADER + "def get_config():\n    c = default_config()\n    c.train.steps = 'abc'\n    return c\n",
+         r"sets a value of the wrong type.*steps"),
+    ],
+)
+def test_broken_config_file(tmp_path, body, match):
+    path = _write(tmp_path, "cfg.py", body)
+    with pytest.raises(UserError, match=match) as excinfo:
+        load_config(path)
+    assert path in _one_sentence(excinfo)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        # the mesh
+        (["mesh.fsdp=3"], r"the mesh \(fsdp=3\) has 3 devices but 8 are available"),
+        (["mesh.data=2", "mesh.fsdp=2"], r"has 4 devices but 8 are available"),
+        (["mesh.data=-1"], r"mesh\.data, mesh\.fsdp are all -1"),
+        (["mesh.data=3"], r"multiply to 3, which does not divide the 8 devices"),
+        (["mesh.data=0"], r"mesh\.data=0 is not valid"),
+        (["mesh.tensor=-2"], r"mesh\.tensor=-2 is not valid"),
+        (["mesh.dcn.fsdp=3"], r"mesh\.dcn\.fsdp=3 must be a positive divisor of mesh\.fsdp=8"),
+        (["mesh.dcn.data=0"], r"mesh\.dcn\.data=0"),
+        # axes that are not implemented yet
+        (["mesh.pipeline=2", "mesh.fsdp=4"], r"mesh\.pipeline=2 is not supported yet"),
+        (["mesh.expert=2", "mesh.fsdp=4"], r"mesh\.expert=2 is not supported yet"),
+        # heads
+        (["model.n_kv_heads=4"], r"model\.n_heads=6 is not divisible by model\.n_kv_heads=4"),
+        (["model.d_model=100"], r"model\.d_model=100 is not divisible by model\.n_heads=6"),
+        (["model.d_model=18"], r"head_dim = d_model/n_heads = 3 must be even"),
+        (["mesh.tensor=4", "mesh.fsdp=2"], r"model\.n_heads=6 is not divisible by mesh\.tensor=4"),
+        (["mesh.tensor=2", "mesh.fsdp=4", "model.n_kv_heads=1"], r"model\.n_kv_heads=1 is not divisible by mesh\.tensor=2"),
+        (["mesh.tensor=2", "mesh.fsdp=4", "model.vocab_size=513"], r"model\.vocab_size=513 is not divisible by mesh\.tensor=2"),
+        # other sharded dimensions
+        (["model.d_model=204", "model.n_heads=6"], r"model\.d_model=204 is not divisible by mesh\.fsdp=8"),
+        (["mesh.sequence=2", "mesh.fsdp=4", "train.seq_len=33"], r"train\.seq_len=33 is not divisible by mesh\.sequence=2"),
+        # the batch
+        (["train.batch_size=12"], r"train\.batch_size=12 is not divisible .* = 8\).*multiple of 8"),
+        (["train.batch_size=8", "train.grad_accum=2"], r"train\.batch_size=8 .*grad_accum=2; use a multiple of 16"),
+        (["mesh.data=2", "mesh.fsdp=4", "train.batch_size=4"], r"train\.batch_size=4 is not divisible"),
+        # unknown choices
+        (["model.remat=everything"], r"model\.remat='everything' is not valid; choose one of: none, full"),
+        (["train.schedule=exp"], r"train\.schedule='exp' is not valid; choose one of: cosine"),
+        (["parallel.zero_stage=4"], r"parallel\.zero_stage=4 is not valid; choose one of: 0, 1, 2, 3"),
+        (["model.attention_impl=flash"], r"model\.attention_impl='flash' is not valid"),
+        (["model.compute_dtype=fp8"], r"model\.compute_dtype='fp8' is not valid"),
+        (["model.param_dtype=int8"], r"model\.param_dtype='int8' is not valid"),
+        (["data.source=parquet"], r"data\.source='parquet' is not valid; choose one of: stdlib, text, jsonl"),
+        (["data.tokenizer=bpe"], r"data\.tokenizer='bpe' is not valid; choose one of: byte"),
+        # numbers out of range
+        (["train.steps=0"], r"train\.steps=0 must be a number >= 1"),
+        (["train.batch_size=-8"], r"train\.batch_size=-8 must be a number >= 1"),
+        (["model.n_layers=0"], r"model\.n_layers=0 must be a number >= 1"),
+        (["train.lr=-0.1"], r"train\.lr=-0\.1 must be a number >= 0"),
+        (["train.lr=nan"], r"train\.lr=nan must be a number >= 0"),
+        (["train.grad_clip=inf"], r"train\.grad_clip=inf must be a number >= 0"),
+        (["data.eval_fraction=0"], r"data\.eval_fraction=0\.0 must be strictly between 0 and 1"),
+        (["data.eval_fraction=1"], r"data\.eval_fraction=1\.0 must be strictly between 0 and 1"),
+        (["train.min_lr_ratio=1.5"], r"train\.min_lr_ratio=1\.5 must be between 0 and 1"),
+        (["model.vocab_size=256"], r"model\.vocab_size=256 is smaller than the 'byte' tokenizer's 257 tokens"),
+        # data
+        (["data.source=text"], r"data\.source='text' needs data\.paths"),
+        (["data.source=jsonl"], r"data\.source='jsonl' needs data\.paths"),
+    ],
+)
+def test_invalid_config(overrides, match):
+    _invalid(_tiny(*overrides), match)
+
+
+def test_zero_stage_0_does_not_shard_embed_over_fsdp():
+    # d_model=204 does not divide over fsdp=8: only a problem when ZeRO shards over fsdp.
+    validate(_tiny("model.d_model=204", "parallel.zero_stage=0"), DEVICES)
+
+
+def test_device_count_is_part_of_the_check():
+    _invalid(_tiny("mesh.data=2", "mesh.fsdp=4"), r"has 8 devices but 4 are available", num_devices=4)
+    assert validate(_tiny("mesh.data=2"), 4) == {
+        "pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 1
+    }
+

@@ -1,0 +1,126 @@
+"""The model on its own: document masking, scanned depth, remat policies, tied embeddings, FLOPs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import small_config
+from ushard.metrics import flops_per_token
+from ushard.models.attention import causal_attention
+from ushard.train.state import ModelDef
+from ushard.train.step import cross_entropy_sums
+
+
+def model_and_params(**overrides):
+    model = ModelDef(small_config(**{f"model.{k}": v for k, v in overrides.items()}).model)
+    return model, jax.jit(lambda: model.init(0))()
+
+
+def tokens_and_positions(batch=2, length=16, seed=0):
+    tokens = jax.random.randint(jax.random.key(seed), (batch, length), 0, 257)
+    return tokens, jnp.broadcast_to(jnp.arange(length), (batch, length))
+
+
+def reference_attention(q, k, v, segment_ids):
+    """Plain softmax attention with an explicit causal-and-same-document mask, GQA by repetition."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    t = q.shape[1]
+    allowed = jnp.tril(jnp.ones((t, t), bool))[None, None]
+    allowed &= (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    weights = jax.nn.softmax(jnp.where(allowed, scores, -1e30), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def test_attention_matches_reference_with_documents_and_gqa():
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(kq, (2, 12, 4, 8))
+    k = jax.random.normal(kk, (2, 12, 2, 8))
+    v = jax.random.normal(kv, (2, 12, 2, 8))
+    segments = jnp.array([[1] * 5 + [2] * 7, [1] * 12])
+    got = causal_attention(q, k, v, segments, "xla")
+    np.testing.assert_allclose(got, reference_attention(q, k, v, segments), rtol=1e-5, atol=1e-5)
+
+
+def test_document_mask_isolates_packed_documents():
+    model, params = model_and_params()
+    tokens, _ = tokens_and_positions(batch=1, length=16)
+    # Two documents: positions restart at 8 and segment ids change there.
+    positions = jnp.concatenate([jnp.arange(8), jnp.arange(8)])[None]
+    segments = jnp.array([[1] * 8 + [2] * 8])
+    other_first_doc = tokens.at[0, :8].set((tokens[0, :8] + 1) % 257)
+    a = model.apply(params, tokens, positions, segments)
+    b = model.apply(params, other_first_doc, positions, segments)
+    np.testing.assert_allclose(a[0, 8:], b[0, 8:], rtol=1e-5, atol=1e-5)  # second document untouched
+    assert not np.allclose(a[0, :8], b[0, :8])
+    # ...and the second document alone, from position 0, gives the same logits.
+    alone = model.apply(params, tokens[:, 8:], positions[:, 8:], jnp.ones((1, 8), jnp.int32))
+    np.testing.assert_allclose(a[0, 8:], alone[0], rtol=1e-4, atol=1e-5)
+
+
+def test_causality():
+    model, params = model_and_params()
+    tokens, positions = tokens_and_positions()
+    changed = tokens.at[:, 10].set((tokens[:, 10] + 1) % 257)
+    a = model.apply(params, tokens, positions)
+    b = model.apply(params, changed, positions)
+    np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(a[:, 10:], b[:, 10:])
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch", "dots_attention"])
+def test_remat_policies_keep_gradients(policy):
+    tokens, positions = tokens_and_positions()
+
+    def grads(remat):
+        model, params = model_and_params(remat=remat)
+        loss = lambda p: cross_entropy_sums(model.apply(p, tokens, positions), tokens, jnp.ones_like(tokens))[0]
+        return jax.grad(loss)(params)
+
+    reference, got = grads("none"), grads(policy)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_program_size_does_not_grow_with_depth():
+    tokens, positions = tokens_and_positions()
+
+    def hlo_size(n_layers):
+        model = ModelDef(small_config(**{"model.n_layers": n_layers}).model)
+        fn = jax.jit(lambda p: model.apply(p, tokens, positions))
+        return len(fn.lower(model.shapes).as_text())
+
+    assert hlo_size(8) < 1.05 * hlo_size(2)
+
+
+def test_tied_embeddings_share_the_table():
+    model, params = model_and_params(tie_embeddings=True)
+    assert "lm_head" not in params
+    untied, _ = model_and_params()
+    assert untied.num_params() - model.num_params() == 64 * 512
+    assert untied.num_matmul_params() == model.num_matmul_params()  # the table counts once, as the head
+
+
+def test_flops_per_token_counts_matmuls_and_causal_attention():
+    config = small_config()
+    m, t = config.model, config.train
+    model = ModelDef(m)
+    d, f, h, kv, hd = m.d_model, m.d_ff, m.n_heads, m.n_kv_heads, m.d_model // m.n_heads
+    per_layer = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f  # q, o, k, v, gate/up/down
+    matmul_params = m.n_layers * per_layer + d * m.vocab_size  # + LM head; the input table is a lookup
+    expected = 6 * matmul_params + 6 * m.n_layers * t.seq_len * d
+    assert model.num_matmul_params() == matmul_params
+    assert flops_per_token(m, matmul_params, t.seq_len) == expected
+
+
+def test_cross_entropy_matches_reference():
+    logits = jax.random.normal(jax.random.key(0), (2, 5, 7))
+    targets = jnp.array([[1, 2, 3, 4, 5], [6, 0, 1, 2, 3]])
+    mask = jnp.array([[1, 1, 0, 1, 1], [1, 1, 1, 1, 0]])
+    total, count = cross_entropy_sums(logits, targets, mask)
+    log_probs = jax.nn.log_softmax(logits)
+    expected = -sum(float(log_probs[b, t, targets[b, t]]) for b in range(2) for t in range(5) if mask[b, t])
+    np.testing.assert_allclose(total, expected, rtol=1e-6)
+    assert count == 8
