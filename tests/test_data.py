@@ -27,8 +27,17 @@ def tiny_config():
 
 
 @pytest.fixture(scope="module")
-def batches(tiny_config):
-    """The stdlib corpus of configs/tiny.py, loaded once for the module (about a second)."""
+def batches(request, tiny_config):
+    """The stdlib corpus of configs/tiny.py at SEQ_LEN, loaded once (about a second).
+
+    conftest's session-wide `stdlib_batches` is the same data when its sizes match; reuse it then.
+    """
+    try:
+        shared = request.getfixturevalue("stdlib_batches")
+    except pytest.FixtureLookupError:
+        shared = None
+    if shared is not None and shared.train_windows.window == SEQ_LEN + 1:
+        return shared
     return make_batches(tiny_config.data, SEQ_LEN, tiny_config.train.seed)
 
 
