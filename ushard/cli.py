@@ -1,4 +1,5 @@
-"""`ushard train --config NAME_OR_PATH [--config.a.b=value ...] [--workdir DIR]`.
+"""`ushard train --config NAME_OR_PATH [--config.a.b=value ...] [--workdir DIR]` and
+`ushard sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]`.
 
 A user's mistake (`UserError`) ends with one sentence on stderr and exit status 2, no traceback.
 """
@@ -11,6 +12,7 @@ import sys
 import time
 
 from ushard.errors import UserError
+from ushard.train.loop import Preempted
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -42,6 +44,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--coordinator_address", help="HOST:PORT of process 0, for multi-process runs")
     train.add_argument("--num_processes", type=int, help="number of processes in a multi-process run")
     train.add_argument("--process_id", type=int, help="this process's index in a multi-process run")
+    sample = sub.add_parser(
+        "sample", help="generate text from a trained model",
+        description="Continue a prompt with the model in the newest checkpoint of DIR/checkpoints.",
+    )
+    sample.add_argument("--workdir", required=True, help="the training run's directory (the one holding checkpoints/)")
+    sample.add_argument("--prompt", required=True, help="the text to continue")
+    sample.add_argument("--max_new_tokens", type=int, default=200, help="at most this many tokens (default: 200)")
+    sample.add_argument("--temperature", type=float, default=0.8, help="0 picks the likeliest token (default: 0.8)")
+    sample.add_argument("--top_k", type=int, default=40, help="sample among the k likeliest tokens; 0: all (default: 40)")
+    sample.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default: 0)")
     return parser
 
 
@@ -62,7 +74,8 @@ def train(args, overrides) -> None:
     workdir = args.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     records = Trainer(config, workdir).run()
     if records:
-        print(f"done: final loss {records[-1]['loss']:.4f}; metrics in {os.path.join(workdir, 'metrics.jsonl')}")
+        print(f"done: final loss {records[-1]['loss']:.4f}; metrics in {os.path.join(workdir, 'metrics.jsonl')}, "
+              f"checkpoints in {os.path.join(workdir, 'checkpoints')}")
 
 
 def main(argv=None) -> int:
@@ -72,10 +85,19 @@ def main(argv=None) -> int:
         args = _parser().parse_args(rest)  # argparse reports its own usage errors with exit status 2
         if args.command == "train":
             train(args, overrides)
+        elif args.command == "sample":
+            if overrides:
+                raise UserError(f"sample takes no --config overrides (--config.{overrides[0]}); the model's settings come from its checkpoint.")
+            from ushard.sample import sample
+
+            sample(args.workdir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
         return 0
     except UserError as e:
         print(f"ushard: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        print(f"ushard: {e}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("ushard: interrupted.", file=sys.stderr)
         return 130

@@ -24,6 +24,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_attention")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "linear", "constant")
+NONFINITE_POLICIES = ("skip", "rollback", "stop")
 DATA_SOURCES = ("stdlib", "text", "jsonl")
 # Tokens each tokenizer can emit; model.vocab_size must hold them all.
 TOKENIZER_VOCAB = {"byte": 257}
@@ -68,6 +69,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.log_every = 10
     c.train.eval_every = 100  # 0 disables eval
     c.train.eval_batches = 4
+    # A step whose loss or gradient is NaN/inf: "skip" its update (and count it), "rollback" to the
+    # last checkpoint and move past the offending batch, or "stop" with a message.
+    c.train.on_nonfinite = "skip"
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 0  # steps between checkpoints in DIR/checkpoints; 0: only at the end and on SIGTERM
+    c.checkpoint.keep = 3  # newest checkpoints kept
+    c.checkpoint.async_save = True  # write in the background; training is blocked only for the device->host copy
 
     c.mesh = ml_collections.ConfigDict()
     for axis in MESH_AXES:
@@ -241,6 +250,9 @@ def validate(config, num_devices: int) -> dict[str, int]:
     _choice(m.compute_dtype, DTYPES, "model.compute_dtype")
     _choice(m.param_dtype, DTYPES, "model.param_dtype")
     _choice(t.schedule, SCHEDULES, "train.schedule")
+    _choice(t.on_nonfinite, NONFINITE_POLICIES, "train.on_nonfinite")
+    _positive(config.checkpoint.every, "checkpoint.every", allow_zero=True)
+    _positive(config.checkpoint.keep, "checkpoint.keep")
     _choice(d.source, DATA_SOURCES, "data.source")
     _choice(d.tokenizer, TOKENIZERS, "data.tokenizer")
     _choice(config.parallel.zero_stage, (0, 1, 2, 3), "parallel.zero_stage")

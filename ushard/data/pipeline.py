@@ -77,10 +77,10 @@ class Batches:
 
     def train_batch(self, step: int, batch_size: int, rows: range | None = None) -> dict[str, np.ndarray]:
         """Rows `rows` (default: all) of the global batch of `step`."""
-        return self._rows(self.train_order, step * batch_size, rows or range(batch_size))
+        return self._rows(self.train_order, step * batch_size, range(batch_size) if rows is None else rows)
 
     def eval_batch(self, index: int, batch_size: int, rows: range | None = None) -> dict[str, np.ndarray]:
-        return self._rows(self.eval_order, index * batch_size, rows or range(batch_size))
+        return self._rows(self.eval_order, index * batch_size, range(batch_size) if rows is None else rows)
 
 
 def make_batches(data_cfg, seq_len: int, seed: int) -> Batches:

@@ -1,22 +1,67 @@
-"""The training loop: build the layout, feed global batches, log metrics and eval loss."""
+"""The training loop: build the layout, feed global batches, log, evaluate, checkpoint and resume.
+
+Fault handling lives here: a run started on a workdir with checkpoints resumes from the newest
+complete one; SIGTERM / SIGINT save a checkpoint before exiting; a non-finite loss or gradient is
+handled by `train.on_nonfinite`. The host only waits for the device at sync points (logging, eval,
+checkpoints, signals), so dispatch stays ahead of the device in between.
+"""
 
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
 
 import jax
 import numpy as np
 
+from ushard.checkpoint import Checkpoints
 from ushard.config import validate
 from ushard.data import make_batches
+from ushard.errors import UserError
 from ushard.mesh import build_mesh
 from ushard.metrics import MetricsWriter, flops_per_token, peak_flops
 from ushard.sharding import ZeroRules, format_rules
 from ushard.train.optim import make_optimizer
 from ushard.train.state import ModelDef
 from ushard.train.step import Steps
+
+
+class Preempted(Exception):
+    """Training stopped by a signal after saving a checkpoint; the exit status is 128 + signal number."""
+
+    def __init__(self, signum: int, step: int, saved: bool):
+        self.signum, self.step, self.saved = signum, step, saved
+        name = signal.Signals(signum).name
+        where = "checkpoint saved; run the same command to resume" if saved else "no workdir, nothing saved"
+        super().__init__(f"stopped by {name} at step {step} ({where}).")
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT only set `received`; a second one of either acts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        self.received = signum
+        for sig, handler in self._previous.items():  # the next signal is not caught
+            signal.signal(sig, handler)
+
+    def __enter__(self):
+        try:
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        except ValueError:  # not the main thread: leave signals alone
+            self._previous = {}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def local_rows(sharding, global_shape) -> range:
@@ -39,13 +84,16 @@ class Trainer:
         self.model = ModelDef(config.model)
         self.tx, self.schedule = make_optimizer(config.train, self.model.logical)
         self.zero = ZeroRules.for_stage(config.parallel.zero_stage)
-        self.steps = Steps(self.model, self.tx, self.schedule, self.zero, self.mesh, config.train.grad_accum)
-        self.batches = batches or make_batches(config.data, config.train.seq_len, config.train.seed)
         t = config.train
+        self.steps = Steps(self.model, self.tx, self.schedule, self.zero, self.mesh, t.grad_accum,
+                           skip_nonfinite=t.on_nonfinite == "skip")
+        self.batches = batches or make_batches(config.data, t.seq_len, t.seed)
         self.batch_shape = (t.batch_size, t.seq_len)
         self.rows = local_rows(self.steps.shardings.batch, self.batch_shape)
         self.flops_per_token = flops_per_token(config.model, self.model.num_matmul_params(), t.seq_len)
         self.peak = peak_flops(devices[0])
+        self.checkpoints = Checkpoints(workdir, config.checkpoint) if workdir else None
+        self.skip_batches: set[int] = set()  # batches that made the loss non-finite (rollback policy)
 
     # ------------------------------------------------------------------ batches
 
@@ -53,8 +101,9 @@ class Trainer:
         sharding = self.steps.shardings.batch
         return {k: jax.make_array_from_process_local_data(sharding, v, self.batch_shape) for k, v in host_batch.items()}
 
-    def global_batch(self, step: int):
-        return self._to_device(self.batches.train_batch(step, self.config.train.batch_size, self.rows))
+    def global_batch(self, index: int):
+        """The global training batch number `index` (equal to the step unless batches were skipped)."""
+        return self._to_device(self.batches.train_batch(index, self.config.train.batch_size, self.rows))
 
     def eval_loss(self, params) -> float:
         t = self.config.train
@@ -62,6 +111,23 @@ class Trainer:
                 for i in range(t.eval_batches)]
         loss, count = np.sum(jax.device_get(sums), axis=0)
         return float(loss / max(count, 1.0))
+
+    # ------------------------------------------------------------------ state
+
+    def initial_state(self, log=print):
+        """(state, data_state): restored from the newest complete checkpoint, else freshly initialised."""
+        if self.checkpoints:
+            self.checkpoints.wait()  # a save still being written (rollback) must land first
+            restored = self.checkpoints.restore_latest(self.steps.abstract_state(), self.config.model, log)
+            if restored:
+                step, state, data_state = restored
+                log(f"resumed from the checkpoint at step {step}")
+                return state, data_state
+        return self.steps.init(self.config.train.seed), {"next_batch": 0}
+
+    def _save(self, state, data_state, step: int) -> None:
+        if self.checkpoints:
+            self.checkpoints.save(step, state, data_state, self.config)
 
     # ------------------------------------------------------------------ the run
 
@@ -74,50 +140,97 @@ class Trainer:
         )
 
     def run(self, log=print) -> list[dict]:
-        """Trains for train.steps steps; returns the logged records (also written to DIR/metrics.jsonl)."""
+        """Trains up to train.steps; returns the logged records (also written to DIR/metrics.jsonl)."""
         t = self.config.train
         log(self.describe())
-        state = self.steps.init(t.seed)
-        start = time.perf_counter()
-        step_fn = self.steps.train_step.lower(state, self.global_batch(0)).compile()
-        log(f"compiled the train step in {time.perf_counter() - start:.1f}s")
-
+        state, data_state = self.initial_state(log)
+        step = int(jax.device_get(state["step"]))
         writer = MetricsWriter(self.workdir)
-        bar = _progress_bar(t.steps)
-        records, pending = [], []
-        tokens_per_step = t.batch_size * t.seq_len
-        last_time, last_step = time.perf_counter(), 0
-        for step in range(t.steps):
-            state, metrics = step_fn(state, self.global_batch(step))
-            pending.append(metrics)
-            done = step + 1
-            if bar:
-                bar.update(1)
-            if done % t.log_every and done != t.steps:
-                continue
-            fetched = jax.device_get(pending)  # waits for the device: the only sync point
-            pending = []
-            now = time.perf_counter()
-            step_time = (now - last_time) / (done - last_step)
-            record = self._record(done, fetched[-1], step_time, tokens_per_step)
-            if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
-                record["eval_loss"] = self.eval_loss(state["params"])
-            records.append(record)
-            writer.write(record)
-            line = _format(record)
-            bar.write(line) if bar else log(line)
-            if not math.isfinite(record["loss"]):
-                log(f"ushard: loss is {record['loss']} at step {done}; stopping.")
-                break
-            last_time, last_step = time.perf_counter(), done
+        records = []
+        try:
+            if step < t.steps:
+                records = self._train(state, data_state, step, writer, log)
+            else:
+                log(f"already trained to step {step} (train.steps={t.steps}); nothing to do.")
+        finally:
+            writer.close()
+            if self.checkpoints:
+                self.checkpoints.close()
+        return records
+
+    def _train(self, state, data_state, step, writer, log) -> list[dict]:
+        t, every = self.config.train, self.config.checkpoint.every
+        start = time.perf_counter()
+        step_fn = self.steps.train_step.lower(state, self.global_batch(data_state["next_batch"])).compile()
+        log(f"compiled the train step in {time.perf_counter() - start:.1f}s")
+        bar = _progress_bar(t.steps, step)
+        records, pending = [], []  # pending: (step, batch index, device metrics) since the last sync
+        last_time, last_step = time.perf_counter(), step
+        with StopSignals() as signals:
+            while step < t.steps:
+                index = data_state["next_batch"]
+                while index in self.skip_batches:
+                    index += 1
+                state, metrics = step_fn(state, self.global_batch(index))
+                data_state = {"next_batch": index + 1}
+                step += 1
+                pending.append((step, index, metrics))
+                if bar:
+                    bar.update(1)
+                stop = signals.received  # read once: a signal may land at any moment
+                log_now = step % t.log_every == 0 or step == t.steps
+                save_now = (every and step % every == 0) or step == t.steps or stop
+                if not (log_now or save_now):
+                    continue
+                fetched = [(s, i, jax.device_get(m)) for s, i, m in pending]  # waits for the device
+                pending = []
+                bad = next(((s, i, m) for s, i, m in fetched if not m["finite"]), None)
+                if bad and t.on_nonfinite != "skip":
+                    state, data_state, step = self._handle_nonfinite(bad, log)
+                    last_time, last_step = time.perf_counter(), step
+                    if bar:
+                        bar.reset(total=t.steps)
+                        bar.update(step)
+                    continue
+                if log_now:
+                    now = time.perf_counter()
+                    record = self._record(step, fetched[-1][2], (now - last_time) / (step - last_step))
+                    if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                        record["eval_loss"] = self.eval_loss(state["params"])
+                    records.append(record)
+                    writer.write(record)
+                    line = _format(record)
+                    bar.write(line) if bar else log(line)
+                if save_now:
+                    self._save(state, data_state, step)
+                if stop:
+                    if self.checkpoints:
+                        self.checkpoints.wait()
+                    raise Preempted(stop, step, saved=self.checkpoints is not None)
+                last_time, last_step = time.perf_counter(), step
         if bar:
             bar.close()
-        writer.close()
         self.state = state
         return records
 
-    def _record(self, step, metrics, step_time, tokens_per_step) -> dict:
-        tokens_per_s = tokens_per_step / step_time
+    def _handle_nonfinite(self, bad, log):
+        """The rollback and stop policies, once a step's loss or gradient norm was not finite."""
+        step, index, metrics = bad
+        what = f"loss {float(metrics['loss'])}, gradient norm {float(metrics['grad_norm'])}"
+        if self.config.train.on_nonfinite == "stop":
+            raise UserError(
+                f"training stopped: step {step} (batch {index}) gave {what}; train.on_nonfinite='stop' "
+                f"(choose 'skip' or 'rollback' to carry on)."
+            )
+        self.skip_batches.add(index)
+        state, data_state = self.initial_state(log)
+        back_to = int(jax.device_get(state["step"]))
+        log(f"ushard: step {step} (batch {index}) gave {what}; rolled back to step {back_to}, skipping that batch.")
+        return state, data_state, back_to
+
+    def _record(self, step, metrics, step_time) -> dict:
+        t = self.config.train
+        tokens_per_s = t.batch_size * t.seq_len / step_time
         tflops = self.flops_per_token * tokens_per_s / self.mesh.size / 1e12
         return {
             "step": step,
@@ -128,6 +241,7 @@ class Trainer:
             "step_time_s": step_time,
             "tflops_per_device": tflops,
             "mfu": tflops * 1e12 / self.peak if self.peak else None,
+            "skipped_steps": int(metrics["skipped"]),
         }
 
 
@@ -136,16 +250,20 @@ def _format(record: dict) -> str:
     if "eval_loss" in record:
         parts.append(f"eval {record['eval_loss']:.4f}")
     parts += [f"gnorm {record['grad_norm']:.3f}", f"lr {record['lr']:.2e}", f"{record['tokens_per_s']:,.0f} tok/s",
-              f"{record['tflops_per_device']:.1f} TFLOP/s/dev"]
+              f"{record['tflops_per_device']:.3g} TFLOP/s/dev"]
     if record["mfu"] is not None:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    if record["skipped_steps"]:
+        parts.append(f"skipped {record['skipped_steps']}")
+    if not math.isfinite(record["loss"]):
+        parts.append("NON-FINITE")
     return " | ".join(parts)
 
 
-def _progress_bar(total: int):
+def _progress_bar(total: int, initial: int):
     """A tqdm bar on an interactive terminal (process 0), None otherwise (logs, CI, pipes)."""
     if jax.process_index() != 0 or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="step", dynamic_ncols=True, leave=True)
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=True)

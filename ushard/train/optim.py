@@ -33,5 +33,7 @@ def make_optimizer(train_cfg, logical_params) -> tuple[optax.GradientTransformat
     adamw = optax.adamw(
         schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=weight_decay_mask(logical_params)
     )
-    tx = optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw
-    return tx, schedule
+    # identity() and clip_by_global_norm() carry the same (empty) state, so a checkpoint restores
+    # whether or not clipping is on.
+    clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
+    return optax.chain(clip, adamw), schedule

@@ -39,7 +39,7 @@ class StateShardings:
 
     @property
     def state(self):
-        return {"params": self.params, "opt_state": self.opt_state, "step": self.replicated}
+        return {"params": self.params, "opt_state": self.opt_state, "step": self.replicated, "skipped": self.replicated}
 
 
 def state_shardings(model: ModelDef, tx: optax.GradientTransformation, zero: ZeroRules, mesh) -> StateShardings:
@@ -64,9 +64,10 @@ def state_shardings(model: ModelDef, tx: optax.GradientTransformation, zero: Zer
 class Steps:
     """The compiled functions of one (model, optimizer, mesh, ZeRO stage). Build one per layout."""
 
-    def __init__(self, model: ModelDef, tx, schedule, zero: ZeroRules, mesh, grad_accum: int):
+    def __init__(self, model: ModelDef, tx, schedule, zero: ZeroRules, mesh, grad_accum: int, skip_nonfinite: bool):
         self.model, self.tx, self.schedule, self.zero, self.mesh = model, tx, schedule, zero, mesh
         self.grad_accum = grad_accum
+        self.skip_nonfinite = skip_nonfinite
         self.shardings = state_shardings(model, tx, zero, mesh)
         sh = self.shardings
         batch_sh = jax.tree.map(lambda _: sh.batch, dict.fromkeys(("inputs", "targets", "segment_ids", "positions", "loss_mask")))
@@ -84,7 +85,13 @@ class Steps:
 
     def _init(self, seed: int):
         params = self.model.init(seed)
-        return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        zero = jnp.zeros((), jnp.int32)
+        return {"params": params, "opt_state": self.tx.init(params), "step": zero, "skipped": zero}
+
+    def abstract_state(self, seed: int = 0):
+        """The state's shapes and dtypes, each carrying its sharding (for restoring checkpoints)."""
+        shapes = jax.eval_shape(lambda: self._init(seed))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.shardings.state)
 
     def _sums(self, params, batch):
         logits = self.model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
@@ -128,7 +135,17 @@ class Steps:
 
     def _train_step(self, state, batch):
         loss, grads = self._loss_and_grads(state["params"], batch)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(state["step"])}
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        skipped = state["skipped"]
+        if self.skip_nonfinite:  # keep the old state where this step's numbers are not finite
+            keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            params = jax.tree.map(keep_old, params, state["params"])
+            opt_state = jax.tree.map(keep_old, opt_state, state["opt_state"])
+            skipped = skipped + (~finite).astype(jnp.int32)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"]), "finite": finite,
+                   "skipped": skipped}
+        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "skipped": skipped}
+        return new_state, metrics

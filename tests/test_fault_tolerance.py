@@ -1,0 +1,195 @@
+"""Checkpoints, exact resume, resharding on restore, preemption and non-finite policies."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import small_config
+from ushard.errors import UserError
+from ushard.train.loop import Trainer
+
+# A small run that logs every step and checkpoints every 3 steps.
+RUN = [
+    "--config.model.n_layers=1", "--config.train.seq_len=32", "--config.train.batch_size=8",
+    "--config.train.log_every=1", "--config.train.eval_every=0", "--config.checkpoint.every=3",
+]
+
+
+def train_cmd(workdir, *extra):
+    return [sys.executable, "-m", "ushard", "train", "--config", "tiny", "--workdir", str(workdir), *RUN, *extra]
+
+
+def env(devices=8):
+    return {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices)}
+
+
+def losses_by_step(workdir) -> dict[int, float]:
+    """The last logged loss of each step (a resumed run logs the steps after its checkpoint again)."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def wait_for_step(workdir, step, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = workdir / "metrics.jsonl"
+        if path.exists() and any(json.loads(l)["step"] >= step for l in path.read_text().splitlines() if l):
+            return
+        assert proc.poll() is None, "the run ended before it was interrupted"
+        time.sleep(0.05)
+    raise TimeoutError(step)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    subprocess.run(train_cmd(workdir, "--config.train.steps=12"), env=env(), check=True, capture_output=True)
+    return losses_by_step(workdir)
+
+
+def test_sigkill_then_same_command_resumes_bitwise(tmp_path, uninterrupted):
+    cmd = train_cmd(tmp_path, "--config.train.steps=12")
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_step(tmp_path, 7, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(cmd, env=env(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from the checkpoint at step" in resumed.stdout
+    assert losses_by_step(tmp_path) == uninterrupted  # bitwise, every step
+
+
+def test_partial_save_is_skipped_with_a_warning(tmp_path, uninterrupted):
+    cmd = train_cmd(tmp_path, "--config.train.steps=12")
+    subprocess.run(cmd, env=env(), check=True, capture_output=True)
+    ckpts = tmp_path / "checkpoints"
+    # What a kill during the save of step 12 leaves behind: orbax's temporary directory, half written.
+    shutil.move(ckpts / "12", ckpts / "12.orbax-checkpoint-tmp-1764150000")
+    for path in sorted((ckpts / "12.orbax-checkpoint-tmp-1764150000").rglob("*"))[::2]:
+        if path.is_file():
+            path.unlink()
+    (tmp_path / "metrics.jsonl").unlink()
+    resumed = subprocess.run(cmd, env=env(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "warning: skipping" in resumed.stdout and "never finished" in resumed.stdout
+    assert "resumed from the checkpoint at step 9" in resumed.stdout
+    assert losses_by_step(tmp_path) == {s: uninterrupted[s] for s in (10, 11, 12)}
+
+
+def test_sigterm_saves_a_restorable_checkpoint(tmp_path, uninterrupted):
+    proc = subprocess.Popen(train_cmd(tmp_path, "--config.train.steps=12", "--config.checkpoint.every=0"),
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(tmp_path, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "stopped by SIGTERM at step" in stderr
+    stopped_at = int(stderr.split("stopped by SIGTERM at step ")[1].split()[0])
+    assert stopped_at < 12
+    assert (tmp_path / "checkpoints" / str(stopped_at)).is_dir()
+    resumed = subprocess.run(train_cmd(tmp_path, "--config.train.steps=12"), env=env(), capture_output=True, text=True)
+    assert f"resumed from the checkpoint at step {stopped_at}" in resumed.stdout
+    assert losses_by_step(tmp_path) == uninterrupted
+
+
+# ----------------------------------------------------------------------------- resharding, in process
+
+
+def quiet(*_):
+    pass
+
+
+def ckpt_config(**overrides):
+    settings = {"train.steps": 6, "checkpoint.every": 3, "train.log_every": 1, "parallel.zero_stage": 3}
+    settings.update(overrides)
+    return small_config(**settings)
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory, stdlib_batches):
+    """A ZeRO-3 run over fsdp=8 with checkpoints at steps 3 and 6."""
+    workdir = tmp_path_factory.mktemp("zero3")
+    records = Trainer(ckpt_config(**{"mesh.fsdp": 8}), str(workdir), batches=stdlib_batches).run(log=quiet)
+    return workdir, {r["step"]: r["loss"] for r in records}
+
+
+@pytest.mark.parametrize("layout,devices", [
+    ({"mesh.data": 2, "mesh.fsdp": 4, "parallel.zero_stage": 1}, 8),
+    ({"mesh.fsdp": 4}, 4),
+])
+def test_resume_on_another_mesh_and_device_count(tmp_path, zero3_run, stdlib_batches, layout, devices):
+    saved_dir, reference = zero3_run
+    shutil.copytree(saved_dir / "checkpoints" / "3", tmp_path / "checkpoints" / "3")
+    lines = []
+    trainer = Trainer(ckpt_config(**layout), str(tmp_path), devices=jax.devices()[:devices], batches=stdlib_batches)
+    records = trainer.run(log=lines.append)
+    assert "resumed from the checkpoint at step 3" in lines
+    resumed = {r["step"]: r["loss"] for r in records}
+    assert sorted(resumed) == [4, 5, 6]
+    np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)], [reference[s] for s in (4, 5, 6)], rtol=1e-5)
+
+
+def test_incompatible_checkpoint_names_the_difference(zero3_run, stdlib_batches):
+    saved_dir, _ = zero3_run
+    with pytest.raises(UserError, match=r"model\.d_model=64 there but 128 here"):
+        Trainer(ckpt_config(**{"mesh.fsdp": 8, "model.d_model": 128}), str(saved_dir), batches=stdlib_batches).run(log=quiet)
+
+
+# ----------------------------------------------------------------------------- non-finite policies
+
+
+class PoisonedBatches:
+    """The real batches, except that batch `bad` carries an out-of-range token: its embedding is NaN."""
+
+    def __init__(self, batches, bad: int):
+        self._batches, self.bad = batches, bad
+
+    def train_batch(self, index, batch_size, rows=None):
+        batch = self._batches.train_batch(index, batch_size, rows)
+        if index == self.bad:
+            batch["inputs"] = batch["inputs"].copy()
+            batch["inputs"][:, 3] = 10_000
+        return batch
+
+    def __getattr__(self, name):
+        return getattr(self._batches, name)
+
+
+def test_nonfinite_skip_counts_and_keeps_the_state(stdlib_batches):
+    trainer = Trainer(ckpt_config(**{"mesh.fsdp": 8, "train.on_nonfinite": "skip"}),
+                      batches=PoisonedBatches(stdlib_batches, bad=3))
+    records = trainer.run(log=quiet)
+    by_step = {r["step"]: r for r in records}
+    assert not np.isfinite(by_step[4]["loss"])  # step 4 trains on batch 3
+    assert by_step[3]["skipped_steps"] == 0 and by_step[4]["skipped_steps"] == 1 and by_step[6]["skipped_steps"] == 1
+    assert all(np.isfinite(by_step[s]["loss"]) for s in (5, 6))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(trainer.state["params"])))
+
+
+def test_nonfinite_rollback_restores_and_moves_past_the_batch(tmp_path, stdlib_batches):
+    lines = []
+    config = ckpt_config(**{"mesh.fsdp": 8, "train.on_nonfinite": "rollback", "checkpoint.every": 2})
+    trainer = Trainer(config, str(tmp_path), batches=PoisonedBatches(stdlib_batches, bad=4))
+    records = trainer.run(log=lines.append)
+    assert any("rolled back to step 4, skipping that batch" in l for l in lines), lines
+    final = {r["step"]: r for r in records}  # the last record of each step: after the rollback
+    assert all(np.isfinite(final[s]["loss"]) for s in range(1, 7))
+    assert trainer.skip_batches == {4}
+    # Steps 5 and 6 trained on batches 5 and 6; the checkpoint says the next batch is 7.
+    assert json.loads((tmp_path / "checkpoints" / "6" / "data" / "metadata").read_text()) == {"next_batch": 7}
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(trainer.state["params"])))
+
+
+def test_nonfinite_stop_says_where(stdlib_batches):
+    trainer = Trainer(ckpt_config(**{"mesh.fsdp": 8, "train.on_nonfinite": "stop"}),
+                      batches=PoisonedBatches(stdlib_batches, bad=1))
+    with pytest.raises(UserError, match=r"training stopped: step 2 \(batch 1\) gave loss nan"):
+        trainer.run(log=quiet)
