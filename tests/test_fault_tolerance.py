@@ -193,3 +193,41 @@ def test_nonfinite_stop_says_where(stdlib_batches):
                       batches=PoisonedBatches(stdlib_batches, bad=1))
     with pytest.raises(UserError, match=r"training stopped: step 2 \(batch 1\) gave loss nan"):
         trainer.run(log=quiet)
+
+
+# ----------------------------------------------------------------------------- several processes
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, uninterrupted):
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            train_cmd(tmp_path, "--config.train.steps=12", "--coordinator_address", f"127.0.0.1:{port}",
+                      "--num_processes", "2", "--process_id", str(i)),
+            env=env(devices=4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert "on 8 cpu device(s), mesh fsdp=8" in outputs[0]
+    two = losses_by_step(tmp_path)  # written by process 0 only
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [uninterrupted[s] for s in sorted(uninterrupted)], rtol=1e-5)
+    assert (tmp_path / "checkpoints" / "12").is_dir()
+
+
+def test_incomplete_multiprocess_flags_are_refused(capsys):
+    from ushard.cli import main
+
+    assert main(["train", "--config", "tiny", "--num_processes", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ushard: error: a multi-process run needs all of --coordinator_address HOST:PORT, "
+                   "--num_processes N and --process_id I."]

@@ -59,13 +59,35 @@ def _parser() -> argparse.ArgumentParser:
 
 
 
-def train(args, overrides) -> None:
-    if args.coordinator_address or args.num_processes or args.process_id is not None:
-        import jax
+def _cluster_launched() -> bool:
+    """True under launchers whose environment jax.distributed reads by itself: SLURM, multi-host TPU."""
+    return (
+        int(os.environ.get("SLURM_NTASKS", "1")) > 1
+        or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+        or bool(os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
+    )
 
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id
-        )
+
+def start_processes(args) -> None:
+    """Joins a multi-process run: from the three flags, or detected on SLURM and TPU VMs."""
+    flags = (args.coordinator_address, args.num_processes, args.process_id)
+    given = [f is not None for f in flags]
+    if any(given) and not all(given):
+        raise UserError("a multi-process run needs all of --coordinator_address HOST:PORT, --num_processes N and --process_id I.")
+    if not all(given) and not _cluster_launched():
+        return
+    import jax
+
+    if all(given):
+        if not 0 <= args.process_id < args.num_processes:
+            raise UserError(f"--process_id={args.process_id} must be between 0 and --num_processes-1={args.num_processes - 1}.")
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    else:
+        jax.distributed.initialize()
+
+
+def train(args, overrides) -> None:
+    start_processes(args)
     from ushard.config import load_config
     from ushard.train.loop import Trainer
 
