@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -27,7 +28,8 @@ from ushard.train.loop import Trainer  # noqa: E402
 def measure(config_name: str, async_save: bool, repeats: int, root: str) -> dict:
     config = load_config(config_name)
     apply_overrides(config, [f"checkpoint.async_save={async_save}", f"checkpoint.keep={repeats + 1}"])
-    trainer = Trainer(config, workdir=os.path.join(root, f"async_{async_save}"))
+    workdir = os.path.join(root, f"async_{async_save}")
+    trainer = Trainer(config, workdir=workdir)
     state = trainer.steps.init(config.train.seed)
     step_fn = trainer.steps.train_step.lower(state, trainer.global_batch(0)).compile()
     for s in range(2):
@@ -41,6 +43,7 @@ def measure(config_name: str, async_save: bool, repeats: int, root: str) -> dict
         trainer.checkpoints.wait()
         complete.append(time.perf_counter() - start)
     trainer.checkpoints.close()
+    shutil.rmtree(workdir)  # a bench_1b checkpoint is 11 GiB
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     return {"async": async_save, "state_gib": state_bytes / 2**30, "blocked_s": sorted(blocked)[len(blocked) // 2],
             "complete_s": sorted(complete)[len(complete) // 2], "device": jax.devices()[0].device_kind}
