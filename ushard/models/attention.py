@@ -29,6 +29,20 @@ def causal_attention(q, k, v, segment_ids, impl: str):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 
 
+def cached_attention(q, k_cache, v_cache, length):
+    """Attention of T new queries [B, T, heads, head_dim] over a KV cache [B, S, kv_heads, head_dim].
+
+    The new tokens sit in cache slots [length, length + T); the query in slot length + i sees slots
+    0 .. length + i (causal in cache order, as training's mask is within a document) and none of the
+    empty slots after them. Plain XLA attention with an explicit mask: S is the cache size, fixed for a
+    whole generation, so one compiled step serves every length.
+    """
+    t, s = q.shape[1], k_cache.shape[1]
+    query_slot = length + jnp.arange(t)
+    mask = jnp.arange(s)[None, :] <= query_slot[:, None]  # [T, S]
+    return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None], implementation="xla")
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
         d, h, kv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
@@ -41,13 +55,35 @@ class Attention(nnx.Module):
         self.impl = cfg.attention_impl
         self.document_mask = cfg.document_mask
 
-    def __call__(self, x, positions, segment_ids):
+    def _project(self, x, positions):
+        """Queries, keys and values of x, rotated to their positions."""
         dt = x.dtype
         q = constrain(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), Q_NAMES)
         k = constrain(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), KV_NAMES)
         v = constrain(jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt)), KV_NAMES)
         q = rotary(q, positions, self.rope_theta)
         k = rotary(k, positions, self.rope_theta)
-        out = causal_attention(q, k, v, segment_ids if self.document_mask else None, self.impl)
+        return q, k, v
+
+    def _output(self, out, dt):
         out = constrain(out, Q_NAMES)
         return constrain(jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt)), BTD)
+
+    def __call__(self, x, positions, segment_ids):
+        q, k, v = self._project(x, positions)
+        out = causal_attention(q, k, v, segment_ids if self.document_mask else None, self.impl)
+        return self._output(out, x.dtype)
+
+    def decode(self, x, positions, k_cache, v_cache, length):
+        """Attention for new tokens with a KV cache (inference only).
+
+        x: [B, T, embed], the T new tokens at `positions` ([B, T]); k_cache, v_cache: [B, S, kv_heads,
+        head_dim] holding the keys and values of the `length` tokens before them. Returns the output and
+        the caches with the new keys and values written to slots [length, length + T); the caller keeps
+        length + T <= S (a write past the end would be clamped, not refused).
+        """
+        q, k, v = self._project(x, positions)
+        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), length, axis=1)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), length, axis=1)
+        out = cached_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), length)
+        return self._output(out, x.dtype), k_cache, v_cache

@@ -46,6 +46,20 @@ class Block(nnx.Module):
         x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids), BTD)
         return constrain(x + self.mlp(self.mlp_norm(x)), BTD)
 
+    def decode(self, x, positions, k_cache, v_cache, length):
+        """The block for new tokens with this layer's KV cache (see `Attention.decode`)."""
+        attn, k_cache, v_cache = self.attn.decode(self.attn_norm(x), positions, k_cache, v_cache, length)
+        x = constrain(x + attn, BTD)
+        return constrain(x + self.mlp(self.mlp_norm(x)), BTD), k_cache, v_cache
+
+
+def init_cache(cfg, batch: int, max_len: int, dtype=None) -> dict:
+    """An empty KV cache for `Llama.decode`: keys and values [n_layers, batch, max_len, n_kv_heads,
+    head_dim] in the compute dtype (unless `dtype` is given), and `length`, the slots filled so far."""
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.d_model // cfg.n_heads)
+    dtype = jnp.dtype(cfg.compute_dtype if dtype is None else dtype)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "length": jnp.zeros((), jnp.int32)}
+
 
 class Llama(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
@@ -67,10 +81,18 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), fan_in_init(cfg.d_model), dtype)
 
+    def _embed(self, tokens):
+        return constrain(jnp.take(self.embedding[...], tokens, axis=0).astype(self.compute_dtype), BTD)
+
+    def _logits(self, x):
+        x = self.final_norm(x)
+        head = self.embedding[...].T if self.tie_embeddings else self.lm_head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(self.compute_dtype))
+        return constrain(logits, ("act_batch", "act_length", "act_vocab"))
+
     def __call__(self, tokens, positions, segment_ids=None):
         """tokens, positions, segment_ids: int [batch, length] -> logits [batch, length, vocab]."""
-        dt = self.compute_dtype
-        x = constrain(jnp.take(self.embedding[...], tokens, axis=0).astype(dt), BTD)
+        x = self._embed(tokens)
 
         graphdef, layer_states = nnx.split(self.blocks)
 
@@ -80,8 +102,24 @@ class Llama(nnx.Module):
         if self.remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         x, _ = jax.lax.scan(one_layer, x, layer_states)
+        return self._logits(x)
 
-        x = self.final_norm(x)
-        head = self.embedding[...].T if self.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt))
-        return constrain(logits, ("act_batch", "act_length", "act_vocab"))
+    def decode(self, tokens, positions, cache):
+        """Inference with a KV cache: (logits [batch, T, vocab], the updated cache).
+
+        tokens, positions: int [batch, T], the T tokens that follow the cache's `length` filled slots
+        (from `init_cache`). Each attends causally to the cached tokens and to the new ones up to
+        itself, as in `__call__` over the whole sequence (one document, no segment ids). Prefill is one
+        call with the whole prompt on an empty cache; generation then feeds one token at a time.
+        """
+        x = self._embed(tokens)
+        graphdef, layer_states = nnx.split(self.blocks)
+        length = cache["length"]
+
+        def one_layer(x, layer):
+            layer_state, k_cache, v_cache = layer
+            x, k_cache, v_cache = nnx.merge(graphdef, layer_state).decode(x, positions, k_cache, v_cache, length)
+            return x, (k_cache, v_cache)
+
+        x, (k, v) = jax.lax.scan(one_layer, x, (layer_states, cache["k"], cache["v"]))
+        return self._logits(x), {"k": k, "v": v, "length": length + tokens.shape[1]}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from ushard.models.llama import Llama
+from ushard.models.llama import Llama, init_cache
 
 
 def _build(model_cfg, seed: int) -> Llama:
@@ -34,10 +34,22 @@ class ModelDef:
         """Fresh parameters as a pure dict (call under jit with out_shardings to create them sharded)."""
         return nnx.to_pure_dict(nnx.split(_build(self.cfg, seed))[1])
 
-    def apply(self, params, tokens, positions, segment_ids=None):
+    def module(self, params) -> Llama:
+        """The NNX model holding `params` (inside a traced function)."""
         state = jax.tree.map(lambda x: x, self._abstract_state)  # a fresh container to fill
         nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self.graphdef, state)(tokens, positions, segment_ids)
+        return nnx.merge(self.graphdef, state)
+
+    def apply(self, params, tokens, positions, segment_ids=None):
+        return self.module(params)(tokens, positions, segment_ids)
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty KV cache for `decode` (see ushard.models.llama.init_cache)."""
+        return init_cache(self.cfg, batch, max_len)
+
+    def decode(self, params, tokens, positions, cache):
+        """Inference with a KV cache: (logits, updated cache); see `Llama.decode`."""
+        return self.module(params).decode(tokens, positions, cache)
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.shapes))
