@@ -70,7 +70,7 @@ def test_causality():
     assert not np.allclose(a[:, 10:], b[:, 10:])
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch", "dots_attention"])
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch", "dots_attention", "dots_attention_norms"])
 def test_remat_policies_keep_gradients(policy):
     tokens, positions = tokens_and_positions()
 

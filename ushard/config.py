@@ -20,7 +20,7 @@ from ushard.errors import UserError
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 # Axes whose implementation has not landed yet: a size other than 1 is refused with a clear sentence.
 UNSUPPORTED_MESH_AXES = ("pipeline", "expert")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_attention")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_attention", "dots_attention_norms")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -48,7 +48,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.compute_dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.attention_impl = "auto"  # auto: cuDNN flash attention where available, else XLA
-    c.model.remat = "none"  # none | full | dots | dots_no_batch | dots_attention
+    c.model.remat = "none"  # none | full | dots | dots_no_batch | dots_attention | dots_attention_norms
     c.model.document_mask = True  # packed documents never attend to each other
 
     c.train = ml_collections.ConfigDict()

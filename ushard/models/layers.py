@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from ushard.sharding import constrain
 
@@ -31,7 +32,8 @@ class RMSNorm(nnx.Module):
         # Statistics in float32 whatever the compute dtype: bf16 mean-of-squares loses too much.
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        out = (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return checkpoint_name(out, "norm_out")  # a remat policy may keep it (models/llama.py)
 
 
 def rotary(x, positions, theta: float):
@@ -55,4 +57,5 @@ class SwiGLU(nnx.Module):
         gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
         up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
         hidden = constrain(jax.nn.silu(gate) * up, ("act_batch", "act_length", "act_mlp"))
+        hidden = checkpoint_name(hidden, "mlp_hidden")
         return constrain(jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(dt)), BTD)

@@ -32,6 +32,11 @@ REMAT_POLICIES = {
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _is_fused_attention
     ),
 }
+# ...and also the norm outputs and the SwiGLU product (tagged in models/layers.py): only rotary
+# embeddings and activation functions are recomputed.
+REMAT_POLICIES["dots_attention_norms"] = jax.checkpoint_policies.save_from_both_policies(
+    REMAT_POLICIES["dots_attention"], jax.checkpoint_policies.save_only_these_names("norm_out", "mlp_hidden")
+)
 
 
 class Block(nnx.Module):
