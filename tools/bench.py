@@ -22,8 +22,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: int) -> dict:
-    """Times `steps` training steps after `warmup` untimed ones, in this process."""
+def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: int, breakdown: bool = False) -> dict:
+    """Times `steps` training steps after `warmup` untimed ones, in this process.
+
+    With `breakdown`, also times the forward + backward pass alone (`Steps.loss_and_grads`), so that
+    the rest of a step (gradient norm, clipping, AdamW) is the difference.
+    """
     import jax
 
     sys.path.insert(0, os.path.dirname(HERE))
@@ -49,6 +53,16 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     tflops = trainer.flops_per_token * tokens_per_s / trainer.mesh.size / 1e12
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
+    extra = {}
+    if breakdown:
+        grads_fn = trainer.steps.loss_and_grads.lower(state["params"], batches[0]).compile()
+        jax.block_until_ready(grads_fn(state["params"], batches[0]))
+        start = time.perf_counter()
+        for s in range(warmup, warmup + steps):
+            out = grads_fn(state["params"], batches[s])
+        jax.block_until_ready(out)
+        extra["fwd_bwd_s"] = (time.perf_counter() - start) / steps
+        extra["rest_of_step_s"] = step_time - extra["fwd_bwd_s"]
     return {
         "tokens_per_s": tokens_per_s,
         "step_time_s": step_time,
@@ -58,6 +72,7 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
         "final_loss": float(metrics["loss"]),
         "compile_s": compile_s,
         "devices": f"{trainer.mesh.size} x {jax.devices()[0].device_kind}",
+        **extra,
     }
 
 
@@ -90,6 +105,7 @@ def peer_command(name: str, config_name: str, overrides: list[str], steps: int, 
 
 def print_table(results: list[dict]) -> None:
     cols = ("tokens_per_s", "tflops_per_device", "mfu", "peak_mem_gib", "step_time_s")
+    cols += tuple(c for c in ("fwd_bwd_s", "rest_of_step_s") if any(c in r for r in results))
     width = max(len(r["name"]) for r in results) + 2
     print("\n" + "name".ljust(width) + "".join(c.rjust(19) for c in cols))
     for r in results:
@@ -109,6 +125,7 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[],
                         help='LABEL="[ENV=value ...] --config.a=b ..." (repeatable; ENV: environment for that run)')
     parser.add_argument("--peers", default="", help="comma-separated: jax,torch")
+    parser.add_argument("--breakdown", action="store_true", help="also time forward+backward alone")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # run in this process
     args, overrides = parser.parse_known_args()
     bad = [o for o in overrides if not o.startswith("--config.")]
@@ -117,14 +134,14 @@ def main() -> None:
     overrides = [o[len("--config."):] for o in overrides]
 
     if args.one:
-        print(json.dumps(run_ushard_once(args.config, overrides, args.steps, args.warmup)), flush=True)
+        print(json.dumps(run_ushard_once(args.config, overrides, args.steps, args.warmup, args.breakdown)), flush=True)
         return
 
     variants = [v.split("=", 1) for v in args.variant] or [["ushard", ""]]
     results = []
     for label, extra in variants:
         cmd = [sys.executable, os.path.abspath(__file__), "--one", "--config", args.config,
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--breakdown"] if args.breakdown else [])
         words = shlex.split(extra)
         env = dict(w.split("=", 1) for w in words if not w.startswith("--"))
         cmd += ["--config." + o for o in overrides] + [w for w in words if w.startswith("--")]
