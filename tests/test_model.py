@@ -84,6 +84,14 @@ def test_remat_policies_keep_gradients(policy):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_unrolled_layer_loop_computes_the_same():
+    tokens, positions = tokens_and_positions()
+    model, params = model_and_params()
+    unrolled = ModelDef(small_config(**{"model.scan_unroll": 2}).model)
+    np.testing.assert_allclose(unrolled.apply(params, tokens, positions), model.apply(params, tokens, positions),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_program_size_does_not_grow_with_depth():
     tokens, positions = tokens_and_positions()
 

@@ -50,6 +50,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.attention_impl = "auto"  # auto: cuDNN flash attention where available, else XLA
     c.model.remat = "none"  # none | full | dots | dots_no_batch | dots_attention | dots_attention_norms
     c.model.document_mask = True  # packed documents never attend to each other
+    # Layers per iteration of the layer scan. 1 keeps compile time flat in depth; n_layers unrolls
+    # fully, which lets XLA keep saved activations in place (see docs/benchmarks.md).
+    c.model.scan_unroll = 1
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000
@@ -239,7 +242,7 @@ def batch_shards(mesh_shape: dict[str, int]) -> int:
 def validate(config, num_devices: int) -> dict[str, int]:
     """Checks the whole config against itself and the device count; returns the resolved mesh shape."""
     m, t, d = config.model, config.train, config.data
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "scan_unroll"):
         _positive(m[key], f"model.{key}")
     for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
         _positive(t[key], f"train.{key}")

@@ -71,6 +71,7 @@ class Llama(nnx.Module):
         dtype = jnp.dtype(cfg.param_dtype)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         self.remat = cfg.remat
+        self.scan_unroll = cfg.scan_unroll
         self.tie_embeddings = cfg.tie_embeddings
         self.embedding = param(
             rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), jax.nn.initializers.normal(0.02), dtype
@@ -106,7 +107,7 @@ class Llama(nnx.Module):
 
         if self.remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(one_layer, x, layer_states)
+        x, _ = jax.lax.scan(one_layer, x, layer_states, unroll=self.scan_unroll)
         return self._logits(x)
 
     def decode(self, tokens, positions, cache):
