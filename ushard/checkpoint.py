@@ -56,36 +56,42 @@ class Checkpoints:
             return []
         return sorted(n for n in os.listdir(self.directory) if "orbax-checkpoint-tmp" in n)
 
-    def complete_steps(self) -> list[int]:
-        self.manager.reload()
-        return sorted(self.manager.all_steps())
-
     def restore_latest(self, abstract_state, model_cfg, log=print):
         """(step, state, data_state) from the newest complete checkpoint, or None if there is none."""
         for partial in self.partial_saves():
             log(f"ushard: warning: skipping {os.path.join(self.directory, partial)}, a save that never finished.")
-        steps = self.complete_steps()
-        for step in reversed(steps):
+        self.manager.reload()
+
+        def restore(step):
             saved_config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
             check_compatible(saved_config, model_cfg, step)
-            try:
-                restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
-                    ),
-                )
-            except Exception as e:  # unreadable files: fall back to the one before
-                log(f"ushard: warning: checkpoint {step} cannot be read ({type(e).__name__}: {e}); trying an older one.")
-                continue
-            return step, restored["state"], restored["data"]
-        if steps:
-            raise UserError(f"no checkpoint in {self.directory} can be read; move the directory away to start afresh.")
-        return None
+            items = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+            restored = self.manager.restore(step, args=items)
+            return restored["state"], restored["data"]
+
+        found = restore_newest(self.manager, restore, log)
+        return None if found is None else (found[0], *found[1])
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def restore_newest(manager: ocp.CheckpointManager, restore, log):
+    """(step, restore(step)) for the newest complete checkpoint that `restore` can read, or None if
+    there are none. An unreadable one is reported and the one before it tried; a `UserError` (such as
+    an incompatible model) stops at once."""
+    steps = sorted(manager.all_steps())
+    for step in reversed(steps):
+        try:
+            return step, restore(step)
+        except UserError:
+            raise
+        except Exception as e:  # unreadable or missing files
+            log(f"ushard: warning: checkpoint {step} cannot be read ({type(e).__name__}: {e}); trying an older one.")
+    if steps:
+        raise UserError(f"no checkpoint in {manager.directory} can be read; move the directory away to start afresh.")
+    return None
 
 
 def check_compatible(saved_config: dict, model_cfg, step: int) -> None:

@@ -9,24 +9,20 @@ greedy at temperature 0, else sampled from softmax(logits / temperature), option
 from __future__ import annotations
 
 import codecs
-import logging
 import math
 import os
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ushard.checkpoint import restore_newest
 from ushard.config import default_config
 from ushard.data.tokenizer import TOKENIZERS, get_tokenizer
 from ushard.errors import UserError
 from ushard.train.state import ModelDef
-
-logging.getLogger("absl").setLevel(logging.WARNING)
-warnings.filterwarnings("ignore", message=".*Couldn't find sharding info under RestoreArgs.*")
 
 
 def _saved_settings(saved: dict):
@@ -55,31 +51,26 @@ def load_params(workdir: str, device=None, log=print):
     if not os.path.isdir(directory):
         raise UserError(f"{directory} does not exist; train a model first with `ushard train --workdir {workdir}`.")
     options = ocp.CheckpointManagerOptions(create=False)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def restore(step):
+        saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        model_cfg, tokenizer, seq_len = _saved_settings(saved)
+        shapes = ModelDef(model_cfg).shapes
+        abstract = {"params": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)}
+        # Only the params: the optimizer state and step counters stay on disk.
+        params_only = ocp.args.PyTreeRestore(
+            item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True
+        )
+        state = manager.restore(step, args=ocp.args.Composite(state=params_only))["state"]
+        return model_cfg, tokenizer, seq_len, state["params"]
+
     with ocp.CheckpointManager(directory, options=options, item_names=("state", "data", "config")) as manager:
-        steps = sorted(manager.all_steps())
-        if not steps:
-            raise UserError(f"{directory} holds no complete checkpoint; train a model first with `ushard train --workdir {workdir}`.")
-        for step in reversed(steps):
-            try:
-                saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-            except Exception as e:  # unreadable files: fall back to the one before
-                log(f"ushard: warning: checkpoint {step} cannot be read ({type(e).__name__}: {e}); trying an older one.")
-                continue
-            model_cfg, tokenizer, seq_len = _saved_settings(saved)
-            sharding = jax.sharding.SingleDeviceSharding(device)
-            shapes = ModelDef(model_cfg).shapes
-            abstract = {"params": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)}
-            # Only the params: the optimizer state and step counters stay on disk.
-            restore = ocp.args.PyTreeRestore(
-                item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True
-            )
-            try:
-                state = manager.restore(step, args=ocp.args.Composite(state=restore))["state"]
-            except Exception as e:
-                log(f"ushard: warning: checkpoint {step} cannot be read ({type(e).__name__}: {e}); trying an older one.")
-                continue
-            return step, model_cfg, tokenizer, seq_len, state["params"]
-    raise UserError(f"no checkpoint in {directory} can be read.")
+        found = restore_newest(manager, restore, log)
+    if found is None:
+        raise UserError(f"{directory} holds no complete checkpoint; train a model first with `ushard train --workdir {workdir}`.")
+    step, (model_cfg, tokenizer, seq_len, params) = found
+    return step, model_cfg, tokenizer, seq_len, params
 
 
 def _choose(logits, key, temperature: float, top_k: int):
