@@ -67,6 +67,24 @@ def test_sigkill_then_same_command_resumes_bitwise(tmp_path, uninterrupted):
     assert losses_by_step(tmp_path) == uninterrupted  # bitwise, every step
 
 
+def test_sigkill_during_a_save_resumes_bitwise(tmp_path, uninterrupted):
+    cmd = train_cmd(tmp_path, "--config.train.steps=12")
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = tmp_path / "checkpoints"
+    deadline = time.time() + 120
+    # Kill the moment a save of step 6 or later is under way (its temporary directory exists).
+    while not (ckpts.is_dir() and any("orbax-checkpoint-tmp" in p.name and int(p.name.split(".")[0]) >= 6
+                                      for p in ckpts.iterdir())):
+        assert time.time() < deadline and proc.poll() is None, "no save was seen in progress"
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(cmd, env=env(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from the checkpoint at step" in resumed.stdout
+    assert losses_by_step(tmp_path) == uninterrupted
+
+
 def test_partial_save_is_skipped_with_a_warning(tmp_path, uninterrupted):
     cmd = train_cmd(tmp_path, "--config.train.steps=12")
     subprocess.run(cmd, env=env(), check=True, capture_output=True)
