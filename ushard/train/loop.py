@@ -182,7 +182,8 @@ class Trainer:
                 save_now = (every and step % every == 0) or step == t.steps or stop
                 if not (log_now or save_now):
                     continue
-                fetched = [(s, i, jax.device_get(m)) for s, i, m in pending]  # waits for the device
+                values = jax.device_get([m for _, _, m in pending])  # one transfer; waits for the device
+                fetched = [(s, i, m) for (s, i, _), m in zip(pending, values)]
                 pending = []
                 bad = next(((s, i, m) for s, i, m in fetched if not m["finite"]), None)
                 if bad and t.on_nonfinite != "skip":
