@@ -23,6 +23,9 @@ from ushard.errors import UserError
 # Config keys that fix the shapes of the saved arrays; any difference makes a checkpoint unusable.
 SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "param_dtype")
 
+# The items of every checkpoint directory (ushard sample reads them too).
+ITEMS = ("state", "data", "config")
+
 logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
 
 
@@ -34,7 +37,7 @@ class Checkpoints:
             enable_async_checkpointing=checkpoint_cfg.async_save,
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "config"))
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
     def save(self, step: int, state, data_state: dict, config) -> None:
         """Starts saving; returns once the device arrays are safe to overwrite (donate) again."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ushard.checkpoint import restore_newest
+from ushard.checkpoint import ITEMS, restore_newest
 from ushard.config import default_config
 from ushard.data.tokenizer import TOKENIZERS, get_tokenizer
 from ushard.errors import UserError
@@ -65,7 +65,7 @@ def load_params(workdir: str, device=None, log=print):
         state = manager.restore(step, args=ocp.args.Composite(state=params_only))["state"]
         return model_cfg, tokenizer, seq_len, state["params"]
 
-    with ocp.CheckpointManager(directory, options=options, item_names=("state", "data", "config")) as manager:
+    with ocp.CheckpointManager(directory, options=options, item_names=ITEMS) as manager:
         found = restore_newest(manager, restore, log)
     if found is None:
         raise UserError(f"{directory} holds no complete checkpoint; train a model first with `ushard train --workdir {workdir}`.")
