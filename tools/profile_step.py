@@ -22,6 +22,7 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ushard import xla_flags  # noqa: E402
 from ushard.config import load_config  # noqa: E402
 from ushard.train.loop import Trainer  # noqa: E402
 
@@ -34,10 +35,23 @@ def kernel_class(name: str) -> str:
         return "attention"
     if "memcpy" in low or "memset" in low:
         return "copy"
+    if "nccl" in low:
+        return "collective"
     return "other"
 
 
-def device_kernel_times(trace_dir: str) -> collections.Counter:
+def _merged_length(intervals) -> float:
+    """Total length covered by a set of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+def device_kernel_events(trace_dir: str) -> list[dict]:
+    """The kernel events ("X" events with a duration) of the first GPU in the trace."""
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not files:
         raise SystemExit(f"no perfetto trace under {trace_dir}")
@@ -48,11 +62,37 @@ def device_kernel_times(trace_dir: str) -> collections.Counter:
                 and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
     if not gpu_pids:  # a CPU run: the host's own ops are the device work
         gpu_pids = {e.get("pid") for e in events if e.get("ph") == "X"}
-    totals = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
-            totals[e["name"]] += e["dur"]  # microseconds
-    return totals
+    first_gpu = min(gpu_pids, key=str)
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") == first_gpu and "dur" in e]
+
+
+def exposed_gaps(kernels: list[dict], top: int = 10) -> list[str]:
+    """The longest stretches with no compute kernel on the device, where they fall (ms from the start
+    of the trace) and which collectives run during them: the communication nothing hides."""
+    compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if kernel_class(e["name"]) != "collective")
+    collectives = [e for e in kernels if kernel_class(e["name"]) == "collective"]
+    gaps, end = [], compute[0][1]
+    for lo, hi in compute[1:]:
+        if lo > end:
+            gaps.append((end, lo))
+        end = max(end, hi)
+    origin = compute[0][0]
+    lines = []
+    for lo, hi in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        during = {e["name"].split("(")[0] for e in collectives if e["ts"] < hi and e["ts"] + e["dur"] > lo}
+        lines.append(f"  gap {(hi - lo) / 1e3:6.2f} ms at {(lo - origin) / 1e3:8.1f} ms: {', '.join(sorted(during)) or 'idle'}")
+    return lines
+
+
+def overlap_report(kernels: list[dict], steps: int) -> str:
+    """How much of the traced span the first device computes, only communicates, or idles (ms per step)."""
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if kernel_class(e["name"]) != "collective"]
+    wall = max(hi for _, hi in spans) - min(lo for lo, _ in spans)
+    busy, computing = _merged_length(spans), _merged_length(compute)
+    ms = lambda us: us / 1e3 / steps  # noqa: E731
+    return (f"first device, per step: span {ms(wall):.1f} ms = computing {ms(computing):.1f} + only communicating "
+            f"{ms(busy - computing):.1f} + idle {ms(wall - busy):.1f}")
 
 
 def main() -> None:
@@ -60,8 +100,10 @@ def main() -> None:
     parser.add_argument("--config", default="bench_1b")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--dump", help="write the compiled HLO and the per-kernel times (JSON) into this folder")
     args, overrides = parser.parse_known_args()
     config = load_config(args.config, [o[len("--config."):] for o in overrides])
+    xla_flags.apply(config)  # before the backend starts
     trainer = Trainer(config)
     state = trainer.steps.init(config.train.seed)
     batch = trainer.global_batch(0)
@@ -74,13 +116,24 @@ def main() -> None:
         for _ in range(args.steps):
             state, metrics = step_fn(state, batch)
         jax.block_until_ready(state)
-    totals = device_kernel_times(trace_dir)
+    kernels = device_kernel_events(trace_dir)
+    totals = collections.Counter()
+    for e in kernels:
+        totals[e["name"]] += e["dur"]  # microseconds
     per_step_ms = {name: us / 1e3 / args.steps for name, us in totals.items()}
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+        with open(os.path.join(args.dump, "step.hlo.txt"), "w") as f:
+            f.write(step_fn.as_text())
+        with open(os.path.join(args.dump, "kernels_ms_per_step.json"), "w") as f:
+            json.dump(dict(sorted(per_step_ms.items(), key=lambda kv: -kv[1])), f, indent=0)
     by_class = collections.Counter()
     for name, ms in per_step_ms.items():
         by_class[kernel_class(name)] += ms
     print(f"device time per step: {sum(per_step_ms.values()):.1f} ms; by class: "
           + ", ".join(f"{k} {v:.1f} ms" for k, v in by_class.most_common()))
+    print(overlap_report(kernels, args.steps))
+    print("\n".join(exposed_gaps(kernels)))
     print(f"{'ms/step':>9}  class      kernel")
     for name, ms in sorted(per_step_ms.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{ms:9.2f}  {kernel_class(name):<9}  {name[:110]}")
