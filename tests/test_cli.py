@@ -14,7 +14,7 @@ def test_train_writes_metrics_and_tensorboard(tmp_path):
         sys.executable, "-m", "ushard", "train", "--config", "tiny", "--workdir", str(workdir),
         "--config.train.steps=4", "--config.train.log_every=2", "--config.train.eval_every=4",
         "--config.train.eval_batches=1", "--config.model.n_layers=1", "--config.train.seq_len=32",
-        "--config.train.batch_size=8",
+        "--config.train.batch_size=8", "--config.parallel.collective_combine_mib=64",  # XLA must accept the flags
     ]
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -30,3 +30,20 @@ def test_train_writes_metrics_and_tensorboard(tmp_path):
     assert "eval_loss" in records[-1] and "eval_loss" not in records[0]
     events = list((workdir / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_xla_flags_from_the_config_yield_to_the_users(monkeypatch):
+    from ushard import xla_flags
+    from ushard.config import load_config
+
+    config = load_config("tiny", ["parallel.collective_combine_mib=64"])
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_all_gather_combine_threshold_bytes=1")
+    xla_flags.apply(config)
+    assert os.environ["XLA_FLAGS"].split() == [
+        "--xla_gpu_all_gather_combine_threshold_bytes=67108864",
+        "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
+        "--xla_gpu_all_gather_combine_threshold_bytes=1",  # later: XLA takes the user's value
+    ]
+    monkeypatch.delenv("XLA_FLAGS")
+    xla_flags.apply(load_config("tiny"))  # 0: XLA's defaults, nothing set
+    assert "XLA_FLAGS" not in os.environ

@@ -242,6 +242,7 @@ def test_broken_config_file(tmp_path, body, match):
         (["model.remat=everything"], r"model\.remat='everything' is not valid; choose one of: none, full"),
         (["train.schedule=exp"], r"train\.schedule='exp' is not valid; choose one of: cosine"),
         (["parallel.zero_stage=4"], r"parallel\.zero_stage=4 is not valid; choose one of: 0, 1, 2, 3"),
+        (["parallel.collective_combine_mib=-1"], r"parallel\.collective_combine_mib=-1 is negative"),
         (["model.attention_impl=flash"], r"model\.attention_impl='flash' is not valid"),
         (["model.compute_dtype=fp8"], r"model\.compute_dtype='fp8' is not valid"),
         (["model.param_dtype=int8"], r"model\.param_dtype='int8' is not valid"),

@@ -8,8 +8,9 @@ import pytest
 from conftest import small_config
 from ushard.metrics import flops_per_token
 from ushard.models.attention import causal_attention
+from ushard.models.layers import embed_lookup
 from ushard.train.state import ModelDef
-from ushard.train.step import cross_entropy_sums
+from ushard.train.loss import cross_entropy_sums
 
 
 def model_and_params(**overrides):
@@ -132,3 +133,79 @@ def test_cross_entropy_matches_reference():
     expected = -sum(float(log_probs[b, t, targets[b, t]]) for b in range(2) for t in range(5) if mask[b, t])
     np.testing.assert_allclose(total, expected, rtol=1e-6)
     assert count == 8
+
+
+def test_embedding_gradient_sums_repeated_tokens_in_float32():
+    table = jax.random.normal(jax.random.key(0), (11, 4))
+    tokens = jnp.array([[3, 3, 3, 7], [3, 0, 7, 3]])  # repeats: their gradients must add up
+    cotangent = jax.random.normal(jax.random.key(1), (2, 4, 4))
+    reference = jnp.zeros((11, 4)).at[tokens].add(cotangent)  # float32 throughout
+
+    def grad_of(dtype):
+        f = lambda t: jnp.sum(embed_lookup(t.astype(dtype), tokens).astype(jnp.float32) * cotangent)  # noqa: E731
+        return jax.grad(f)(table)
+
+    np.testing.assert_allclose(grad_of(jnp.float32), reference, rtol=1e-6)
+    # bf16 compute: the cotangents arrive in bf16; their float32 sum is rounded once, not at every add.
+    bf16_cotangent = cotangent.astype(jnp.bfloat16).astype(jnp.float32)
+    summed_once = jnp.zeros((11, 4)).at[tokens].add(bf16_cotangent).astype(jnp.bfloat16).astype(jnp.float32)
+    np.testing.assert_array_equal(grad_of(jnp.bfloat16), summed_once)
+    np.testing.assert_array_equal(embed_lookup(table, tokens), table[tokens])
+
+
+def test_fused_projections_compute_the_same_function():
+    plain, params = model_and_params()
+    fused, fused_init = model_and_params(fused_qkv=True, fused_mlp=True)
+    attn, mlp = params["blocks"]["attn"], params["blocks"]["mlp"]
+    layers, d, heads, head_dim = attn["wq"].shape
+    kv_heads = attn["wk"].shape[2]
+    # Per KV head: its query heads, then its key, then its value (models/attention.py).
+    queries = attn["wq"].reshape(layers, d, kv_heads, heads // kv_heads, head_dim)
+    wqkv = jnp.concatenate([queries, attn["wk"][:, :, :, None], attn["wv"][:, :, :, None]], axis=3)
+    repacked = dict(params)
+    repacked["blocks"] = dict(params["blocks"])
+    repacked["blocks"]["attn"] = {"wqkv": wqkv, "wo": attn["wo"]}
+    repacked["blocks"]["mlp"] = {"w_gate_up": jnp.stack([mlp["w_gate"], mlp["w_up"]], axis=2), "w_down": mlp["w_down"]}
+    assert jax.tree.map(jnp.shape, repacked) == jax.tree.map(jnp.shape, fused_init)
+    tokens, positions = tokens_and_positions()
+    np.testing.assert_allclose(
+        fused.apply(repacked, tokens, positions), plain.apply(params, tokens, positions), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cross_entropy_gradient_matches_autodiff(dtype):
+    logits = (3 * jax.random.normal(jax.random.key(0), (2, 6, 50))).astype(dtype)
+    targets = jax.random.randint(jax.random.key(1), (2, 6), 0, 50)
+    mask = jnp.array([[1, 1, 0, 1, 1, 1], [1, 0, 1, 1, 1, 1]])
+
+    def autodiff_reference(x):
+        x = x.astype(jnp.float32)
+        picked = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+        return jnp.sum((jax.nn.logsumexp(x, axis=-1) - picked) * mask)
+
+    got = jax.grad(lambda x: 0.5 * cross_entropy_sums(x, targets, mask)[0])(logits)
+    expected = jax.grad(lambda x: 0.5 * autodiff_reference(x))(logits)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got.astype(jnp.float32), expected.astype(jnp.float32), rtol=1e-6, atol=1e-7)
+    assert np.all(np.asarray(got[0, 2]) == 0)  # a masked token contributes no gradient
+
+
+def test_fp8_model_tracks_the_bf16_model():
+    """model.fp8 quantises every block matmul (ushard/models/fp8.py tests each one): the loss and its
+    gradient stay within FP8's error of the unquantised model's (the gradient of wq passes through
+    four quantised backward matmuls, each with e5m2's 2 mantissa bits), and differ from it."""
+    plain, params = model_and_params()
+    fp8, _ = model_and_params(fp8=True)
+    tokens, positions = tokens_and_positions()
+
+    def loss_and_grad(model):
+        loss = lambda p: cross_entropy_sums(model.apply(p, tokens, positions), tokens, jnp.ones_like(tokens))[0]  # noqa: E731
+        return jax.value_and_grad(loss)(params)
+
+    (loss, grads), (loss8, grads8) = loss_and_grad(plain), loss_and_grad(fp8)
+    assert 0 < abs(loss8 - loss) / loss < 0.02
+    wq, wq8 = grads["blocks"]["attn"]["wq"], grads8["blocks"]["attn"]["wq"]
+    assert 1e-4 < np.linalg.norm(wq8 - wq) / np.linalg.norm(wq) < 0.3
+    cosine = np.sum(wq8 * wq) / (np.linalg.norm(wq8) * np.linalg.norm(wq))
+    assert cosine > 0.95

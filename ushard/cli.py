@@ -87,11 +87,14 @@ def start_processes(args) -> None:
 
 
 def train(args, overrides) -> None:
-    start_processes(args)
+    from ushard import xla_flags
     from ushard.config import load_config
-    from ushard.train.loop import Trainer
 
     config = load_config(args.config, overrides)
+    xla_flags.apply(config)  # before anything starts JAX's backend
+    start_processes(args)
+    from ushard.train.loop import Trainer
+
     name = os.path.splitext(os.path.basename(args.config))[0]
     workdir = args.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     records = Trainer(config, workdir).run()

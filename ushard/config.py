@@ -53,6 +53,12 @@ def default_config() -> ml_collections.ConfigDict:
     # Layers per iteration of the layer scan. 1 keeps compile time flat in depth; n_layers unrolls
     # fully, which lets XLA keep saved activations in place (see docs/benchmarks.md).
     c.model.scan_unroll = 1
+    # One weight and one GEMM for q, k and v together, and for the SwiGLU gate and up projections.
+    c.model.fused_qkv = False
+    c.model.fused_mlp = False
+    # The transformer blocks' matmuls in FP8 (ushard/models/fp8.py; Hopper GPUs or newer). The LM head
+    # and attention's softmax stay in the compute dtype.
+    c.model.fp8 = False
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000
@@ -91,6 +97,8 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.zero_stage = 3
+    # Neighbouring weights' all-gathers / reduce-scatters are merged up to this many MiB (GPU); 0: XLA's default.
+    c.parallel.collective_combine_mib = 0
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"  # stdlib | text | jsonl
@@ -259,6 +267,8 @@ def validate(config, num_devices: int) -> dict[str, int]:
     _choice(d.source, DATA_SOURCES, "data.source")
     _choice(d.tokenizer, TOKENIZERS, "data.tokenizer")
     _choice(config.parallel.zero_stage, (0, 1, 2, 3), "parallel.zero_stage")
+    if config.parallel.collective_combine_mib < 0:
+        raise UserError(f"parallel.collective_combine_mib={config.parallel.collective_combine_mib} is negative; use 0 for XLA's default or a size in MiB.")
     if not 0.0 < d.eval_fraction < 1.0:
         raise UserError(f"data.eval_fraction={d.eval_fraction!r} must be strictly between 0 and 1.")
     if not 0.0 <= t.min_lr_ratio <= 1.0:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ushard.models.layers import BTD, fan_in_init, param, rotary
+from ushard.models.layers import BTD, fan_in_init, param, project, rotary
 from ushard.sharding import constrain
 
 Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
@@ -47,9 +47,15 @@ class Attention(nnx.Module):
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
         d, h, kv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         hd = d // h
-        self.wq = param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), fan_in_init(d), dtype)
-        self.wk = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
-        self.wv = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
+        self.fused_qkv, self.fp8 = cfg.fused_qkv, cfg.fp8
+        if self.fused_qkv:
+            # Per KV head: its h/kv query heads, then its key, then its value: one GEMM for all three,
+            # and a tensor-parallel split over kv_heads keeps every group whole.
+            self.wqkv = param(rngs, (d, kv, h // kv + 2, hd), ("embed", "kv_heads", None, "head_dim"), fan_in_init(d), dtype)
+        else:
+            self.wq = param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), fan_in_init(d), dtype)
+            self.wk = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
+            self.wv = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
         self.wo = param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), fan_in_init(h * hd), dtype)
         self.rope_theta = cfg.rope_theta
         self.impl = cfg.attention_impl
@@ -57,22 +63,28 @@ class Attention(nnx.Module):
 
     def _project(self, x, positions):
         """Queries, keys and values of x, rotated to their positions."""
-        dt = x.dtype
-        q = constrain(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), Q_NAMES)
-        k = constrain(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), KV_NAMES)
-        v = constrain(jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt)), KV_NAMES)
+        if self.fused_qkv:
+            qkv = project("btd,dkgh->btkgh", x, self.wqkv[...], self.fp8)
+            b, t, kv, groups, hd = qkv.shape
+            q = constrain(qkv[:, :, :, : groups - 2].reshape(b, t, kv * (groups - 2), hd), Q_NAMES)
+            k = constrain(qkv[:, :, :, groups - 2], KV_NAMES)
+            v = constrain(qkv[:, :, :, groups - 1], KV_NAMES)
+        else:
+            q = constrain(project("btd,dhk->bthk", x, self.wq[...], self.fp8), Q_NAMES)
+            k = constrain(project("btd,dhk->bthk", x, self.wk[...], self.fp8), KV_NAMES)
+            v = constrain(project("btd,dhk->bthk", x, self.wv[...], self.fp8), KV_NAMES)
         q = rotary(q, positions, self.rope_theta)
         k = rotary(k, positions, self.rope_theta)
         return q, k, v
 
-    def _output(self, out, dt):
+    def _output(self, out):
         out = constrain(out, Q_NAMES)
-        return constrain(jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt)), BTD)
+        return constrain(project("bthk,hkd->btd", out, self.wo[...], self.fp8), BTD)
 
     def __call__(self, x, positions, segment_ids):
         q, k, v = self._project(x, positions)
         out = causal_attention(q, k, v, segment_ids if self.document_mask else None, self.impl)
-        return self._output(out, x.dtype)
+        return self._output(out)
 
     def decode(self, x, positions, k_cache, v_cache, length):
         """Attention for new tokens with a KV cache (inference only).
@@ -86,4 +98,4 @@ class Attention(nnx.Module):
         k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), length, axis=1)
         v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), length, axis=1)
         out = cached_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), length)
-        return self._output(out, x.dtype), k_cache, v_cache
+        return self._output(out), k_cache, v_cache

@@ -7,9 +7,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from ushard.models.fp8 import fp8_einsum
 from ushard.sharding import constrain
 
 BTD = ("act_batch", "act_length", "act_embed")
+
+
+def project(spec: str, x, w, fp8: bool = False):
+    """`einsum(spec, x, w)` of an activation by a weight, in x's dtype; with `fp8`, one FP8 GEMM."""
+    w = w.astype(x.dtype)
+    return fp8_einsum(spec, x, w) if fp8 else jnp.einsum(spec, x, w)
 
 
 def fan_in_init(fan_in: int):
@@ -36,6 +43,30 @@ class RMSNorm(nnx.Module):
         return checkpoint_name(out, "norm_out")  # a remat policy may keep it (models/llama.py)
 
 
+@jax.custom_vjp
+def embed_lookup(table, tokens):
+    """Rows of `table` (already in the compute dtype) for `tokens`; the gradient is summed in float32.
+
+    Casting the table before the lookup lets a sharded table be gathered in the 16-bit compute dtype
+    (half the bytes of float32), while the plain autodiff of a 16-bit lookup would sum the gradients of
+    repeated tokens in 16 bits: here they are summed in float32 and rounded once, like a matmul's.
+    """
+    return jnp.take(table, tokens, axis=0)
+
+
+def _embed_lookup_fwd(table, tokens):
+    return embed_lookup(table, tokens), (tokens, jax.ShapeDtypeStruct(table.shape, table.dtype))
+
+
+def _embed_lookup_bwd(residuals, grad):
+    tokens, table = residuals
+    summed = jnp.zeros(table.shape, jnp.float32).at[tokens].add(grad.astype(jnp.float32))
+    return summed.astype(table.dtype), None
+
+
+embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)
+
+
 def rotary(x, positions, theta: float):
     """Rotary position embedding on [batch, length, heads, head_dim], rotating the two halves of head_dim."""
     half = x.shape[-1] // 2
@@ -47,15 +78,29 @@ def rotary(x, positions, theta: float):
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, d_model: int, d_ff: int, dtype, rngs: nnx.Rngs):
-        self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), fan_in_init(d_model), dtype)
-        self.w_up = param(rngs, (d_model, d_ff), ("embed", "mlp"), fan_in_init(d_model), dtype)
+    """silu(x W_gate) * (x W_up), projected back by W_down.
+
+    With `fused`, gate and up are one weight [embed, 2, mlp] and one matmul twice as wide: fewer,
+    larger GEMMs, and one weight-gradient GEMM instead of two. With `fp8`, all three are FP8 GEMMs.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, dtype, rngs: nnx.Rngs, fused: bool = False, fp8: bool = False):
+        init = fan_in_init(d_model)
+        if fused:
+            self.w_gate_up = param(rngs, (d_model, 2, d_ff), ("embed", None, "mlp"), init, dtype)
+        else:
+            self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), init, dtype)
+            self.w_up = param(rngs, (d_model, d_ff), ("embed", "mlp"), init, dtype)
         self.w_down = param(rngs, (d_ff, d_model), ("mlp", "embed"), fan_in_init(d_ff), dtype)
+        self.fused, self.fp8 = fused, fp8
 
     def __call__(self, x):
-        dt = x.dtype
-        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
-        up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
+        if self.fused:
+            gate_up = project("btd,dcf->btcf", x, self.w_gate_up[...], self.fp8)
+            gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
+        else:
+            gate = project("btd,df->btf", x, self.w_gate[...], self.fp8)
+            up = project("btd,df->btf", x, self.w_up[...], self.fp8)
         hidden = constrain(jax.nn.silu(gate) * up, ("act_batch", "act_length", "act_mlp"))
         hidden = checkpoint_name(hidden, "mlp_hidden")
-        return constrain(jnp.einsum("btf,fd->btd", hidden, self.w_down[...].astype(dt)), BTD)
+        return constrain(project("btf,fd->btd", hidden, self.w_down[...], self.fp8), BTD)

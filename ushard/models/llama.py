@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ushard.models.attention import Attention
-from ushard.models.layers import BTD, RMSNorm, SwiGLU, fan_in_init, param
+from ushard.models.layers import BTD, RMSNorm, SwiGLU, embed_lookup, fan_in_init, param
 from ushard.sharding import constrain
 
 
@@ -45,7 +45,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
         self.attn = Attention(cfg, dtype, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, dtype, rngs)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, dtype, rngs, fused=cfg.fused_mlp, fp8=cfg.fp8)
 
     def __call__(self, x, positions, segment_ids):
         x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids), BTD)
@@ -88,7 +88,7 @@ class Llama(nnx.Module):
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), fan_in_init(cfg.d_model), dtype)
 
     def _embed(self, tokens):
-        return constrain(jnp.take(self.embedding[...], tokens, axis=0).astype(self.compute_dtype), BTD)
+        return constrain(embed_lookup(self.embedding[...].astype(self.compute_dtype), tokens), BTD)
 
     def _logits(self, x):
         x = self.final_norm(x)

@@ -17,16 +17,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ushard.sharding import BATCH_AXES, ZeroRules, activation_rules, named_shardings
+from ushard.train.loss import cross_entropy_sums
 from ushard.train.state import ModelDef
-
-
-def cross_entropy_sums(logits, targets, loss_mask):
-    """Sum of next-token cross-entropy (in float32) over unmasked targets, and their count."""
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    mask = loss_mask.astype(jnp.float32)
-    return jnp.sum((log_z - target_logit) * mask), jnp.sum(mask)
 
 
 @dataclass
