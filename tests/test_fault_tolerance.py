@@ -155,10 +155,22 @@ def test_resume_on_another_mesh_and_device_count(tmp_path, zero3_run, stdlib_bat
     np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)], [reference[s] for s in (4, 5, 6)], rtol=1e-5)
 
 
-def test_incompatible_checkpoint_names_the_difference(zero3_run, stdlib_batches):
+@pytest.mark.parametrize("override, match", [
+    ({"model.d_model": 128}, r"model\.d_model=64 there but 128 here"),
+    ({"model.fused_mlp": True}, r"model\.fused_mlp=False there but True here"),  # another parameter tree
+])
+def test_incompatible_checkpoint_names_the_difference(zero3_run, stdlib_batches, override, match):
     saved_dir, _ = zero3_run
-    with pytest.raises(UserError, match=r"model\.d_model=64 there but 128 here"):
-        Trainer(ckpt_config(**{"mesh.fsdp": 8, "model.d_model": 128}), str(saved_dir), batches=stdlib_batches).run(log=quiet)
+    with pytest.raises(UserError, match=match):
+        Trainer(ckpt_config(**{"mesh.fsdp": 8, **override}), str(saved_dir), batches=stdlib_batches).run(log=quiet)
+
+
+def test_a_saved_config_without_newer_keys_reads_them_as_defaults():
+    from ushard.checkpoint import check_compatible
+
+    model = ckpt_config().model
+    saved = {"model": {k: v for k, v in model.to_dict().items() if k not in ("fused_qkv", "fused_mlp")}}
+    check_compatible(saved, model, step=3)  # an older checkpoint of the same model: no error
 
 
 # ----------------------------------------------------------------------------- non-finite policies

@@ -4,6 +4,8 @@ Each layout is compiled once (AOT, so the same executable also gives its memory 
 by the tests below. float32 throughout; tolerance 1e-5 relative.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,7 @@ LAYOUTS = {
     "zero1": ({"mesh.fsdp": 8, "parallel.zero_stage": 1}, False),
     "zero2": ({"mesh.fsdp": 8, "parallel.zero_stage": 2}, False),
     "zero3": ({"mesh.fsdp": 8, "parallel.zero_stage": 3}, False),
+    "zero3_keep_gathered": ({"mesh.fsdp": 8, "parallel.zero_stage": 3, "parallel.reshard_after_forward": False}, False),
     "hsdp": ({"mesh.data": 2, "mesh.fsdp": 4, "parallel.zero_stage": 3}, False),
     "tensor_fsdp": ({"mesh.tensor": 2, "mesh.fsdp": 4, "parallel.zero_stage": 3}, False),
     "sequence_fsdp": ({"mesh.sequence": 2, "mesh.fsdp": 4, "parallel.zero_stage": 3}, False),
@@ -53,6 +56,7 @@ def run_layout(name, batches):
         "grad_shardings": jax.tree.map(lambda g: g.sharding, grads0),
         "init_shardings": jax.tree.map(lambda x: x.sharding, state),
         "memory": compiled.memory_analysis(),
+        "all_gathers": len(re.findall(r"= \S+ all-gather(?:-start)?\(", compiled.as_text())),
         "losses": [],
     }
     for step in range(config.train.steps):
@@ -125,3 +129,17 @@ def per_device_bytes(memory) -> int:
 def test_zero_memory_falls_stage_by_stage(results):
     sizes = [per_device_bytes(results[f"zero{s}_accum"]["memory"]) for s in range(4)]
     assert sizes[0] > sizes[1] > sizes[2] > sizes[3], sizes
+
+
+def test_keeping_gathered_weights_gathers_less_and_holds_more(results):
+    """reshard_after_forward=false: the backward pass reuses the forward's gathered weights."""
+    keep, zero3 = results["zero3_keep_gathered"], results["zero3"]
+    assert 0 < keep["all_gathers"] < zero3["all_gathers"], (keep["all_gathers"], zero3["all_gathers"])
+    assert per_device_bytes(keep["memory"]) > per_device_bytes(zero3["memory"])
+
+
+def test_one_fsdp_device_has_nothing_to_keep_gathered(stdlib_batches):
+    config = small_config(**{"parallel.reshard_after_forward": False})
+    assert not Trainer(config, devices=jax.devices()[:1], batches=stdlib_batches).zero.keep_gathered
+    config = small_config(**{"parallel.reshard_after_forward": False, "mesh.fsdp": 8})
+    assert Trainer(config, batches=stdlib_batches).zero.keep_gathered

@@ -18,10 +18,15 @@ import warnings
 import jax
 import orbax.checkpoint as ocp
 
+from ushard.config import default_config
 from ushard.errors import UserError
 
 # Config keys that fix the shapes of the saved arrays; any difference makes a checkpoint unusable.
-SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "param_dtype")
+# The model settings that decide the parameter tree (names, shapes, dtypes).
+SHAPE_KEYS = (
+    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "param_dtype",
+    "fused_qkv", "fused_mlp",
+)
 
 # The items of every checkpoint directory (ushard sample reads them too).
 ITEMS = ("state", "data", "config")
@@ -98,8 +103,9 @@ def restore_newest(manager: ocp.CheckpointManager, restore, log):
 
 
 def check_compatible(saved_config: dict, model_cfg, step: int) -> None:
-    saved = saved_config.get("model", {})
-    diffs = [f"model.{k}={saved.get(k)!r} there but {model_cfg[k]!r} here" for k in SHAPE_KEYS if saved.get(k) != model_cfg[k]]
+    # A key the saved config predates has its default value there.
+    saved = {**default_config().model.to_dict(), **saved_config.get("model", {})}
+    diffs = [f"model.{k}={saved[k]!r} there but {model_cfg[k]!r} here" for k in SHAPE_KEYS if saved[k] != model_cfg[k]]
     if diffs:
         raise UserError(
             f"the checkpoint at step {step} was saved for another model shape ({'; '.join(diffs)}); "

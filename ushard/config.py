@@ -99,6 +99,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.zero_stage = 3
     # Neighbouring weights' all-gathers / reduce-scatters are merged up to this many MiB (GPU); 0: XLA's default.
     c.parallel.collective_combine_mib = 0
+    # ZeRO-3: gather each layer's weights again for the backward pass (true), or keep the forward's
+    # gathered copy in the compute dtype until then (false: half the all-gathers, one more weight copy).
+    c.parallel.reshard_after_forward = True
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"  # stdlib | text | jsonl

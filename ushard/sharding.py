@@ -57,18 +57,25 @@ def logical_rules(shard_state_over_fsdp: bool) -> Rules:
 
 @dataclass(frozen=True)
 class ZeroRules:
-    """One rules table per kind of training state, chosen by the ZeRO stage."""
+    """One rules table per kind of training state, chosen by the ZeRO stage.
+
+    `keep_gathered` (ZeRO-3 with `parallel.reshard_after_forward=false`): the weights a layer gathers
+    for its forward pass are kept for its backward pass instead of gathered again, half the all-gather
+    traffic for one extra copy of the weights in the compute dtype.
+    """
 
     params: Rules
     grads: Rules
     opt_state: Rules
+    keep_gathered: bool = False
 
     @classmethod
-    def for_stage(cls, stage: int) -> "ZeroRules":
+    def for_stage(cls, stage: int, reshard_after_forward: bool = True) -> "ZeroRules":
         return cls(
             params=logical_rules(stage >= 3),
             grads=logical_rules(stage >= 2),
             opt_state=logical_rules(stage >= 1),
+            keep_gathered=stage >= 3 and not reshard_after_forward,
         )
 
 
@@ -107,9 +114,9 @@ _ACTIVE = contextvars.ContextVar("ushard_activation_rules", default=None)
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh, rules: Rules):
-    """Makes `constrain` resolve logical activation names against `rules` while a step is traced."""
-    token = _ACTIVE.set((mesh, rules))
+def activation_rules(mesh: Mesh, zero: ZeroRules):
+    """Makes `constrain` (and `gathered`) resolve logical names against `zero` while a step is traced."""
+    token = _ACTIVE.set((mesh, zero))
     try:
         yield
     finally:
@@ -121,5 +128,20 @@ def constrain(x: jax.Array, logical_names) -> jax.Array:
     active = _ACTIVE.get()
     if active is None:
         return x
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, mesh_spec(logical_names, rules)))
+    mesh, zero = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, mesh_spec(logical_names, zero.params)))
+
+
+def keep_gathered_weights() -> bool:
+    """Whether the model should gather each layer's weights outside its remat boundary (see ZeroRules)."""
+    active = _ACTIVE.get()
+    return active is not None and active[1].keep_gathered
+
+
+def gathered(w: jax.Array, logical_names) -> jax.Array:
+    """Pins a weight to its layout without the ZeRO split over fsdp (an all-gather under ZeRO-3);
+    tensor-parallel splits stay. A no-op when no rules are active."""
+    active = _ACTIVE.get()
+    if active is None:
+        return w
+    return jax.lax.with_sharding_constraint(w, NamedSharding(active[0], mesh_spec(logical_names, logical_rules(False))))

@@ -13,7 +13,7 @@ from flax import nnx
 
 from ushard.models.attention import Attention
 from ushard.models.layers import BTD, RMSNorm, SwiGLU, embed_lookup, fan_in_init, param
-from ushard.sharding import constrain
+from ushard.sharding import constrain, gathered, keep_gathered_weights
 
 
 
@@ -107,8 +107,23 @@ class Llama(nnx.Module):
 
         if self.remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        if keep_gathered_weights():
+            # Gathered outside the remat boundary, the weights become inputs the backward pass keeps.
+            layer_body = one_layer
+            one_layer = lambda x, layer_state: layer_body(x, self._weights_for_compute(layer_state))  # noqa: E731
         x, _ = jax.lax.scan(one_layer, x, layer_states, unroll=self.scan_unroll)
         return self._logits(x)
+
+    def _weights_for_compute(self, layer_state):
+        """One layer's matmul weights cast to the compute dtype and gathered (norm scales as they are)."""
+
+        def prepare(variable):
+            names = variable.get_metadata()["out_sharding"][1:]  # without the stacked `layers` axis
+            if "norm" in names:
+                return variable
+            return variable.replace(gathered(variable[...].astype(self.compute_dtype), names))
+
+        return jax.tree.map(prepare, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
     def decode(self, tokens, positions, cache):
         """Inference with a KV cache: (logits [batch, T, vocab], the updated cache).

@@ -90,7 +90,7 @@ class Steps:
         return cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
 
     def _eval_sums(self, params, batch):
-        with activation_rules(self.mesh, self.zero.params):
+        with activation_rules(self.mesh, self.zero):
             return jnp.stack(self._sums(params, batch))
 
     def _grad_sums(self, params, batch):
@@ -120,7 +120,7 @@ class Steps:
         return loss, count, grads
 
     def _loss_and_grads(self, params, batch):
-        with activation_rules(self.mesh, self.zero.params):
+        with activation_rules(self.mesh, self.zero):
             loss, count, grads = self._grad_sums(params, batch)
             count = jnp.maximum(count, 1.0)
             return loss / count, jax.tree.map(lambda g: g / count, grads)
