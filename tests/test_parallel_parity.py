@@ -16,6 +16,7 @@ from conftest import small_config
 from ushard.train.loop import Trainer
 
 RTOL = 1e-5
+FP8_TRAINED_RTOL = 5e-3  # measured 1.3e-3 for the parameters after 3 steps; step 0 holds 1e-5
 
 # name: (mesh and parallel overrides, use one device)
 LAYOUTS = {
@@ -38,6 +39,9 @@ LAYOUTS = {
         {"model.fused_qkv": True, "model.fused_mlp": True, "mesh.tensor": 2, "mesh.fsdp": 4, "parallel.zero_stage": 3},
         False,
     ),
+    # FP8 matmuls: per-tensor scales are global maxima, so every layout quantises the same values.
+    "single_fp8": ({"model.fp8": True}, True),
+    "tensor_fsdp_fp8": ({"model.fp8": True, "mesh.tensor": 2, "mesh.fsdp": 4, "parallel.zero_stage": 3}, False),
 }
 
 
@@ -78,11 +82,15 @@ def tree_relative_difference(a, b) -> float:
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("single")])
 def test_layout_matches_single_device(results, name):
-    ref, got = results["single_fused" if name.endswith("_fused") else "single"], results[name]
+    reference = {"fused": "single_fused", "fp8": "single_fp8"}.get(name.rsplit("_", 1)[-1], "single")
+    ref, got = results[reference], results[name]
     np.testing.assert_allclose(got["loss0"], ref["loss0"], rtol=RTOL)
     assert tree_relative_difference(got["grads0"], ref["grads0"]) <= RTOL
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=RTOL)
-    assert tree_relative_difference(got["params"], ref["params"]) <= RTOL
+    # FP8: a last-bit difference of a float32 sum can move a value across an FP8 rounding boundary
+    # (one e4m3 step is 6%), and Adam's normalised updates carry that into the next steps.
+    trained_rtol = FP8_TRAINED_RTOL if name.endswith("_fp8") else RTOL
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=trained_rtol)
+    assert tree_relative_difference(got["params"], ref["params"]) <= trained_rtol
 
 
 def test_training_moves_the_loss(results):
