@@ -6,7 +6,7 @@ import pytest
 
 from ushard.models.fp8 import fp8_einsum
 
-# Every spec the model routes through fp8_einsum, with small shapes (x, w).
+# Every spec the model's blocks route through fp8_einsum, and the LM head's, with small shapes (x, w).
 SPECS = {
     "btd,dhk->bthk": ((2, 8, 32), (32, 4, 8)),
     "btd,df->btf": ((2, 8, 32), (32, 48)),

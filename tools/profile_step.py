@@ -40,14 +40,23 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def _merged_length(intervals) -> float:
-    """Total length covered by a set of (start, end) intervals."""
-    total, end = 0.0, float("-inf")
+def _merged(intervals) -> list[tuple[float, float]]:
+    """A set of (start, end) intervals as the sorted, disjoint intervals covering the same time."""
+    merged = []
     for lo, hi in sorted(intervals):
-        if hi > end:
-            total += hi - max(lo, end)
-            end = hi
-    return total
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _covered(intervals) -> float:
+    return sum(hi - lo for lo, hi in _merged(intervals))
+
+
+def _compute_spans(kernels: list[dict]) -> list[tuple[float, float]]:
+    return [(e["ts"], e["ts"] + e["dur"]) for e in kernels if kernel_class(e["name"]) != "collective"]
 
 
 def device_kernel_events(trace_dir: str) -> list[dict]:
@@ -69,13 +78,9 @@ def device_kernel_events(trace_dir: str) -> list[dict]:
 def exposed_gaps(kernels: list[dict], top: int = 10) -> list[str]:
     """The longest stretches with no compute kernel on the device, where they fall (ms from the start
     of the trace) and which collectives run during them: the communication nothing hides."""
-    compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if kernel_class(e["name"]) != "collective")
+    compute = _merged(_compute_spans(kernels))
     collectives = [e for e in kernels if kernel_class(e["name"]) == "collective"]
-    gaps, end = [], compute[0][1]
-    for lo, hi in compute[1:]:
-        if lo > end:
-            gaps.append((end, lo))
-        end = max(end, hi)
+    gaps = [(end, start) for (_, end), (start, _) in zip(compute, compute[1:])]
     origin = compute[0][0]
     lines = []
     for lo, hi in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
@@ -87,9 +92,8 @@ def exposed_gaps(kernels: list[dict], top: int = 10) -> list[str]:
 def overlap_report(kernels: list[dict], steps: int) -> str:
     """How much of the traced span the first device computes, only communicates, or idles (ms per step)."""
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
-    compute = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if kernel_class(e["name"]) != "collective"]
     wall = max(hi for _, hi in spans) - min(lo for lo, _ in spans)
-    busy, computing = _merged_length(spans), _merged_length(compute)
+    busy, computing = _covered(spans), _covered(_compute_spans(kernels))
     ms = lambda us: us / 1e3 / steps  # noqa: E731
     return (f"first device, per step: span {ms(wall):.1f} ms = computing {ms(computing):.1f} + only communicating "
             f"{ms(busy - computing):.1f} + idle {ms(wall - busy):.1f}")

@@ -21,8 +21,8 @@ import orbax.checkpoint as ocp
 from ushard.config import default_config
 from ushard.errors import UserError
 
-# Config keys that fix the shapes of the saved arrays; any difference makes a checkpoint unusable.
-# The model settings that decide the parameter tree (names, shapes, dtypes).
+# The model settings that decide the parameter tree (names, shapes, dtypes): any difference makes a
+# checkpoint unusable.
 SHAPE_KEYS = (
     "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "param_dtype",
     "fused_qkv", "fused_mlp",
@@ -102,9 +102,19 @@ def restore_newest(manager: ocp.CheckpointManager, restore, log):
     return None
 
 
+def saved_model_config(saved_config: dict):
+    """The model settings of a checkpoint's saved config (JSON) as a model ConfigDict: defaults fill
+    keys the checkpoint predates; keys this version does not know are ignored."""
+    model_cfg = default_config().model
+    for key, value in saved_config.get("model", {}).items():
+        if key in model_cfg:
+            with model_cfg.ignore_type():
+                model_cfg[key] = value
+    return model_cfg
+
+
 def check_compatible(saved_config: dict, model_cfg, step: int) -> None:
-    # A key the saved config predates has its default value there.
-    saved = {**default_config().model.to_dict(), **saved_config.get("model", {})}
+    saved = saved_model_config(saved_config)
     diffs = [f"model.{k}={saved[k]!r} there but {model_cfg[k]!r} here" for k in SHAPE_KEYS if saved[k] != model_cfg[k]]
     if diffs:
         raise UserError(

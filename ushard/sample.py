@@ -18,23 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ushard.checkpoint import ITEMS, restore_newest
-from ushard.config import default_config
+from ushard.checkpoint import ITEMS, restore_newest, saved_model_config
 from ushard.data.tokenizer import TOKENIZERS, get_tokenizer
 from ushard.errors import UserError
 from ushard.train.state import ModelDef
 
 
 def _saved_settings(saved: dict):
-    """(model config, tokenizer name, training seq_len) from a checkpoint's saved config JSON.
-
-    Defaults fill keys the checkpoint predates; keys this version does not know are ignored.
-    """
-    model_cfg = default_config().model
-    for key, value in saved.get("model", {}).items():
-        if key in model_cfg:
-            with model_cfg.ignore_type():
-                model_cfg[key] = value
+    """(model config, tokenizer name, training seq_len) from a checkpoint's saved config JSON."""
+    model_cfg = saved_model_config(saved)
     tokenizer = saved.get("data", {}).get("tokenizer", "byte")
     if tokenizer not in TOKENIZERS:
         raise UserError(f"the checkpoint was trained with tokenizer {tokenizer!r}, which this ushard does not have.")

@@ -70,12 +70,13 @@ class ZeroRules:
     keep_gathered: bool = False
 
     @classmethod
-    def for_stage(cls, stage: int, reshard_after_forward: bool = True) -> "ZeroRules":
+    def for_stage(cls, stage: int, reshard_after_forward: bool = True, fsdp_size: int = 1) -> "ZeroRules":
         return cls(
             params=logical_rules(stage >= 3),
             grads=logical_rules(stage >= 2),
             opt_state=logical_rules(stage >= 1),
-            keep_gathered=stage >= 3 and not reshard_after_forward,
+            # With one fsdp device nothing is gathered, so there is nothing to keep either.
+            keep_gathered=stage >= 3 and not reshard_after_forward and fsdp_size > 1,
         )
 
 

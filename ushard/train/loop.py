@@ -83,9 +83,8 @@ class Trainer:
         self.mesh = build_mesh(self.mesh_shape, dict(config.mesh.dcn), devices)
         self.model = ModelDef(config.model)
         self.tx, self.schedule = make_optimizer(config.train, self.model.logical)
-        # With fsdp=1 nothing is gathered, so there is nothing to keep either.
-        reshard = config.parallel.reshard_after_forward or self.mesh_shape["fsdp"] == 1
-        self.zero = ZeroRules.for_stage(config.parallel.zero_stage, reshard)
+        parallel = config.parallel
+        self.zero = ZeroRules.for_stage(parallel.zero_stage, parallel.reshard_after_forward, self.mesh_shape["fsdp"])
         t = config.train
         self.steps = Steps(self.model, self.tx, self.schedule, self.zero, self.mesh, t.grad_accum,
                            skip_nonfinite=t.on_nonfinite == "skip")
