@@ -4,7 +4,8 @@
 
 Traces `--steps` steps after a warm-up with `jax.profiler.trace(..., create_perfetto_trace=True)`,
 then sums the device-side durations in the trace by kernel name and prints the largest, per step,
-with a rough class for each (matmul, attention, other fusion).
+with a rough class for each (matmul, attention, other fusion), then the same time by HLO operation
+(tools/hlo_ops.py), with the FLOP rate of each group of matmuls.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ushard import xla_flags  # noqa: E402
 from ushard.config import load_config  # noqa: E402
 from ushard.train.loop import Trainer  # noqa: E402
+
+from hlo_ops import HloOps  # noqa: E402  (tools/ is this script's folder)
 
 
 def kernel_class(name: str) -> str:
@@ -131,6 +134,8 @@ def main() -> None:
             f.write(step_fn.as_text())
         with open(os.path.join(args.dump, "kernels_ms_per_step.json"), "w") as f:
             json.dump(dict(sorted(per_step_ms.items(), key=lambda kv: -kv[1])), f, indent=0)
+        with gzip.open(os.path.join(args.dump, "kernel_events.json.gz"), "wt") as f:
+            json.dump(kernels, f)
     by_class = collections.Counter()
     for name, ms in per_step_ms.items():
         by_class[kernel_class(name)] += ms
@@ -141,6 +146,8 @@ def main() -> None:
     print(f"{'ms/step':>9}  class      kernel")
     for name, ms in sorted(per_step_ms.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{ms:9.2f}  {kernel_class(name):<9}  {name[:110]}")
+    print("\nby HLO operation (bwd = transpose(jvp())):")
+    print("\n".join(HloOps(step_fn.as_text()).table(kernels, args.steps, args.top)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""tools/hlo_ops.py: kernels of a profiled step attributed to the HLO instructions that launched them."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+from hlo_ops import HloOps  # noqa: E402
+
+# A scheduled module in the form `compiled.as_text()` prints on GPUs: a Triton GEMM fusion, a cuBLAS call
+# (whose kernels bear cuBLAS's names, not the instruction's) and an elementwise fusion.
+MODULE = """HloModule jit_f, is_scheduled=true
+
+%gemm_fusion_dot.1_computation (parameter_0: bf16[64,32], parameter_1: bf16[32,16]) -> bf16[64,16] {
+  %parameter_0 = bf16[64,32]{1,0} parameter(0)
+  %parameter_1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,16]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/jvp()/ab,bc->ac/dot_general"}
+}
+
+ENTRY %main.9 (p0: bf16[64,32], p1: bf16[32,16], p2: bf16[48,32]) -> bf16[64,48] {
+  %p0 = bf16[64,32]{1,0} parameter(0), metadata={op_name="p0"}
+  %p1 = bf16[32,16]{1,0} parameter(1), metadata={op_name="p1"}
+  %p2 = bf16[48,32]{1,0} parameter(2), metadata={op_name="p2"}
+  %gemm_fusion_dot.1 = bf16[64,16]{1,0} fusion(%p0, %p1), kind=kCustom, calls=%gemm_fusion_dot.1_computation, metadata={op_name="jit(f)/jvp()/ab,bc->ac/dot_general"}
+  %custom-call.2 = (bf16[64,48]{1,0}, s8[1024]{0}) custom-call(%p0, %p2), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(f)/transpose(jvp())/ab,cb->ac/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["1"]}}}
+  %get-tuple-element.3 = bf16[64,48]{1,0} get-tuple-element(%custom-call.2), index=0
+  ROOT %loop_add_fusion.4 = bf16[64,48]{1,0} fusion(%get-tuple-element.3), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/add"}
+}
+"""
+
+
+def test_matmul_flops_from_the_contracted_dimension():
+    ops = HloOps(MODULE)
+    assert ops.flops == {"gemm_fusion_dot.1": 2 * 64 * 16 * 32, "custom-call.2": 2 * 64 * 48 * 32}
+    assert ops.library_calls == [("custom-call.2", "__cublas$lt$matmul")]
+
+
+def test_kernels_attributed_by_name_and_library_kernels_by_schedule_order():
+    # Two steps; times in microseconds.
+    kernels = []
+    for step in range(2):
+        t = 1000 * step
+        kernels += [
+            {"name": "gemm_fusion_dot_1", "ts": t, "dur": 100},
+            {"name": "nvjet_sm90_tst_128x128", "ts": t + 200, "dur": 300},
+            {"name": "loop_add_fusion_4", "ts": t + 600, "dur": 50},
+        ]
+    times = HloOps(MODULE).attribute(kernels, steps=2)
+    assert {name: round(ms, 6) for name, (ms, _, _) in times.items()} == {
+        "gemm_fusion_dot.1": 0.1, "custom-call.2": 0.3, "loop_add_fusion.4": 0.05,
+    }
+    assert times["custom-call.2"][1] == 1.0  # one launch per step
+    # The cuBLAS call again, as fast as 2*64*48*32 FLOP in 0.5 ns: 393 TFLOP/s, its group's line first.
+    fast = [dict(e, dur=0.0005) if e["name"].startswith("nvjet") else dict(e, dur=0.0001) for e in kernels]
+    first_line = HloOps(MODULE).table(fast, steps=2, top=5)[1].split()
+    assert first_line[1:4] == ["1", "393", "transpose(jvp())/ab,cb->ac/dot_general"], first_line
