@@ -1,10 +1,14 @@
-"""tools/hlo_ops.py: kernels of a profiled step attributed to the HLO instructions that launched them."""
+"""tools/: kernels of a profiled step attributed to HLO instructions (hlo_ops.py); the matmuls whose
+ceilings tools/ceilings.py measures."""
 
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
+import ceilings  # noqa: E402
 from hlo_ops import HloOps  # noqa: E402
 
 # A scheduled module in the form `compiled.as_text()` prints on GPUs: a Triton GEMM fusion, a cuBLAS call
@@ -54,3 +58,18 @@ def test_kernels_attributed_by_name_and_library_kernels_by_schedule_order():
     fast = [dict(e, dur=0.0005) if e["name"].startswith("nvjet") else dict(e, dur=0.0001) for e in kernels]
     first_line = HloOps(MODULE).table(fast, steps=2, top=5)[1].split()
     assert first_line[1:4] == ["1", "393", "transpose(jvp())/ab,cb->ac/dot_general"], first_line
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_ceilings_times_every_matmul_of_the_model(fused):
+    from conftest import small_config
+    from ushard.train.state import ModelDef
+
+    cfg = small_config(**{"model.fused_qkv": fused, "model.fused_mlp": fused, "model.n_kv_heads": 2}).model
+    per_layer = sum(k * n for _, k, n in ceilings.layer_matmuls(cfg))
+    assert cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size == ModelDef(cfg).num_matmul_params()
+    forms = ceilings.matmul_forms(tokens=8, k=3, n=5)
+    for (lhs, rhs), (lhs_c, rhs_c) in forms.values():  # each form contracts dimensions of one size
+        assert [lhs[d] for d in lhs_c] == [rhs[d] for d in rhs_c]
+    assert {f: len(set(s[0]) | set(s[1])) for f, (s, _) in forms.items()} == {
+        "forward": 3, "input grad": 3, "weight grad": 3}
