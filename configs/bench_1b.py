@@ -30,8 +30,9 @@ def get_config():
     # Gate and up as one GEMM: +0.9% (fused q/k/v measured -1.5%, left off); docs/benchmarks.md.
     c.model.fused_mlp = True
     # FSDP: all-gather a whole layer's weights at once, so XLA starts it a layer ahead (+0.9% on 2 GPUs),
-    # and keep the forward's gathered bf16 weights for the backward pass (+0.9% on 2, +1.5% on 4 GPUs;
-    # params, gradients and optimizer state stay ZeRO-3 sharded, plus 1.9 GB of bf16 weights).
+    # and keep the forward's gathered bf16 weights for the backward pass. Without remat they are kept
+    # either way; under a remat policy keeping them measured +0.9% on 2, +1.5% on 4 GPUs (params,
+    # gradients and optimizer state stay ZeRO-3 sharded, plus 1.9 GB of bf16 weights).
     c.parallel.collective_combine_mib = 128
     c.parallel.reshard_after_forward = False
     c.train.steps = 20
