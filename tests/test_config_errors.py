@@ -95,6 +95,16 @@ def test_shipped_tiny_is_valid_on_8_and_1_devices():
     assert validate(_tiny(), 1)["fsdp"] == 1
 
 
+@pytest.mark.parametrize("name, params", [
+    ("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496), ("bench_1b", 953_223_168)])
+def test_shipped_configs_are_valid_and_the_size_they_say(name, params):
+    from ushard.train.state import ModelDef
+
+    config = load_config(name)
+    assert validate(config, DEVICES)["fsdp"] == 8
+    assert ModelDef(config.model).num_params() == params  # Meta's published counts for Llama 3
+
+
 def test_default_config_is_valid():
     assert validate(default_config(), DEVICES)["fsdp"] == 8
 

@@ -21,6 +21,7 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ushard import xla_flags  # noqa: E402
 from ushard.config import apply_overrides, load_config  # noqa: E402
 from ushard.train.loop import Trainer  # noqa: E402
 
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
+    xla_flags.apply(load_config(args.config))  # before the backend starts, as training does
     root = args.dir or tempfile.mkdtemp(prefix="ushard-ckpt-bench-")
     results = [measure(args.config, mode, args.repeats, root) for mode in (True, False)]
     for r in results:
