@@ -8,7 +8,7 @@ import pytest
 from conftest import small_config
 from ushard.metrics import flops_per_token
 from ushard.models.attention import causal_attention
-from ushard.models.layers import embed_lookup
+from ushard.models.layers import embed_lookup, gated_silu_pair
 from ushard.train.state import ModelDef
 from ushard.train.loss import cross_entropy_sums
 
@@ -87,6 +87,25 @@ def test_remat_policies_keep_gradients(policy):
     reference, got = grads("none"), grads(policy)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(reference)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gated_silu_pair_matches_the_plain_expression_and_its_autodiff(dtype):
+    keys = jax.random.split(jax.random.key(7), 2)
+    gate_up = (3 * jax.random.normal(keys[0], (2, 5, 2, 24), jnp.float32)).astype(dtype)
+    d_hidden = jax.random.normal(keys[1], (2, 5, 24), jnp.float32).astype(dtype)
+
+    def plain(gu):
+        gu = gu.astype(jnp.float32)
+        return jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]
+
+    got, got_vjp = jax.vjp(gated_silu_pair, gate_up)
+    want, want_vjp = jax.vjp(plain, gate_up.astype(jnp.float32))
+    (got_grad,), (want_grad,) = got_vjp(d_hidden), want_vjp(d_hidden.astype(jnp.float32))
+    tol = 1e-6 if dtype == jnp.float32 else 2e-2
+    assert got.dtype == got_grad.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(got_grad, np.float32), want_grad, rtol=tol, atol=tol)
 
 
 def test_unrolled_layer_loop_computes_the_same():
