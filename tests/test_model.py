@@ -76,12 +76,14 @@ def test_causality():
     assert not np.allclose(a[:, 10:], b[:, 10:])
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch", "dots_attention", "dots_attention_norms"])
-def test_remat_policies_keep_gradients(policy):
+@pytest.mark.parametrize("policy, fused", [
+    ("full", False), ("dots", False), ("dots_no_batch", False), ("dots_attention", False),
+    ("dots_attention_norms", False), ("full", True), ("dots_attention_norms", True)])
+def test_remat_policies_keep_gradients(policy, fused):
     tokens, positions = tokens_and_positions()
 
     def grads(remat):
-        model, params = model_and_params(remat=remat)
+        model, params = model_and_params(remat=remat, fused_mlp=fused)
         return jax.grad(summed_loss, argnums=1)(model, params, tokens, positions)
 
     reference, got = grads("none"), grads(policy)
