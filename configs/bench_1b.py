@@ -21,7 +21,7 @@ def get_config():
     c.model.rope_theta = 500000.0
     c.model.compute_dtype = "bfloat16"
     # Keeping every activation fits once the loop is unrolled (a scan copies its stacked ones, ~82 GiB).
-    # Where memory runs short: "dots_attention" (41.3 GiB, -3.5%), "full" (20.4 GiB, -20%).
+    # Where memory runs short: "dots_attention" (41.3 GiB, -3.2%), "full" (20.4 GiB, -19.6%).
     c.model.remat = "none"
     # Unrolled, XLA writes each layer's saved activations in place instead of copying the scan's
     # stacked buffers (19.5 ms a step); 16 layers compile in seconds.
@@ -30,9 +30,10 @@ def get_config():
     # Gate and up as one GEMM: +0.9% (fused q/k/v measured -1.5%, left off); docs/benchmarks.md.
     c.model.fused_mlp = True
     # FSDP: all-gather a whole layer's weights at once, so XLA starts it a layer ahead (+0.9% on 2 GPUs),
-    # and keep the forward's gathered bf16 weights for the backward pass. Without remat they are kept
-    # either way; under a remat policy keeping them measured +0.9% on 2, +1.5% on 4 GPUs (params,
-    # gradients and optimizer state stay ZeRO-3 sharded, plus 1.9 GB of bf16 weights).
+    # and keep the forward's gathered bf16 weights for the backward pass. With remat "none" they are
+    # kept either way; with a checkpoint around each layer (remat "dots_attention" in the second round)
+    # keeping them measured +0.9% on 2, +1.5% on 4 GPUs (params, gradients and optimizer state stay
+    # ZeRO-3 sharded, plus 1.9 GB of bf16 weights).
     c.parallel.collective_combine_mib = 128
     c.parallel.reshard_after_forward = False
     c.train.steps = 20

@@ -19,8 +19,8 @@ def get_config():
     c.model.d_ff = 14336
     c.model.rope_theta = 500000.0
     c.model.remat = "full"
-    # Measured on bench_1b (docs/benchmarks.md): gate and up as one GEMM, and whole layers per FSDP
-    # all-gather / reduce-scatter so that XLA starts each a layer ahead.
+    # Measured on bench_1b (docs/benchmarks.md): gate and up as one GEMM, and neighbouring weights
+    # merged into FSDP all-gathers / reduce-scatters of up to 128 MiB, which XLA starts earlier.
     c.model.fused_mlp = True
     c.parallel.collective_combine_mib = 128
     c.train.steps = 10000

@@ -102,7 +102,7 @@ def test_shipped_configs_are_valid_and_the_size_they_say(name, params):
 
     config = load_config(name)
     assert validate(config, DEVICES)["fsdp"] == 8
-    assert ModelDef(config.model).num_params() == params  # Meta's published counts for Llama 3
+    assert ModelDef(config.model).num_params() == params  # for Llama 3, Meta's published counts
 
 
 def test_default_config_is_valid():

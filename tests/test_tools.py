@@ -4,6 +4,7 @@ ceilings tools/ceilings.py measures."""
 import os
 import sys
 
+import jax
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
@@ -28,7 +29,8 @@ ENTRY %main.9 (p0: bf16[64,32], p1: bf16[32,16], p2: bf16[48,32]) -> bf16[64,48]
   %gemm_fusion_dot.1 = bf16[64,16]{1,0} fusion(%p0, %p1), kind=kCustom, calls=%gemm_fusion_dot.1_computation, metadata={op_name="jit(f)/jvp()/ab,bc->ac/dot_general"}
   %custom-call.2 = (bf16[64,48]{1,0}, s8[1024]{0}) custom-call(%p0, %p2), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(f)/transpose(jvp())/ab,cb->ac/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["1"]}}}
   %get-tuple-element.3 = bf16[64,48]{1,0} get-tuple-element(%custom-call.2), index=0
-  ROOT %loop_add_fusion.4 = bf16[64,48]{1,0} fusion(%get-tuple-element.3), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/add"}
+  %loop_add_fusion.4 = bf16[64,48]{1,0} fusion(%get-tuple-element.3), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/add"}
+  ROOT %loop_select_fusion.5 = (f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, /*index=5*/f32[4]{0}) fusion(%p0), kind=kLoop, calls=%fused_select, metadata={op_name="jit(f)/select_n"}
 }
 """
 
@@ -60,6 +62,20 @@ def test_kernels_attributed_by_name_and_library_kernels_by_schedule_order():
     assert first_line[1:4] == ["1", "393", "transpose(jvp())/ab,cb->ac/dot_general"], first_line
 
 
+def test_tuple_shapes_past_five_elements_and_trace_op_names_are_read():
+    ops = HloOps(MODULE)
+    assert ops.op_name["loop_select_fusion.5"] == "jit(f)/select_n"  # XLA prints /*index=5*/ inside
+    events = [{"name": "some_kernel", "ts": 0, "dur": 40, "args": {"hlo_op": "loop_select_fusion.5"}}]
+    assert dict(ops.attribute(events, steps=1))["loop_select_fusion.5"][0] == 0.04
+
+
+def test_cublas_kernels_that_do_not_match_the_calls_keep_their_names(capsys):
+    # Two kernels for one call in one step (a split-K reduction, say): no guessing which is which.
+    events = [{"name": "nvjet_a", "ts": 0, "dur": 10}, {"name": "nvjet_b", "ts": 20, "dur": 10}]
+    assert set(HloOps(MODULE).attribute(events, steps=1)) == {"nvjet_a", "nvjet_b"}
+    assert "2 cuBLAS kernels for 1 calls" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_ceilings_times_every_matmul_of_the_model(fused):
     from conftest import small_config
@@ -68,8 +84,10 @@ def test_ceilings_times_every_matmul_of_the_model(fused):
     cfg = small_config(**{"model.fused_qkv": fused, "model.fused_mlp": fused, "model.n_kv_heads": 2}).model
     per_layer = sum(k * n for _, k, n in ceilings.layer_matmuls(cfg))
     assert cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size == ModelDef(cfg).num_matmul_params()
-    forms = ceilings.matmul_forms(tokens=8, k=3, n=5)
-    for (lhs, rhs), (lhs_c, rhs_c) in forms.values():  # each form contracts dimensions of one size
-        assert [lhs[d] for d in lhs_c] == [rhs[d] for d in rhs_c]
-    assert {f: len(set(s[0]) | set(s[1])) for f, (s, _) in forms.items()} == {
-        "forward": 3, "input grad": 3, "weight grad": 3}
+    out_shapes = {}
+    for form, ((lhs, rhs), (lhs_c, rhs_c)) in ceilings.matmul_forms(tokens=8, k=3, n=5).items():
+        dims = ((lhs_c, rhs_c), ((), ()))
+        out_shapes[form] = jax.eval_shape(lambda a, b, d=dims: jax.lax.dot_general(a, b, d),
+                                          jax.ShapeDtypeStruct(lhs, "float32"), jax.ShapeDtypeStruct(rhs, "float32")).shape
+    # activations [tokens, n], their gradient [tokens, k], the weight's gradient [k, n]
+    assert out_shapes == {"forward": (8, 5), "input grad": (8, 3), "weight grad": (3, 5)}

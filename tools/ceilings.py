@@ -2,7 +2,8 @@
 
     python tools/ceilings.py --config configs/bench_1b.py [--config.a.b=v ...] [--repeats 20]
 
-On one device, for the config's model at its batch and sequence length:
+On one device, for the config's model at its global batch (`train.batch_size`; override it with the
+sequences one device holds for a config meant for many) and sequence length:
 - memory bandwidth: an elementwise pass over 1 GiB of bf16 (bytes read plus bytes written);
 - every matmul of a step, at its own shape, in its three forms (forward; the backward's input gradient;
   the weight gradient), bf16 operands and output, as XLA compiles a lone dot;
@@ -80,9 +81,9 @@ def elementwise_bytes(m, tokens: int, n_params: int) -> dict[str, float]:
     sum and the normed: 4 rows, twice); rotary on q and k (read and write each); silu(gate) * up (read
     2 mlp rows, write 1). Backward: each norm (read x, its output gradient and the residual gradient,
     write the input gradient; read x and the output gradient again for the scale's gradient: 6 rows);
-    rotary (4 rows of q/k); the SwiGLU gradient (read 3 mlp rows, write 2). The loss: logits written
-    by their matmul, read once for the softmax statistics and once for their gradient, gradient written
-    (3 passes of [tokens, vocab]). AdamW: read weight, gradient and two moments, write weight and
+    rotary (4 rows of q/k); the SwiGLU gradient (read 3 mlp rows, write 2). The loss (its matmul's
+    write of the logits is in the matmul's time): the logits read once for the softmax statistics and
+    once for their gradient, the gradient written (3 passes of [tokens, vocab]). AdamW: read weight, gradient and two moments, write weight and
     moments (7 float32 numbers per parameter).
     """
     row, mlp_row = 2 * tokens * m.d_model, 2 * tokens * m.d_ff
@@ -125,8 +126,8 @@ def main() -> None:
 
     hd = m.d_model // m.n_heads
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
-    q = random(3, (t.batch_size, t.seq_len, m.n_heads, hd))
-    k, v, d_out = (random(i, (t.batch_size, t.seq_len, m.n_kv_heads if i < 6 else m.n_heads, hd)) for i in (4, 5, 6))
+    q, d_out = random(3, (t.batch_size, t.seq_len, m.n_heads, hd)), random(4, (t.batch_size, t.seq_len, m.n_heads, hd))
+    k, v = random(5, (t.batch_size, t.seq_len, m.n_kv_heads, hd)), random(6, (t.batch_size, t.seq_len, m.n_kv_heads, hd))
     attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)  # noqa: E731
     forward_ms = time_ms(attend, q, k, v, repeats=reps)
     train_ms = time_ms(lambda q, k, v, d: jax.vjp(attend, q, k, v)[1](d), q, k, v, d_out, repeats=reps)

@@ -1,17 +1,21 @@
 """Which HLO operation each GPU kernel of a profiled step ran for, and the FLOP rate of every matmul.
 
 Reads the optimized, scheduled HLO text of the step (`compiled.as_text()`) and attributes kernel events
-of a trace to its instructions: XLA's own kernels carry their instruction's name (dots as underscores);
-library calls (cuBLAS, cuDNN) are matched to the library custom-calls in schedule order.
+of a trace to its instructions: XLA's own kernels carry their instruction's name (other characters
+than letters, digits and `_` as underscores); cuBLAS kernels are matched to the cuBLAS calls in
+schedule order; cuDNN's and anything else unmatched keep their kernel names. Only the ENTRY
+computation is read: with the layer loop rolled into a `while` (`model.scan_unroll=1`), the layers'
+kernels keep their kernel names and get no FLOP rate; profile unrolled for the per-matmul table.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import re
+import sys
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(?[a-z0-9]+\[[^=]*?) (\w[\w\-]*)\((.*)$")
+_TUPLE_INDEX = re.compile(r"/\*index=\d+\*/")  # printed inside long tuple shapes
 _SHAPE = re.compile(r"[a-z0-9]+\[([0-9,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -35,7 +39,7 @@ class HloOps:
                 if line.startswith("ENTRY"):
                     entry_lines = computations[current]
                 continue
-            m = _INSTRUCTION.match(line)
+            m = _INSTRUCTION.match(_TUPLE_INDEX.sub("", line))
             if not m or current is None:
                 continue
             name, shape, opcode, rest = m.groups()
@@ -76,7 +80,7 @@ class HloOps:
 
         XLA launches one kernel for all instructions of identical fusions (`deduplicated_name`): their
         time and launches land on the instruction whose name the kernel bears."""
-        by_name = {n.replace(".", "_"): n for n in self.shape}
+        by_name = {re.sub(r"[^\w$]", "_", n): n for n in self.shape}
         out = collections.defaultdict(lambda: [0.0, 0, ""])
         unmatched = collections.defaultdict(list)  # library kernels, by the library that launched them
         for e in sorted(kernels, key=lambda e: e["ts"]):
@@ -92,7 +96,9 @@ class HloOps:
         if calls and len(events) == len(calls) * steps:
             for i, e in enumerate(events):
                 _add(out[calls[i % len(calls)]], e, steps)
-        else:
+        elif events:
+            print(f"hlo_ops: {len(events)} cuBLAS kernels for {len(calls)} calls x {steps} steps; "
+                  "listed by kernel name instead", file=sys.stderr)
             unmatched["other"] += events
         for e in unmatched["other"]:
             _add(out[e["name"][:60]], e, steps)

@@ -84,8 +84,10 @@ def gated_silu_pair(gate_up):
     Written by hand so that the backward pass is one elementwise pass over the [..., 2, mlp] layout:
     each element finds its partner (gate for up, up for gate) by reversing axis -2, so every output
     element reads its inputs once. Autodiff of the slices instead sums two zero-padded halves, which
-    XLA runs at two thirds of the memory bandwidth (docs/benchmarks.md).
+    XLA runs at two thirds of the memory bandwidth (docs/benchmarks.md). Reverse mode only (a custom
+    VJP): `jax.jvp` through it is refused.
     """
+    assert gate_up.shape[-2] == 2, gate_up.shape
     return jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
 
 
