@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ushard.config import load_config  # noqa: E402
 from ushard.metrics import flops_per_token, peak_flops  # noqa: E402
+from ushard.train.state import ModelDef  # noqa: E402
 
 BF16 = jnp.bfloat16
 
@@ -135,12 +136,11 @@ def main() -> None:
     print(f"\nattention ({impl}), one layer: forward {forward_ms:.2f} ms, forward + backward {train_ms:.2f} ms "
           f"({attention_flops / train_ms / 1e9:.0f} TFLOP/s)")
 
-    n_matmul_params = sum(count * k * n for _, k, n, count in weights)
-    n_params = n_matmul_params + m.vocab_size * m.d_model * (0 if m.tie_embeddings else 1) + (2 * m.n_layers + 1) * m.d_model
-    moved = elementwise_bytes(m, tokens, n_params)
+    model = ModelDef(m)  # shapes only
+    moved = elementwise_bytes(m, tokens, model.num_params())
     moved_ms = {part: b / bandwidth * 1e3 for part, b in moved.items()}
     floor_ms = matmul_ms + m.n_layers * train_ms + sum(moved_ms.values())
-    step_flops = flops_per_token(m, n_matmul_params, t.seq_len) * tokens
+    step_flops = flops_per_token(m, model.num_matmul_params(), t.seq_len) * tokens
     peak = peak_flops()
     print("\nfloor of one step: matmuls {:.1f} + attention {:.1f} + other work {:.1f} ms ({}) = {:.1f} ms".format(
         matmul_ms, m.n_layers * train_ms, sum(moved_ms.values()),

@@ -89,7 +89,8 @@ class HloOps:
             if name is not None:
                 _add(out[name], e, steps)
             else:
-                unmatched["cublas" if _is_cublas_kernel(e["name"]) else "other"].append(e)
+                # Not XLA's own: a matmul kernel here is cuBLAS's.
+                unmatched["cublas" if kernel_class(e["name"]) == "matmul" else "other"].append(e)
         # cuBLAS launches one kernel per call: match them in launch order to the calls in schedule order.
         calls = [n for n, target in self.library_calls if "cublas" in target]
         events = unmatched.pop("cublas", [])
@@ -127,5 +128,15 @@ def _add(slot: list, event: dict, steps: int) -> None:
     slot[2] = slot[2] or event["name"]
 
 
-def _is_cublas_kernel(name: str) -> bool:
-    return any(k in name.lower() for k in ("nvjet", "cublas", "sm90_xmma", "cutlass", "gemm"))
+def kernel_class(name: str) -> str:
+    """A GPU kernel's rough class by its name: matmul, attention, copy, collective or other."""
+    low = name.lower()
+    if any(k in low for k in ("gemm", "cublas", "matmul", "sm90_xmma", "nvjet", "triton_gemm", "cutlass")):
+        return "matmul"
+    if any(k in low for k in ("fmha", "flash", "cudnn", "attention", "sdpa")):
+        return "attention"
+    if "memcpy" in low or "memset" in low:
+        return "copy"
+    if "nccl" in low:
+        return "collective"
+    return "other"

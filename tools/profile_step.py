@@ -27,20 +27,7 @@ from ushard import xla_flags  # noqa: E402
 from ushard.config import load_config  # noqa: E402
 from ushard.train.loop import Trainer  # noqa: E402
 
-from hlo_ops import HloOps  # noqa: E402  (tools/ is this script's folder)
-
-
-def kernel_class(name: str) -> str:
-    low = name.lower()
-    if any(k in low for k in ("gemm", "cublas", "matmul", "sm90_xmma", "nvjet", "triton_gemm", "cutlass")):
-        return "matmul"
-    if any(k in low for k in ("fmha", "flash", "cudnn", "attention", "sdpa")):
-        return "attention"
-    if "memcpy" in low or "memset" in low:
-        return "copy"
-    if "nccl" in low:
-        return "collective"
-    return "other"
+from hlo_ops import HloOps, kernel_class  # noqa: E402  (tools/ is this script's folder)
 
 
 def _merged(intervals) -> list[tuple[float, float]]:
