@@ -98,11 +98,12 @@ def test_shipped_tiny_is_valid_on_8_and_1_devices():
 @pytest.mark.parametrize("name, params", [
     ("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496), ("bench_1b", 953_223_168)])
 def test_shipped_configs_are_valid_and_the_size_they_say(name, params):
-    from ushard.train.state import ModelDef
+    from ushard.models.config import ModelConfig
+    from ushard.models.definition import ModelDef
 
     config = load_config(name)
     assert validate(config, DEVICES)["fsdp"] == 8
-    assert ModelDef(config.model).num_params() == params  # for Llama 3, Meta's published counts
+    assert ModelDef(ModelConfig.from_config(config.model)).num_params() == params  # for Llama 3, Meta's published counts
 
 
 def test_default_config_is_valid():
@@ -238,16 +239,23 @@ def test_broken_config_file(tmp_path, body, match):
         (["model.n_kv_heads=4"], r"model\.n_heads=6 is not divisible by model\.n_kv_heads=4"),
         (["model.d_model=100"], r"model\.d_model=100 is not divisible by model\.n_heads=6"),
         (["model.d_model=18"], r"head_dim = d_model/n_heads = 3 must be even"),
-        (["mesh.tensor=4", "mesh.fsdp=2"], r"model\.n_heads=6 is not divisible by mesh\.tensor=4"),
-        (["mesh.tensor=2", "mesh.fsdp=4", "model.n_kv_heads=1"], r"model\.n_kv_heads=1 is not divisible by mesh\.tensor=2"),
-        (["mesh.tensor=2", "mesh.fsdp=4", "model.vocab_size=513"], r"model\.vocab_size=513 is not divisible by mesh\.tensor=2"),
-        # other sharded dimensions
-        (["model.d_model=204", "model.n_heads=6"], r"model\.d_model=204 is not divisible by mesh\.fsdp=8"),
-        (["mesh.sequence=2", "mesh.fsdp=4", "train.seq_len=33"], r"train\.seq_len=33 is not divisible by mesh\.sequence=2"),
+        # sharded dimensions: one generic check names the parameter (or batch), the dimension and the axes
+        (["mesh.tensor=4", "mesh.fsdp=2"],
+         r"parameter blocks\.attn\.wk has a 'kv_heads' dimension of 2, which does not split over mesh\.tensor=4"),
+        (["mesh.tensor=2", "mesh.fsdp=4", "model.n_kv_heads=1"],
+         r"'kv_heads' dimension of 1, which does not split over mesh\.tensor=2"),
+        (["mesh.tensor=2", "mesh.fsdp=4", "model.vocab_size=513"],
+         r"parameter embedding has a 'vocab' dimension of 513, which does not split over mesh\.tensor=2"),
+        (["model.d_model=204", "model.n_heads=6"], r"'embed' dimension of 204, which does not split over mesh\.fsdp=8"),
+        (["mesh.sequence=2", "mesh.fsdp=4", "train.seq_len=33"],
+         r"train\.seq_len=33\) has a 'act_length' dimension of 33, which does not split over mesh\.sequence=2"),
         # the batch
-        (["train.batch_size=12"], r"train\.batch_size=12 is not divisible .* = 8\).*multiple of 8"),
-        (["train.batch_size=8", "train.grad_accum=2"], r"train\.batch_size=8 .*grad_accum=2; use a multiple of 16"),
-        (["mesh.data=2", "mesh.fsdp=4", "train.batch_size=4"], r"train\.batch_size=4 is not divisible"),
+        (["train.batch_size=12"], r"train\.batch_size=12 .*'act_batch' dimension of 12, .* mesh\.fsdp=8; make 12 a multiple of 8"),
+        (["train.batch_size=8", "train.grad_accum=2"],
+         r"train\.batch_size=8 / train\.grad_accum=2 .*'act_batch' dimension of 4, .*multiple of 8"),
+        (["train.batch_size=9", "train.grad_accum=2"], r"train\.batch_size=9 is not divisible by train\.grad_accum=2"),
+        (["mesh.data=2", "mesh.fsdp=4", "train.batch_size=4"],
+         r"train\.batch_size=4 .*does not split over mesh\.data=2 x mesh\.fsdp=4"),
         # unknown choices
         (["model.remat=everything"], r"model\.remat='everything' is not valid; choose one of: none, full"),
         (["train.schedule=exp"], r"train\.schedule='exp' is not valid; choose one of: cosine"),

@@ -120,7 +120,7 @@ MESHES = {
 
 
 def test_global_batch_is_identical_on_every_mesh(batches):
-    from ushard.train.loop import Trainer
+    from ushard.training.loop import Trainer
 
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices: run with JAX_NUM_CPU_DEVICES=8")
@@ -129,7 +129,7 @@ def test_global_batch_is_identical_on_every_mesh(batches):
     for name, overrides in MESHES.items():
         devices = jax.devices()[:1] if name == "one_device" else jax.devices()[:8]
         trainer = Trainer(load_config("tiny", SMALL + overrides), None, devices=devices, batches=batches)
-        assert trainer.mesh.size == len(devices)
+        assert trainer.setup.mesh.size == len(devices)
         results[name] = []
         for s in steps:
             arrays = trainer.global_batch(s)

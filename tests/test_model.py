@@ -9,12 +9,13 @@ from conftest import small_config
 from ushard.metrics import flops_per_token
 from ushard.models.attention import causal_attention
 from ushard.models.layers import embed_lookup, gated_silu_pair
-from ushard.train.state import ModelDef
-from ushard.train.loss import cross_entropy_sums
+from ushard.models.config import ModelConfig
+from ushard.models.definition import ModelDef
+from ushard.training.loss import cross_entropy_sums
 
 
 def model_and_params(**overrides):
-    model = ModelDef(small_config(**{f"model.{k}": v for k, v in overrides.items()}).model)
+    model = ModelDef(ModelConfig.from_config(small_config(**{f"model.{k}": v for k, v in overrides.items()}).model))
     return model, jax.jit(lambda: model.init(0))()
 
 
@@ -25,7 +26,7 @@ def tokens_and_positions(batch=2, length=16, seed=0):
 
 def summed_loss(model, params, tokens, positions):
     """The model's summed next-token loss over every position (targets = the tokens themselves)."""
-    return cross_entropy_sums(model.apply(params, tokens, positions), tokens, jnp.ones_like(tokens))[0]
+    return cross_entropy_sums(model.apply(params, tokens, positions)[0], tokens, jnp.ones_like(tokens))[0]
 
 
 def reference_attention(q, k, v, segment_ids):
@@ -57,12 +58,12 @@ def test_document_mask_isolates_packed_documents():
     positions = jnp.concatenate([jnp.arange(8), jnp.arange(8)])[None]
     segments = jnp.array([[1] * 8 + [2] * 8])
     other_first_doc = tokens.at[0, :8].set((tokens[0, :8] + 1) % 257)
-    a = model.apply(params, tokens, positions, segments)
-    b = model.apply(params, other_first_doc, positions, segments)
+    a = model.apply(params, tokens, positions, segments)[0]
+    b = model.apply(params, other_first_doc, positions, segments)[0]
     np.testing.assert_allclose(a[0, 8:], b[0, 8:], rtol=1e-5, atol=1e-5)  # second document untouched
     assert not np.allclose(a[0, :8], b[0, :8])
     # ...and the second document alone, from position 0, gives the same logits.
-    alone = model.apply(params, tokens[:, 8:], positions[:, 8:], jnp.ones((1, 8), jnp.int32))
+    alone = model.apply(params, tokens[:, 8:], positions[:, 8:], jnp.ones((1, 8), jnp.int32))[0]
     np.testing.assert_allclose(a[0, 8:], alone[0], rtol=1e-4, atol=1e-5)
 
 
@@ -70,8 +71,8 @@ def test_causality():
     model, params = model_and_params()
     tokens, positions = tokens_and_positions()
     changed = tokens.at[:, 10].set((tokens[:, 10] + 1) % 257)
-    a = model.apply(params, tokens, positions)
-    b = model.apply(params, changed, positions)
+    a = model.apply(params, tokens, positions)[0]
+    b = model.apply(params, changed, positions)[0]
     np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=1e-5, atol=1e-6)
     assert not np.allclose(a[:, 10:], b[:, 10:])
 
@@ -113,8 +114,8 @@ def test_gated_silu_pair_matches_the_plain_expression_and_its_autodiff(dtype):
 def test_unrolled_layer_loop_computes_the_same():
     tokens, positions = tokens_and_positions()
     model, params = model_and_params()
-    unrolled = ModelDef(small_config(**{"model.scan_unroll": 2}).model)
-    np.testing.assert_allclose(unrolled.apply(params, tokens, positions), model.apply(params, tokens, positions),
+    unrolled = ModelDef(ModelConfig.from_config(small_config(**{"model.scan_unroll": 2}).model))
+    np.testing.assert_allclose(unrolled.apply(params, tokens, positions)[0], model.apply(params, tokens, positions)[0],
                                rtol=1e-5, atol=1e-6)
 
 
@@ -124,7 +125,7 @@ def test_recomputation_is_fenced_off_from_the_forward_pass_only_when_unrolled(re
     the forward pass (which silently keeps every activation: docs/dev-notes.md); a rolled scan keeps
     them apart itself, where a barrier would only cost speed."""
     tokens, positions = tokens_and_positions()
-    model = ModelDef(small_config(**{"model.remat": remat, "model.scan_unroll": unroll}).model)
+    model = ModelDef(ModelConfig.from_config(small_config(**{"model.remat": remat, "model.scan_unroll": unroll}).model))
     grad_fn = jax.jit(jax.grad(lambda p: summed_loss(model, p, tokens, positions)))
     barriers = grad_fn.lower(model.shapes).as_text().count("optimization_barrier")
     assert (barriers > 0) == (remat != "none" and unroll > 1), barriers
@@ -134,8 +135,8 @@ def test_program_size_does_not_grow_with_depth():
     tokens, positions = tokens_and_positions()
 
     def hlo_size(n_layers):
-        model = ModelDef(small_config(**{"model.n_layers": n_layers}).model)
-        fn = jax.jit(lambda p: model.apply(p, tokens, positions))
+        model = ModelDef(ModelConfig.from_config(small_config(**{"model.n_layers": n_layers}).model))
+        fn = jax.jit(lambda p: model.apply(p, tokens, positions)[0])
         return len(fn.lower(model.shapes).as_text())
 
     assert hlo_size(8) < 1.05 * hlo_size(2)
@@ -152,7 +153,7 @@ def test_tied_embeddings_share_the_table():
 def test_flops_per_token_counts_matmuls_and_causal_attention():
     config = small_config()
     m, t = config.model, config.train
-    model = ModelDef(m)
+    model = ModelDef(ModelConfig.from_config(m))
     d, f, h, kv, hd = m.d_model, m.d_ff, m.n_heads, m.n_kv_heads, m.d_model // m.n_heads
     per_layer = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f  # q, o, k, v, gate/up/down
     matmul_params = m.n_layers * per_layer + d * m.vocab_size  # + LM head; the input table is a lookup
@@ -206,7 +207,7 @@ def test_fused_projections_compute_the_same_function():
     assert jax.tree.map(jnp.shape, repacked) == jax.tree.map(jnp.shape, fused_init)
     tokens, positions = tokens_and_positions()
     np.testing.assert_allclose(
-        fused.apply(repacked, tokens, positions), plain.apply(params, tokens, positions), rtol=1e-5, atol=1e-5
+        fused.apply(repacked, tokens, positions)[0], plain.apply(params, tokens, positions)[0], rtol=1e-5, atol=1e-5
     )
 
 

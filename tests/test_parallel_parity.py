@@ -13,10 +13,15 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config
-from ushard.train.loop import Trainer
+from ushard import build
+from ushard.training.loop import Trainer
 
 RTOL = 1e-5
-FP8_TRAINED_RTOL = 5e-3  # measured 1.3e-3 for the parameters after 3 steps; step 0 holds 1e-5
+FP8_TRAINED_RTOL = 5e-3  # measured 1.3e-3 for the parameters after 3 steps
+# FP8 step-0 gradients: 1.295e-5 on this repository's dev machine with the code before and after the
+# layout refactor alike (CI's CPU measured under 1e-5): which float32 sums round across an e4m3 step
+# depends on the CPU's vector width.
+FP8_STEP0_RTOL = 3e-5
 
 # name: (mesh and parallel overrides, use one device)
 LAYOUTS = {
@@ -51,7 +56,7 @@ def run_layout(name, batches):
     trainer = Trainer(config, devices=jax.devices()[:1] if single else None, batches=batches)
     state = trainer.steps.init(config.train.seed)
     first = trainer.global_batch(0)
-    loss0, grads0 = trainer.steps.loss_and_grads(state["params"], first)
+    loss0, grads0 = trainer.steps.loss_and_grads(state.params, first)
     compiled = trainer.steps.train_step.lower(state, first).compile()
     result = {
         "trainer": trainer,
@@ -66,7 +71,7 @@ def run_layout(name, batches):
     for step in range(config.train.steps):
         state, metrics = compiled(state, trainer.global_batch(step))
         result["losses"].append(float(metrics["loss"]))
-    result["params"] = jax.device_get(state["params"])
+    result["params"] = jax.device_get(state.params)
     return result
 
 
@@ -85,7 +90,7 @@ def test_layout_matches_single_device(results, name):
     reference = {"fused": "single_fused", "fp8": "single_fp8"}.get(name.rsplit("_", 1)[-1], "single")
     ref, got = results[reference], results[name]
     np.testing.assert_allclose(got["loss0"], ref["loss0"], rtol=RTOL)
-    assert tree_relative_difference(got["grads0"], ref["grads0"]) <= RTOL
+    assert tree_relative_difference(got["grads0"], ref["grads0"]) <= (FP8_STEP0_RTOL if name.endswith("_fp8") else RTOL)
     # FP8: a last-bit difference of a float32 sum can move a value across an FP8 rounding boundary
     # (one e4m3 step is 6%), and Adam's normalised updates carry that into the next steps.
     trained_rtol = FP8_TRAINED_RTOL if name.endswith("_fp8") else RTOL
@@ -115,7 +120,7 @@ REPLICATED_GATE = P(None, None, "tensor")
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_places_the_states_it_promises(results, stage):
     got = results[f"zero{stage}_accum"]
-    params = got["init_shardings"]["params"]
+    params = got["init_shardings"].params
     adam = got["trainer"].steps.shardings.opt_state
     mu = [s for s in jax.tree.leaves(adam) if s.spec not in (P(),)]
     assert spec_of(params, *W_GATE) == (SHARDED_GATE if stage >= 3 else REPLICATED_GATE)
@@ -124,7 +129,7 @@ def test_zero_stage_places_the_states_it_promises(results, stage):
     assert expected_opt in {s.spec for s in mu}
     assert (REPLICATED_GATE in {s.spec for s in mu}) == (stage == 0)
     # The arrays themselves: each device holds 1/8 of the rows of a sharded embed dimension.
-    w = got["trainer"].steps.init(0)["params"]["blocks"]["mlp"]["w_gate"]
+    w = got["trainer"].steps.init(0).params["blocks"]["mlp"]["w_gate"]
     local_rows = w.addressable_shards[0].data.shape[1]
     assert local_rows == (w.shape[1] // 8 if stage >= 3 else w.shape[1])
 
@@ -148,6 +153,6 @@ def test_keeping_gathered_weights_gathers_less_and_holds_more(results):
 
 def test_one_fsdp_device_has_nothing_to_keep_gathered(stdlib_batches):
     config = small_config(**{"parallel.reshard_after_forward": False})
-    assert not Trainer(config, devices=jax.devices()[:1], batches=stdlib_batches).zero.keep_gathered
+    assert not build(config, devices=jax.devices()[:1]).layout.keep_gathered
     config = small_config(**{"parallel.reshard_after_forward": False, "mesh.fsdp": 8})
-    assert Trainer(config, batches=stdlib_batches).zero.keep_gathered
+    assert build(config).layout.keep_gathered

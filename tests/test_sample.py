@@ -13,19 +13,20 @@ import pytest
 from conftest import small_config
 from ushard.errors import UserError
 from ushard.sample import sample
-from ushard.train.loop import Trainer
-from ushard.train.state import ModelDef
+from ushard.training.loop import Trainer
+from ushard.models.config import ModelConfig
+from ushard.models.definition import ModelDef
 
 
 def test_kv_cache_decoding_matches_full_forward():
     config = small_config()
     assert config.model.n_kv_heads < config.model.n_heads  # grouped-query attention
-    model = ModelDef(config.model)
+    model = ModelDef(ModelConfig.from_config(config.model))
     params = jax.jit(lambda: model.init(0))()
     batch, length, prefill = 2, 12, 5
     tokens = jax.random.randint(jax.random.key(3), (batch, length), 0, 257)
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-    full = model.apply(params, tokens, positions)
+    full = model.apply(params, tokens, positions)[0]
 
     decode = jax.jit(model.decode)
     cache = model.init_cache(batch, length + 4)  # empty slots past the end must stay masked

@@ -79,11 +79,12 @@ def test_cublas_kernels_that_do_not_match_the_calls_keep_their_names(capsys):
 @pytest.mark.parametrize("fused", [False, True])
 def test_ceilings_times_every_matmul_of_the_model(fused):
     from conftest import small_config
-    from ushard.train.state import ModelDef
+    from ushard.models.config import ModelConfig
+    from ushard.models.definition import ModelDef
 
     cfg = small_config(**{"model.fused_qkv": fused, "model.fused_mlp": fused, "model.n_kv_heads": 2}).model
     per_layer = sum(k * n for _, k, n in ceilings.layer_matmuls(cfg))
-    assert cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size == ModelDef(cfg).num_matmul_params()
+    assert cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size == ModelDef(ModelConfig.from_config(cfg)).num_matmul_params()
     out_shapes = {}
     for form, ((lhs, rhs), (lhs_c, rhs_c)) in ceilings.matmul_forms(tokens=8, k=3, n=5).items():
         dims = ((lhs_c, rhs_c), ((), ()))

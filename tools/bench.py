@@ -33,7 +33,7 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     sys.path.insert(0, os.path.dirname(HERE))
     from ushard import xla_flags
     from ushard.config import load_config
-    from ushard.train.loop import Trainer
+    from ushard.training.loop import Trainer
 
     config = load_config(config_name, overrides)
     xla_flags.apply(config)  # before the backend starts
@@ -56,16 +56,16 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     jax.block_until_ready((state, metrics))
     step_time = (time.perf_counter() - start) / steps
     tokens_per_s = config.train.batch_size * config.train.seq_len / step_time
-    tflops = trainer.flops_per_token * tokens_per_s / trainer.mesh.size / 1e12
+    tflops = trainer.setup.flops_per_token * tokens_per_s / trainer.setup.mesh.size / 1e12
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     extra = {}
     if breakdown:
-        grads_fn = trainer.steps.loss_and_grads.lower(state["params"], batches[0]).compile()
-        jax.block_until_ready(grads_fn(state["params"], batches[0]))
+        grads_fn = trainer.steps.loss_and_grads.lower(state.params, batches[0]).compile()
+        jax.block_until_ready(grads_fn(state.params, batches[0]))
         start = time.perf_counter()
         for s in range(warmup, warmup + steps):
-            out = grads_fn(state["params"], batches[s])
+            out = grads_fn(state.params, batches[s])
         jax.block_until_ready(out)
         extra["fwd_bwd_s"] = (time.perf_counter() - start) / steps
         extra["rest_of_step_s"] = step_time - extra["fwd_bwd_s"]
@@ -77,7 +77,7 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
         "peak_mem_gib": peak / 2**30 if peak else None,
         "final_loss": float(metrics["loss"]),
         "compile_s": compile_s,
-        "devices": f"{trainer.mesh.size} x {jax.devices()[0].device_kind}",
+        "devices": f"{trainer.setup.mesh.size} x {jax.devices()[0].device_kind}",
         **extra,
     }
 

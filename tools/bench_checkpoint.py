@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ushard import xla_flags  # noqa: E402
 from ushard.config import apply_overrides, load_config  # noqa: E402
-from ushard.train.loop import Trainer  # noqa: E402
+from ushard.training.loop import Trainer  # noqa: E402
 
 
 def measure(config_name: str, async_save: bool, repeats: int, root: str) -> dict:
@@ -39,7 +39,7 @@ def measure(config_name: str, async_save: bool, repeats: int, root: str) -> dict
     blocked, complete = [], []
     for r in range(repeats):
         start = time.perf_counter()
-        trainer.checkpoints.save(10 + r, state, {"next_batch": 2}, config)
+        trainer.checkpoints.save(10 + r, state.as_dict(), {"next_batch": 2}, config)
         blocked.append(time.perf_counter() - start)
         trainer.checkpoints.wait()
         complete.append(time.perf_counter() - start)

@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ushard.config import load_config  # noqa: E402
 from ushard.metrics import flops_per_token, peak_flops  # noqa: E402
-from ushard.train.state import ModelDef  # noqa: E402
+from ushard.models.config import ModelConfig  # noqa: E402
+from ushard.models.definition import ModelDef  # noqa: E402
 
 BF16 = jnp.bfloat16
 
@@ -136,7 +137,7 @@ def main() -> None:
     print(f"\nattention ({impl}), one layer: forward {forward_ms:.2f} ms, forward + backward {train_ms:.2f} ms "
           f"({attention_flops / train_ms / 1e9:.0f} TFLOP/s)")
 
-    model = ModelDef(m)  # shapes only
+    model = ModelDef(ModelConfig.from_config(m))  # shapes only
     moved = elementwise_bytes(m, tokens, model.num_params())
     moved_ms = {part: b / bandwidth * 1e3 for part, b in moved.items()}
     floor_ms = matmul_ms + m.n_layers * train_ms + sum(moved_ms.values())

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ushard import xla_flags  # noqa: E402
 from ushard.config import load_config  # noqa: E402
-from ushard.train.loop import Trainer  # noqa: E402
+from ushard.training.loop import Trainer  # noqa: E402
 
 from hlo_ops import HloOps, kernel_class  # noqa: E402  (tools/ is this script's folder)
 

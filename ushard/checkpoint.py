@@ -6,6 +6,10 @@ Orbax writes into a temporary directory and renames it when complete, so a save 
 leaves a `*.orbax-checkpoint-tmp*` directory that is never mistaken for a checkpoint; ushard warns
 about it and resumes from the newest complete one. Restoring takes the *current* shardings, so a
 run resumes on any mesh and any number of devices.
+
+There is one restore path, `Checkpoints.restore_newest`: training asks it for the whole state,
+`ushard sample` and `ushard.load_model` for the parameters alone. Whether a checkpoint fits is
+decided by comparing the parameter tree saved on disk with the one expected (names, shapes, dtypes).
 """
 
 from __future__ import annotations
@@ -20,36 +24,34 @@ import orbax.checkpoint as ocp
 
 from ushard.config import default_config
 from ushard.errors import UserError
-
-# The model settings that decide the parameter tree (names, shapes, dtypes): any difference makes a
-# checkpoint unusable.
-SHAPE_KEYS = (
-    "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "param_dtype",
-    "fused_qkv", "fused_mlp",
-)
-
-# The items of every checkpoint directory (ushard sample reads them too).
-ITEMS = ("state", "data", "config")
+from ushard.models.config import ModelConfig
+from ushard.models.definition import tree_paths
 
 logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
 
 
-class Checkpoints:
-    def __init__(self, workdir: str, checkpoint_cfg):
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=checkpoint_cfg.keep,
-            enable_async_checkpointing=checkpoint_cfg.async_save,
-            create=True,
-        )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+def _item_handlers() -> dict:
+    # The state as a PyTree: it can be restored in part (the parameters without the optimizer state).
+    return {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+            "config": ocp.JsonCheckpointHandler()}
 
-    def save(self, step: int, state, data_state: dict, config) -> None:
+
+class Checkpoints:
+    """DIR/checkpoints of one workdir; `create=False` opens an existing one for reading only."""
+
+    def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, create: bool = True):
+        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        if not create and not os.path.isdir(self.directory):
+            raise UserError(f"{self.directory} does not exist; train a model first with `ushard train --workdir {workdir}`.")
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=create)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_item_handlers())
+
+    def save(self, step: int, state: dict, data_state: dict, config) -> None:
         """Starts saving; returns once the device arrays are safe to overwrite (donate) again."""
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
+                state=ocp.args.PyTreeSave(state),
                 data=ocp.args.JsonSave(data_state),
                 config=ocp.args.JsonSave(json.loads(config.to_json())),
             ),
@@ -64,63 +66,78 @@ class Checkpoints:
             return []
         return sorted(n for n in os.listdir(self.directory) if "orbax-checkpoint-tmp" in n)
 
-    def restore_latest(self, abstract_state, model_cfg, log=print):
-        """(step, state, data_state) from the newest complete checkpoint, or None if there is none."""
+    def restore_newest(self, target, log=print):
+        """(step, state, data_state, saved config) from the newest checkpoint that can be read, or None
+        when there is none. `target(saved_config)` gives (abstract state, ModelConfig) to restore into:
+        a dict with at least "params", leaves ShapeDtypeStructs carrying the shardings wanted. An
+        unreadable checkpoint is reported and the one before it tried; a checkpoint of another model
+        stops at once with a UserError."""
         for partial in self.partial_saves():
             log(f"ushard: warning: skipping {os.path.join(self.directory, partial)}, a save that never finished.")
         self.manager.reload()
+        steps = sorted(self.manager.all_steps())
+        for step in reversed(steps):
+            try:
+                return (step, *self._restore(step, target))
+            except UserError:
+                raise
+            except Exception as e:  # unreadable or missing files
+                log(f"ushard: warning: checkpoint {step} cannot be read ({type(e).__name__}: {e}); trying an older one.")
+        if steps:
+            raise UserError(f"no checkpoint in {self.directory} can be read; move the directory away to start afresh.")
+        return None
 
-        def restore(step):
-            saved_config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-            check_compatible(saved_config, model_cfg, step)
-            items = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
-            restored = self.manager.restore(step, args=items)
-            return restored["state"], restored["data"]
-
-        found = restore_newest(self.manager, restore, log)
-        return None if found is None else (found[0], *found[1])
+    def _restore(self, step: int, target):
+        saved_config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        abstract, model_cfg = target(saved_config)
+        on_disk = self.manager.item_metadata(step)["state"].tree["params"]
+        check_compatible(on_disk, abstract["params"], saved_config, model_cfg, step)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+        items = ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True),
+            data=ocp.args.JsonRestore(),
+        )
+        restored = self.manager.restore(step, args=items)
+        return restored["state"], restored["data"], saved_config
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
 
 
-def restore_newest(manager: ocp.CheckpointManager, restore, log):
-    """(step, restore(step)) for the newest complete checkpoint that `restore` can read, or None if
-    there are none. An unreadable one is reported and the one before it tried; a `UserError` (such as
-    an incompatible model) stops at once."""
-    steps = sorted(manager.all_steps())
-    for step in reversed(steps):
-        try:
-            return step, restore(step)
-        except UserError:
-            raise
-        except Exception as e:  # unreadable or missing files
-            log(f"ushard: warning: checkpoint {step} cannot be read ({type(e).__name__}: {e}); trying an older one.")
-    if steps:
-        raise UserError(f"no checkpoint in {manager.directory} can be read; move the directory away to start afresh.")
-    return None
-
-
-def saved_model_config(saved_config: dict):
-    """The model settings of a checkpoint's saved config (JSON) as a model ConfigDict: defaults fill
-    keys the checkpoint predates; keys this version does not know are ignored."""
+def saved_model_config(saved_config: dict) -> ModelConfig:
+    """The model settings of a checkpoint's saved config (JSON): defaults fill keys the checkpoint
+    predates; keys this version does not know are ignored."""
     model_cfg = default_config().model
     for key, value in saved_config.get("model", {}).items():
         if key in model_cfg:
             with model_cfg.ignore_type():
                 model_cfg[key] = value
-    return model_cfg
+    return ModelConfig.from_config(model_cfg)
 
 
-def check_compatible(saved_config: dict, model_cfg, step: int) -> None:
+def _describe(leaf) -> str:
+    return f"{tuple(leaf.shape)} {jax.numpy.dtype(leaf.dtype).name}"
+
+
+def check_compatible(on_disk, expected, saved_config: dict, model_cfg: ModelConfig, step: int) -> None:
+    """Raises UserError naming what differs when the parameters on disk are not the expected tree."""
+    there, here = tree_paths(on_disk), tree_paths(expected)
+    diffs = [f"{p} is missing there" for p in here if p not in there]
+    diffs += [f"{p} is not expected here" for p in there if p not in here]
+    diffs += [f"{p} is {_describe(there[p])} there but {_describe(here[p])} here"
+              for p in here if p in there and _describe(there[p]) != _describe(here[p])]
+    if not diffs:
+        return
     saved = saved_model_config(saved_config)
-    diffs = [f"model.{k}={saved[k]!r} there but {model_cfg[k]!r} here" for k in SHAPE_KEYS if saved[k] != model_cfg[k]]
-    if diffs:
-        raise UserError(
-            f"the checkpoint at step {step} was saved for another model shape ({'; '.join(diffs)}); "
-            f"use the same model settings or another --workdir."
-        )
+    settings = [f"model.{k}={getattr(saved, k)!r} there but {getattr(model_cfg, k)!r} here"
+                for k in model_cfg.__dataclass_fields__ if getattr(saved, k) != getattr(model_cfg, k)]
+    shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+    because = f" (its settings differ: {'; '.join(settings)})" if settings else ""
+    raise UserError(
+        f"the checkpoint at step {step} holds another model's parameters ({shown}){because}; "
+        f"use the same model settings or another --workdir."
+    )
 
 
 warnings.filterwarnings("ignore", message=".*Couldn't find sharding info under RestoreArgs.*")

@@ -11,8 +11,9 @@ import os
 import sys
 import time
 
+from ushard import xla_flags
 from ushard.errors import UserError
-from ushard.train.loop import Preempted
+from ushard.training.loop import Preempted
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -87,17 +88,14 @@ def start_processes(args) -> None:
 
 
 def train(args, overrides) -> None:
-    from ushard import xla_flags
-    from ushard.config import load_config
+    import ushard
 
-    config = load_config(args.config, overrides)
+    config = ushard.load_config(args.config, overrides)
     xla_flags.apply(config)  # before anything starts JAX's backend
     start_processes(args)
-    from ushard.train.loop import Trainer
-
     name = os.path.splitext(os.path.basename(args.config))[0]
     workdir = args.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    records = Trainer(config, workdir).run()
+    records = ushard.train(config, workdir)
     if records:
         print(f"done: final loss {records[-1]['loss']:.4f}; metrics in {os.path.join(workdir, 'metrics.jsonl')}, "
               f"checkpoints in {os.path.join(workdir, 'checkpoints')}")

@@ -8,6 +8,7 @@ any device work starts and raises `UserError` with one sentence naming the value
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import math
 import os
@@ -15,50 +16,24 @@ from importlib import resources
 
 import ml_collections
 
+from ushard.data.tokenizer import TOKENIZERS
 from ushard.errors import UserError
+from ushard.models.config import ModelConfig
 
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 # Axes whose implementation has not landed yet: a size other than 1 is refused with a clear sentence.
 UNSUPPORTED_MESH_AXES = ("pipeline", "expert")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "dots_attention", "dots_attention_norms")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
-DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "linear", "constant")
 NONFINITE_POLICIES = ("skip", "rollback", "stop")
 DATA_SOURCES = ("stdlib", "text", "jsonl")
-# Tokens each tokenizer can emit; model.vocab_size must hold them all.
-TOKENIZER_VOCAB = {"byte": 257}
-TOKENIZERS = tuple(TOKENIZER_VOCAB)
 
 
 def default_config() -> ml_collections.ConfigDict:
     """Every key ushard understands, with its default. Shipped configs start from this."""
     c = ml_collections.ConfigDict()
 
-    c.model = ml_collections.ConfigDict()
-    c.model.vocab_size = 512
-    c.model.d_model = 256
-    c.model.n_layers = 4
-    c.model.n_heads = 4
-    c.model.n_kv_heads = 4
-    c.model.d_ff = 768
-    c.model.rope_theta = 10000.0
-    c.model.norm_eps = 1e-5
-    c.model.tie_embeddings = False
-    c.model.compute_dtype = "bfloat16"
-    c.model.param_dtype = "float32"
-    c.model.attention_impl = "auto"  # auto: cuDNN flash attention where available, else XLA
-    c.model.remat = "none"  # none | full | dots | dots_no_batch | dots_attention | dots_attention_norms
-    c.model.document_mask = True  # packed documents never attend to each other
-    # Layers per iteration of the layer scan. 1 keeps compile time flat in depth; n_layers unrolls
-    # fully, which lets XLA keep saved activations in place (see docs/benchmarks.md).
-    c.model.scan_unroll = 1
-    # One weight and one GEMM for q, k and v together, and for the SwiGLU gate and up projections.
-    c.model.fused_qkv = False
-    c.model.fused_mlp = False
-    # The transformer blocks' matmuls in FP8 (ushard/models/fp8.py; Hopper GPUs or newer). The LM head
-    # and attention's softmax stay in the compute dtype.
-    c.model.fp8 = False
+    # The model's keys, defaults and their meaning: ushard/models/config.py (ModelConfig).
+    c.model = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(ModelConfig)})
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000
@@ -245,30 +220,20 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
     return sizes
 
 
-def batch_shards(mesh_shape: dict[str, int]) -> int:
-    """How many ways the batch is split: the data, fsdp and expert axes all carry batch."""
-    return mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["expert"]
-
-
-def validate(config, num_devices: int) -> dict[str, int]:
-    """Checks the whole config against itself and the device count; returns the resolved mesh shape."""
-    m, t, d = config.model, config.train, config.data
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "scan_unroll"):
-        _positive(m[key], f"model.{key}")
+def check_settings(config) -> ModelConfig:
+    """Checks every setting that needs no devices; returns the model's settings, validated."""
+    t, d = config.train, config.data
+    model_cfg = ModelConfig.from_config(config.model)
     for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
         _positive(t[key], f"train.{key}")
     for key in ("warmup_steps", "eval_every", "eval_batches", "weight_decay", "grad_clip", "lr"):
         _positive(t[key], f"train.{key}", allow_zero=True)
-    _choice(m.remat, REMAT_POLICIES, "model.remat")
-    _choice(m.attention_impl, ATTENTION_IMPLS, "model.attention_impl")
-    _choice(m.compute_dtype, DTYPES, "model.compute_dtype")
-    _choice(m.param_dtype, DTYPES, "model.param_dtype")
     _choice(t.schedule, SCHEDULES, "train.schedule")
     _choice(t.on_nonfinite, NONFINITE_POLICIES, "train.on_nonfinite")
     _positive(config.checkpoint.every, "checkpoint.every", allow_zero=True)
     _positive(config.checkpoint.keep, "checkpoint.keep")
     _choice(d.source, DATA_SOURCES, "data.source")
-    _choice(d.tokenizer, TOKENIZERS, "data.tokenizer")
+    _choice(d.tokenizer, tuple(TOKENIZERS), "data.tokenizer")
     _choice(config.parallel.zero_stage, (0, 1, 2, 3), "parallel.zero_stage")
     if config.parallel.collective_combine_mib < 0:
         raise UserError(f"parallel.collective_combine_mib={config.parallel.collective_combine_mib} is negative; use 0 for XLA's default or a size in MiB.")
@@ -276,17 +241,16 @@ def validate(config, num_devices: int) -> dict[str, int]:
         raise UserError(f"data.eval_fraction={d.eval_fraction!r} must be strictly between 0 and 1.")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UserError(f"train.min_lr_ratio={t.min_lr_ratio!r} must be between 0 and 1.")
-    if m.d_model % m.n_heads:
-        raise UserError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; pick sizes so head_dim is whole.")
-    if (m.d_model // m.n_heads) % 2:
-        raise UserError(f"head_dim = d_model/n_heads = {m.d_model // m.n_heads} must be even for rotary embeddings.")
-    if m.n_heads % m.n_kv_heads:
-        raise UserError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; grouped-query attention needs whole groups.")
-    if m.vocab_size < TOKENIZER_VOCAB[d.tokenizer]:
-        raise UserError(f"model.vocab_size={m.vocab_size} is smaller than the {d.tokenizer!r} tokenizer's {TOKENIZER_VOCAB[d.tokenizer]} tokens; use at least that.")
+    tokens = TOKENIZERS[d.tokenizer].vocab_size
+    if model_cfg.vocab_size < tokens:
+        raise UserError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the {d.tokenizer!r} tokenizer's {tokens} tokens; use at least that.")
     if d.source != "stdlib" and not d.paths:
         raise UserError(f"data.source={d.source!r} needs data.paths, a glob of files to read.")
+    return model_cfg
 
+
+def check_mesh(config, num_devices: int) -> dict[str, int]:
+    """The mesh's axis sizes for `num_devices`, checked against what is implemented and the dcn split."""
     mesh = resolve_mesh_shape(config.mesh, num_devices)
     for axis in UNSUPPORTED_MESH_AXES:
         if mesh[axis] != 1:
@@ -295,18 +259,30 @@ def validate(config, num_devices: int) -> dict[str, int]:
         dcn = config.mesh.dcn[axis]
         if not isinstance(dcn, int) or dcn < 1 or mesh[axis] % dcn:
             raise UserError(f"mesh.dcn.{axis}={dcn!r} must be a positive divisor of mesh.{axis}={mesh[axis]}.")
-    tp = mesh["tensor"]
-    for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-        if m[key] % tp:
-            raise UserError(f"model.{key}={m[key]} is not divisible by mesh.tensor={tp}; tensor parallelism splits it evenly.")
-    if config.parallel.zero_stage >= 1 and m.d_model % mesh["fsdp"]:
-        raise UserError(f"model.d_model={m.d_model} is not divisible by mesh.fsdp={mesh['fsdp']}; ZeRO shards the embed dimension over fsdp.")
-    if t.seq_len % mesh["sequence"]:
-        raise UserError(f"train.seq_len={t.seq_len} is not divisible by mesh.sequence={mesh['sequence']}.")
-    shards = batch_shards(mesh)
-    if t.batch_size % (shards * t.grad_accum):
-        raise UserError(
-            f"train.batch_size={t.batch_size} is not divisible by the batch-sharding axes (data x fsdp x expert = {shards}) "
-            f"times train.grad_accum={t.grad_accum}; use a multiple of {shards * t.grad_accum}."
-        )
+    return mesh
+
+
+def validate(config, num_devices: int) -> dict[str, int]:
+    """Checks the whole config against itself and the device count; returns the resolved mesh shape.
+
+    Whether the model and the batch split over the mesh is decided by one generic rule: every
+    dimension of every parameter, and of the (micro)batch, must divide by the mesh axes that its
+    logical name maps to in each ZeRO table (ushard.sharding.check_divisible). The activations' other
+    dimensions (heads, mlp, vocab) are those of the parameters, so they are covered too.
+    """
+    from ushard.models.definition import model_definition
+    from ushard.sharding import BATCH_NAMES, ZeroRules, check_divisible
+
+    model_cfg = check_settings(config)
+    mesh = check_mesh(config, num_devices)
+    zero = ZeroRules.for_stage(config.parallel.zero_stage)
+    parameters = {f"parameter {path}": named for path, named in model_definition(model_cfg).named_shapes().items()}
+    t = config.train
+    microbatch = f"a microbatch (train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} sequences of train.seq_len={t.seq_len})"
+    batch = {microbatch: (BATCH_NAMES, (t.batch_size // t.grad_accum, t.seq_len))}
+    if t.batch_size % t.grad_accum:
+        raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; use a multiple of {t.grad_accum}.")
+    for kind in ("params", "grads", "opt_state"):
+        check_divisible(parameters, zero.table(kind), mesh)
+    check_divisible(batch, zero.compute, mesh)
     return mesh

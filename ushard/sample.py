@@ -10,59 +10,16 @@ from __future__ import annotations
 
 import codecs
 import math
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
-from ushard.checkpoint import ITEMS, restore_newest, saved_model_config
-from ushard.data.tokenizer import TOKENIZERS, get_tokenizer
+from ushard.data.tokenizer import get_tokenizer
 from ushard.errors import UserError
-from ushard.train.state import ModelDef
-
-
-def _saved_settings(saved: dict):
-    """(model config, tokenizer name, training seq_len) from a checkpoint's saved config JSON."""
-    model_cfg = saved_model_config(saved)
-    tokenizer = saved.get("data", {}).get("tokenizer", "byte")
-    if tokenizer not in TOKENIZERS:
-        raise UserError(f"the checkpoint was trained with tokenizer {tokenizer!r}, which this ushard does not have.")
-    return model_cfg, tokenizer, saved.get("train", {}).get("seq_len")
-
-
-def load_params(workdir: str, device=None, log=print):
-    """(step, model config, tokenizer name, training seq_len, params) from the newest readable checkpoint.
-
-    Params are placed on `device` (default: the first device) in the dtype they were saved in.
-    """
-    device = jax.devices()[0] if device is None else device
-    directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    if not os.path.isdir(directory):
-        raise UserError(f"{directory} does not exist; train a model first with `ushard train --workdir {workdir}`.")
-    options = ocp.CheckpointManagerOptions(create=False)
-    sharding = jax.sharding.SingleDeviceSharding(device)
-
-    def restore(step):
-        saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-        model_cfg, tokenizer, seq_len = _saved_settings(saved)
-        shapes = ModelDef(model_cfg).shapes
-        abstract = {"params": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)}
-        # Only the params: the optimizer state and step counters stay on disk.
-        params_only = ocp.args.PyTreeRestore(
-            item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True
-        )
-        state = manager.restore(step, args=ocp.args.Composite(state=params_only))["state"]
-        return model_cfg, tokenizer, seq_len, state["params"]
-
-    with ocp.CheckpointManager(directory, options=options, item_names=ITEMS) as manager:
-        found = restore_newest(manager, restore, log)
-    if found is None:
-        raise UserError(f"{directory} holds no complete checkpoint; train a model first with `ushard train --workdir {workdir}`.")
-    step, (model_cfg, tokenizer, seq_len, params) = found
-    return step, model_cfg, tokenizer, seq_len, params
+from ushard.models.definition import ModelDef
+from ushard.trained import load_model
 
 
 def _choose(logits, key, temperature: float, top_k: int):
@@ -99,7 +56,7 @@ def generate(model: ModelDef, params, prompt_tokens, max_new_tokens: int, temper
     prompt = jnp.asarray(np.asarray(prompt_tokens, np.int32)[None])
     vocab = model.cfg.vocab_size if vocab is None else min(vocab, model.cfg.vocab_size)
     step = make_step(model, temperature, top_k, vocab)
-    device = jax.tree.leaves(params)[0].devices().pop()
+    device = next(iter(jax.tree.leaves(params)[0].devices()))
     with jax.default_device(device):
         cache = model.init_cache(1, prompt.shape[1] + max_new_tokens)
         key = jax.random.key(seed)
@@ -130,13 +87,13 @@ def sample(workdir: str, prompt: str, max_new_tokens: int = 200, temperature: fl
     out = sys.stdout if out is None else out
     log = (lambda line: print(line, file=sys.stderr)) if log is None else log
     check_arguments(prompt, max_new_tokens, temperature, top_k)
-    step, model_cfg, tokenizer_name, seq_len, params = load_params(workdir, log=log)
-    tokenizer = get_tokenizer(tokenizer_name)
+    trained = load_model(workdir, log=log)
+    model, params, seq_len = trained.model, trained.params, trained.seq_len
+    tokenizer = get_tokenizer(trained.tokenizer)
     prompt_tokens = tokenizer.encode(prompt)
-    model = ModelDef(model_cfg)
-    device = jax.tree.leaves(params)[0].devices().pop()
-    log(f"ushard: sampling from the checkpoint at step {step} ({model.num_params() / 1e6:.1f}M params, "
-        f"{model_cfg.compute_dtype}) on {device}")
+    device = next(iter(jax.tree.leaves(params)[0].devices()))
+    log(f"ushard: sampling from the checkpoint at step {trained.step} ({model.num_params() / 1e6:.1f}M params, "
+        f"{model.cfg.compute_dtype}) on {device}")
     total = len(prompt_tokens) + max_new_tokens
     if seq_len and total > seq_len:
         log(f"ushard: note: the model was trained on {seq_len}-token windows; text past that ({total} tokens here) "

@@ -1,30 +1,37 @@
-"""Logical axis names -> mesh axes: the rules, and the shardings derived from them.
+"""Logical axis names -> mesh axes: the rules, the Layout that applies them, and the divisibility check.
 
 The rules are plain data, one `(logical name, mesh axes)` pair per name, every name present. ZeRO is
 expressed here and nowhere else: a stage decides which kinds of training state map `embed` onto the
 `fsdp` axis (stage 1: optimizer state; 2: + gradients; 3: + parameters). The `data` axis never shards
 state, so data x fsdp is HSDP.
 
-Model code calls `constrain(x, names)` with logical activation names; it resolves against the rules
-active while the step is traced (`activation_rules`), and is a no-op outside one (plain eager use).
+A `Layout` is a mesh plus those tables. Model code calls `constrain(x, names)` and `gathered(w, names)`
+with logical names only; they resolve against the layout active while a step is traced (`use_layout`)
+and are no-ops outside one (plain eager use). Parallel code (shard_map) asks the layout which mesh axes
+a logical name maps to (`current_layout().axes(name)`), never a hard-coded axis.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from dataclasses import dataclass
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# The axes that split the batch. `expert` acts as a batch axis outside the MoE layers.
-BATCH_AXES = ("data", "fsdp", "expert")
+from ushard.errors import UserError
 
 WEIGHT_NAMES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts", "expert_mlp", "norm")
 ACTIVATION_NAMES = (
     "act_batch", "act_length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim", "act_mlp", "act_vocab",
 )
+# The logical names of a global batch of token ids [batch, length]: its sharding follows their rules.
+BATCH_NAMES = ("act_batch", "act_length")
+# The kinds of arrays a layout places. "compute": weights as the matmuls use them (gathered: no ZeRO
+# split over fsdp, tensor-parallel splits kept) and every activation.
+KINDS = ("params", "grads", "opt_state", "compute")
 
 Rules = tuple  # tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -43,8 +50,8 @@ def logical_rules(shard_state_over_fsdp: bool) -> Rules:
         ("experts", "expert"),
         ("expert_mlp", "tensor"),
         ("norm", None),
-        # activations
-        ("act_batch", BATCH_AXES),
+        # activations; `expert` acts as a batch axis outside the MoE layers
+        ("act_batch", ("data", "fsdp", "expert")),
         ("act_length", "sequence"),
         ("act_embed", None),
         ("act_heads", "tensor"),
@@ -57,7 +64,7 @@ def logical_rules(shard_state_over_fsdp: bool) -> Rules:
 
 @dataclass(frozen=True)
 class ZeroRules:
-    """One rules table per kind of training state, chosen by the ZeRO stage.
+    """One rules table per kind of array, chosen by the ZeRO stage (pure data: no devices needed).
 
     `keep_gathered` (ZeRO-3 with `parallel.reshard_after_forward=false`): the weights a layer gathers
     for its forward pass are kept for its backward pass instead of gathered again, half the all-gather
@@ -67,6 +74,7 @@ class ZeroRules:
     params: Rules
     grads: Rules
     opt_state: Rules
+    compute: Rules
     keep_gathered: bool = False
 
     @classmethod
@@ -75,32 +83,35 @@ class ZeroRules:
             params=logical_rules(stage >= 3),
             grads=logical_rules(stage >= 2),
             opt_state=logical_rules(stage >= 1),
+            compute=logical_rules(False),
             # With one fsdp device nothing is gathered, so there is nothing to keep either.
             keep_gathered=stage >= 3 and not reshard_after_forward and fsdp_size > 1,
         )
 
+    def table(self, kind: str) -> Rules:
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r} is not one of {KINDS}")
+        return getattr(self, kind)
+
+
+def mesh_axes(name: str | None, rules: Rules) -> tuple[str, ...]:
+    """The mesh axes one logical name maps to, as a tuple (empty: not sharded)."""
+    if name is None:
+        return ()
+    table = dict(rules)
+    if name not in table:
+        raise KeyError(f"logical axis {name!r} has no sharding rule; add it to ushard.sharding.logical_rules")
+    axes = table[name]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
 
 def mesh_spec(logical_names, rules: Rules) -> PartitionSpec:
     """PartitionSpec for one array whose dimensions carry `logical_names` (None = unnamed, unsharded)."""
-    table = dict(rules)
-    axes = []
+    entries = []
     for name in logical_names:
-        if name is None:
-            axes.append(None)
-            continue
-        if name not in table:
-            raise KeyError(f"logical axis {name!r} has no sharding rule; add it to ushard.sharding.logical_rules")
-        axes.append(table[name])
-    return PartitionSpec(*axes)
-
-
-def named_shardings(logical_tree, rules: Rules, mesh: Mesh):
-    """Maps a pytree of logical-name tuples to NamedShardings."""
-    return jax.tree.map(
-        lambda names: NamedSharding(mesh, mesh_spec(names, rules)),
-        logical_tree,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
+        axes = mesh_axes(name, rules)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*entries)
 
 
 def format_rules(rules: Rules) -> str:
@@ -109,40 +120,98 @@ def format_rules(rules: Rules) -> str:
     return "\n".join(f"  {name:<{width}} -> {axes}" for name, axes in rules)
 
 
-# --------------------------------------------------------------------------- activation constraints
+@dataclass(frozen=True)
+class Layout:
+    """A mesh and the rules for each kind of array: the one object every sharding is derived from."""
 
-_ACTIVE = contextvars.ContextVar("ushard_activation_rules", default=None)
+    mesh: Mesh
+    zero: ZeroRules
+
+    @classmethod
+    def create(cls, mesh: Mesh, zero_stage: int = 3, reshard_after_forward: bool = True) -> "Layout":
+        return cls(mesh, ZeroRules.for_stage(zero_stage, reshard_after_forward, mesh.shape["fsdp"]))
+
+    @property
+    def keep_gathered(self) -> bool:
+        return self.zero.keep_gathered
+
+    def axes(self, name: str | None, kind: str = "compute") -> tuple[str, ...]:
+        """Which mesh axes the logical `name` maps to, for arrays of `kind` (KINDS)."""
+        return mesh_axes(name, self.zero.table(kind))
+
+    def size(self, name: str | None, kind: str = "compute") -> int:
+        """How many ways the dimension named `name` is split."""
+        return math.prod(self.mesh.shape[a] for a in self.axes(name, kind))
+
+    def spec(self, names, kind: str = "compute") -> PartitionSpec:
+        return mesh_spec(names, self.zero.table(kind))
+
+    def sharding(self, names, kind: str = "compute") -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(names, kind))
+
+    def shardings(self, logical_tree, kind: str):
+        """A pytree of logical-name tuples -> the same pytree of NamedShardings."""
+        return jax.tree.map(lambda names: self.sharding(names, kind), logical_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    @property
+    def batch(self) -> NamedSharding:
+        """Where a global batch of token ids [batch, length] lives."""
+        return self.sharding(BATCH_NAMES)
+
+
+# --------------------------------------------------------------------------- the active layout
+
+_ACTIVE = contextvars.ContextVar("ushard_layout", default=None)
 
 
 @contextlib.contextmanager
-def activation_rules(mesh: Mesh, zero: ZeroRules):
-    """Makes `constrain` (and `gathered`) resolve logical names against `zero` while a step is traced."""
-    token = _ACTIVE.set((mesh, zero))
+def use_layout(layout: Layout):
+    """Makes `constrain`, `gathered` and `current_layout` resolve against `layout` while a step is traced."""
+    token = _ACTIVE.set(layout)
     try:
-        yield
+        yield layout
     finally:
         _ACTIVE.reset(token)
 
 
+def current_layout() -> Layout | None:
+    """The layout of the step being traced; None in plain eager use (one device, nothing to place)."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, logical_names) -> jax.Array:
-    """Pins an activation's layout by logical names; a no-op when no rules are active."""
-    active = _ACTIVE.get()
-    if active is None:
-        return x
-    mesh, zero = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, mesh_spec(logical_names, zero.params)))
-
-
-def keep_gathered_weights() -> bool:
-    """Whether the model should gather each layer's weights outside its remat boundary (see ZeroRules)."""
-    active = _ACTIVE.get()
-    return active is not None and active[1].keep_gathered
+    """Pins an activation's layout by logical names; a no-op when no layout is active."""
+    layout = current_layout()
+    return x if layout is None else jax.lax.with_sharding_constraint(x, layout.sharding(logical_names))
 
 
 def gathered(w: jax.Array, logical_names) -> jax.Array:
-    """Pins a weight to its layout without the ZeRO split over fsdp (an all-gather under ZeRO-3);
-    tensor-parallel splits stay. A no-op when no rules are active."""
-    active = _ACTIVE.get()
-    if active is None:
-        return w
-    return jax.lax.with_sharding_constraint(w, NamedSharding(active[0], mesh_spec(logical_names, logical_rules(False))))
+    """Pins a weight to its compute layout: without the ZeRO split over fsdp (an all-gather under
+    ZeRO-3), tensor-parallel splits kept. A no-op when no layout is active."""
+    return constrain(w, logical_names)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_divisible(named_shapes: dict, rules: Rules, mesh_shape: dict[str, int]) -> None:
+    """Raises UserError unless every dimension divides by the mesh axes its logical name maps to.
+
+    `named_shapes`: {what: (logical names, shape)} for abstract arrays, `what` naming each for the
+    message (e.g. "parameter blocks.mlp.w_up"). Works on shapes and the mesh's axis sizes alone, so it
+    runs before any device exists (the planner reuses it).
+    """
+    for what, (names, shape) in named_shapes.items():
+        for name, dim in zip(names, shape):
+            axes = [a for a in mesh_axes(name, rules) if mesh_shape[a] > 1]
+            ways = math.prod(mesh_shape[a] for a in axes)
+            if dim % ways:
+                split = " x ".join(f"mesh.{a}={mesh_shape[a]}" for a in axes)
+                raise UserError(
+                    f"{what} has a {name!r} dimension of {dim}, which does not split over {split}; "
+                    f"make {dim} a multiple of {ways}, or shrink those mesh axes."
+                )

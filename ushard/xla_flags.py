@@ -21,6 +21,7 @@ def flags_for(config) -> list[str]:
 
 def apply(config) -> None:
     """Puts the config's flags in front of XLA_FLAGS: a flag the user set there comes later and wins."""
-    flags = flags_for(config)
+    current = os.environ.get("XLA_FLAGS", "")
+    flags = [f for f in flags_for(config) if f not in current.split()]  # applying twice adds nothing
     if flags:
-        os.environ["XLA_FLAGS"] = " ".join(flags + [os.environ.get("XLA_FLAGS", "")]).strip()
+        os.environ["XLA_FLAGS"] = " ".join(flags + [current]).strip()

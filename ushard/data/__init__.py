@@ -1,5 +1,6 @@
 """Data: documents from a source, a tokenizer, packing into windows, and the global batch of a step."""
 
 from ushard.data.pipeline import Batches, make_batches
+from ushard.data.placement import local_block, place_batch
 
-__all__ = ["Batches", "make_batches"]
+__all__ = ["Batches", "local_block", "make_batches", "place_batch"]

@@ -11,6 +11,8 @@ from ushard.sharding import constrain
 
 Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
 KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
+# `model.attention_impl`: auto picks cuDNN flash attention on GPUs in 16-bit compute, XLA elsewhere.
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
 def causal_attention(q, k, v, segment_ids, impl: str):

@@ -6,29 +6,43 @@ time); `ModelDef.apply` rebuilds the NNX module inside the traced function.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from flax import nnx
 
+from ushard.models.config import ModelConfig
 from ushard.models.llama import Llama, init_cache
 
 
-def _build(model_cfg, seed: int) -> Llama:
+def _build(cfg: ModelConfig, seed: int) -> Llama:
     # Shardings are applied by ushard from the logical names, not eagerly by Flax at construction.
     with nnx.use_eager_sharding(False):
-        return Llama(model_cfg, rngs=nnx.Rngs(params=seed))
+        return Llama(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def tree_paths(tree) -> dict[str, object]:
+    """{"blocks.mlp.w_up": leaf, ...}: a nested dict's leaves by dotted path (how messages name a parameter)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]
+    return {".".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in leaves}
 
 
 class ModelDef:
     """Everything about the model that is not its weights."""
 
-    def __init__(self, model_cfg):
-        self.cfg = model_cfg
-        abstract = nnx.eval_shape(lambda: _build(model_cfg, 0))
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        abstract = nnx.eval_shape(lambda: _build(cfg, 0))
         self.graphdef, self._abstract_state = nnx.split(abstract)
         variables = nnx.to_pure_dict(self._abstract_state, extract_fn=lambda v: v)
         is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         self.logical = jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), variables, is_leaf=is_var)
         self.shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), variables, is_leaf=is_var)
+
+    def named_shapes(self) -> dict[str, tuple]:
+        """{parameter path: (logical names, shape)}, for the divisibility check."""
+        names, shapes = tree_paths(self.logical), tree_paths(self.shapes)
+        return {path: (names[path], shapes[path].shape) for path in names}
 
     def init(self, seed: int):
         """Fresh parameters as a pure dict (call under jit with out_shardings to create them sharded)."""
@@ -41,6 +55,7 @@ class ModelDef:
         return nnx.merge(self.graphdef, state)
 
     def apply(self, params, tokens, positions, segment_ids=None):
+        """-> (logits [batch, length, vocab], aux: dict of scalar loss terms)."""
         return self.module(params)(tokens, positions, segment_ids)
 
     def init_cache(self, batch: int, max_len: int) -> dict:
@@ -60,3 +75,9 @@ class ModelDef:
         sizes = jax.tree.leaves(self.shapes)
         total = sum(s.size for n, s in zip(names, sizes) if n[-1] != "norm")
         return total if self.cfg.tie_embeddings else total - self.shapes["embedding"].size
+
+
+@functools.lru_cache(maxsize=8)
+def model_definition(cfg: ModelConfig) -> ModelDef:
+    """The ModelDef of `cfg`, built once (tracing the model's construction takes a moment)."""
+    return ModelDef(cfg)

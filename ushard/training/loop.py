@@ -16,16 +16,12 @@ import time
 import jax
 import numpy as np
 
+from ushard.build import build
 from ushard.checkpoint import Checkpoints
-from ushard.config import validate
-from ushard.data import make_batches
+from ushard.data import local_block, make_batches, place_batch
 from ushard.errors import UserError
-from ushard.mesh import build_mesh
-from ushard.metrics import MetricsWriter, flops_per_token, peak_flops
-from ushard.sharding import ZeroRules, format_rules
-from ushard.train.optim import make_optimizer
-from ushard.train.state import ModelDef
-from ushard.train.step import Steps
+from ushard.metrics import MetricsWriter, peak_flops
+from ushard.training.state import TrainState
 
 
 class Preempted(Exception):
@@ -64,43 +60,27 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-def local_rows(sharding, global_shape) -> range:
-    """The rows of a batch-sharded global array that live on this process's devices."""
-    slices = [idx[0] for idx in sharding.addressable_devices_indices_map(global_shape).values()]
-    starts = [s.start or 0 for s in slices]
-    stops = [global_shape[0] if s.stop is None else s.stop for s in slices]
-    return range(min(starts), max(stops))
-
-
 class Trainer:
-    """One training run: a validated config laid out on a mesh, with its data and compiled steps."""
+    """One training run: `build(config)` (mesh, layout, model, steps) with data, checkpoints and the loop."""
 
     def __init__(self, config, workdir: str | None = None, devices=None, batches=None):
         self.config = config
         self.workdir = workdir
-        devices = jax.devices() if devices is None else devices
-        self.mesh_shape = validate(config, len(devices))
-        self.mesh = build_mesh(self.mesh_shape, dict(config.mesh.dcn), devices)
-        self.model = ModelDef(config.model)
-        self.tx, self.schedule = make_optimizer(config.train, self.model.logical)
-        parallel = config.parallel
-        self.zero = ZeroRules.for_stage(parallel.zero_stage, parallel.reshard_after_forward, self.mesh_shape["fsdp"])
+        self.setup = build(config, devices)
+        self.steps = self.setup.steps
         t = config.train
-        self.steps = Steps(self.model, self.tx, self.schedule, self.zero, self.mesh, t.grad_accum,
-                           skip_nonfinite=t.on_nonfinite == "skip")
         self.batches = batches or make_batches(config.data, t.seq_len, t.seed)
         self.batch_shape = (t.batch_size, t.seq_len)
-        self.rows = local_rows(self.steps.shardings.batch, self.batch_shape)
-        self.flops_per_token = flops_per_token(config.model, self.model.num_matmul_params(), t.seq_len)
-        self.peak = peak_flops(devices[0])
-        self.checkpoints = Checkpoints(workdir, config.checkpoint) if workdir else None
+        self.rows, self.columns = local_block(self.setup.layout.batch, self.batch_shape)
+        self.peak = peak_flops(self.setup.mesh.devices.flat[0])
+        ck = config.checkpoint
+        self.checkpoints = Checkpoints(workdir, ck.keep, ck.async_save) if workdir else None
         self.skip_batches: set[int] = set()  # batches that made the loss non-finite (rollback policy)
 
     # ------------------------------------------------------------------ batches
 
-    def _to_device(self, host_batch):
-        sharding = self.steps.shardings.batch
-        return {k: jax.make_array_from_process_local_data(sharding, v, self.batch_shape) for k, v in host_batch.items()}
+    def _to_device(self, host_rows):
+        return place_batch(host_rows, self.setup.layout.batch, self.batch_shape, self.columns)
 
     def global_batch(self, index: int):
         """The global training batch number `index` (equal to the step unless batches were skipped)."""
@@ -115,37 +95,30 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def initial_state(self, log=print):
+    def initial_state(self, log=print) -> tuple[TrainState, dict]:
         """(state, data_state): restored from the newest complete checkpoint, else freshly initialised."""
         if self.checkpoints:
             self.checkpoints.wait()  # a save still being written (rollback) must land first
-            restored = self.checkpoints.restore_latest(self.steps.abstract_state(), self.config.model, log)
+            abstract = self.steps.abstract_state().as_dict()
+            restored = self.checkpoints.restore_newest(lambda _: (abstract, self.setup.model_config), log)
             if restored:
-                step, state, data_state = restored
+                step, state, data_state, _ = restored
                 log(f"resumed from the checkpoint at step {step}")
-                return state, data_state
+                return TrainState.from_dict(state), data_state
         return self.steps.init(self.config.train.seed), {"next_batch": 0}
 
-    def _save(self, state, data_state, step: int) -> None:
+    def _save(self, state: TrainState, data_state, step: int) -> None:
         if self.checkpoints:
-            self.checkpoints.save(step, state, data_state, self.config)
+            self.checkpoints.save(step, state.as_dict(), data_state, self.config)
 
     # ------------------------------------------------------------------ the run
-
-    def describe(self) -> str:
-        shape = " x ".join(f"{a}={s}" for a, s in self.mesh_shape.items() if s > 1) or "one device"
-        return (
-            f"ushard: {self.model.num_params() / 1e6:.1f}M params on {self.mesh.size} {jax.devices()[0].platform} "
-            f"device(s), mesh {shape}, ZeRO-{self.config.parallel.zero_stage}\n"
-            f"parameter layout (logical axis -> mesh axes):\n{format_rules(self.zero.params)}"
-        )
 
     def run(self, log=print) -> list[dict]:
         """Trains up to train.steps; returns the logged records (also written to DIR/metrics.jsonl)."""
         t = self.config.train
-        log(self.describe())
+        log(self.setup.describe())
         state, data_state = self.initial_state(log)
-        step = int(jax.device_get(state["step"]))
+        step = int(jax.device_get(state.step))
         writer = MetricsWriter(self.workdir)
         records = []
         try:
@@ -198,7 +171,7 @@ class Trainer:
                     now = time.perf_counter()
                     record = self._record(step, fetched[-1][2], (now - last_time) / (step - last_step))
                     if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-                        record["eval_loss"] = self.eval_loss(state["params"])
+                        record["eval_loss"] = self.eval_loss(state.params)
                     records.append(record)
                     writer.write(record)
                     line = _format(record)
@@ -226,17 +199,18 @@ class Trainer:
             )
         self.skip_batches.add(index)
         state, data_state = self.initial_state(log)
-        back_to = int(jax.device_get(state["step"]))
+        back_to = int(jax.device_get(state.step))
         log(f"ushard: step {step} (batch {index}) gave {what}; rolled back to step {back_to}, skipping that batch.")
         return state, data_state, back_to
 
     def _record(self, step, metrics, step_time) -> dict:
         t = self.config.train
         tokens_per_s = t.batch_size * t.seq_len / step_time
-        tflops = self.flops_per_token * tokens_per_s / self.mesh.size / 1e12
+        tflops = self.setup.flops_per_token * tokens_per_s / self.setup.mesh.size / 1e12
         return {
             "step": step,
             "loss": float(metrics["loss"]),
+            **{f"aux/{name}": float(value) for name, value in metrics["aux"].items()},
             "grad_norm": float(metrics["grad_norm"]),
             "lr": float(metrics["lr"]),
             "tokens_per_s": tokens_per_s,

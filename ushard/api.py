@@ -1,0 +1,36 @@
+"""The public Python API (re-exported by `ushard/__init__.py`): what the CLI does, callable from Python.
+
+    import ushard
+    config = ushard.load_config("tiny", {"train.steps": 50})
+    rows = ushard.train(config, "runs/tiny")          # the same run as `ushard train`
+    model = ushard.load_model("runs/tiny")            # int32 [batch, length] -> float32 logits
+"""
+
+from __future__ import annotations
+
+from ushard import config as _config
+from ushard import xla_flags
+
+
+def load_config(name_or_path: str, overrides=None):
+    """The config `ushard train --config NAME_OR_PATH` would use, with `overrides` applied: a dict
+    `{"train.steps": 50}` or a list of `"a.b=value"` strings (a leading `--config.` is allowed).
+    Every setting that needs no devices is checked; a mistake raises `ushard.UserError`, whose
+    message is the CLI's one sentence."""
+    if isinstance(overrides, dict):
+        items = [f"{key}={value}" for key, value in overrides.items()]
+    else:
+        items = [item.removeprefix("--config.") for item in overrides or ()]
+    config = _config.load_config(name_or_path, items)
+    _config.check_settings(config)
+    return config
+
+
+def train(config, workdir: str | None = None, log=print) -> list[dict]:
+    """Trains `config` as `ushard train` does: DIR/metrics.jsonl, checkpoints and resume in `workdir`
+    (None: nothing is written). Returns the logged metrics rows. XLA flags the config implies take
+    effect only if JAX's backend has not started yet in this process."""
+    from ushard.training.loop import Trainer
+
+    xla_flags.apply(config)
+    return Trainer(config, workdir).run(log)

@@ -1,0 +1,66 @@
+"""`build(config)`: the mesh, layout, model definition, optimizer and step functions of a config, and no data.
+
+Everything that trains, measures or inspects a model starts here: the Trainer, `tools/`, tests,
+notebooks and the planner. Nothing is compiled until a step function is first called or lowered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import optax
+
+from ushard.config import validate
+from ushard.mesh import build_mesh
+from ushard.metrics import flops_per_token
+from ushard.models.config import ModelConfig
+from ushard.models.definition import ModelDef, model_definition
+from ushard.sharding import Layout, format_rules
+from ushard.training.optim import make_optimizer
+from ushard.training.step import Steps
+
+
+@dataclass
+class Setup:
+    """A validated config laid out on devices: what `build` returns."""
+
+    config: object  # the ml_collections ConfigDict it was built from
+    model_config: ModelConfig
+    mesh_shape: dict[str, int]
+    layout: Layout
+    model: ModelDef
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    steps: Steps  # jitted init / train_step / loss_and_grads / eval_step for this layout
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.layout.mesh
+
+    @property
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token as ushard/metrics.py counts them."""
+        return flops_per_token(self.model_config, self.model.num_matmul_params(), self.config.train.seq_len)
+
+    def describe(self) -> str:
+        shape = " x ".join(f"{a}={s}" for a, s in self.mesh_shape.items() if s > 1) or "one device"
+        platform = self.mesh.devices.flat[0].platform
+        return (
+            f"ushard: {self.model.num_params() / 1e6:.1f}M params on {self.mesh.size} {platform} "
+            f"device(s), mesh {shape}, ZeRO-{self.config.parallel.zero_stage}\n"
+            f"parameter layout (logical axis -> mesh axes):\n{format_rules(self.layout.zero.params)}"
+        )
+
+
+def build(config, devices=None) -> Setup:
+    """Validates `config` for `devices` (default: all) and composes its parts; raises UserError if invalid."""
+    devices = jax.devices() if devices is None else list(devices)
+    mesh_shape = validate(config, len(devices))
+    model_cfg = ModelConfig.from_config(config.model)
+    model = model_definition(model_cfg)
+    p, t = config.parallel, config.train
+    layout = Layout.create(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), p.zero_stage, p.reshard_after_forward)
+    tx, schedule = make_optimizer(t, model.logical)
+    steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip")
+    return Setup(config, model_cfg, mesh_shape, layout, model, tx, schedule, steps)

@@ -1,0 +1,71 @@
+"""The one place that runs a stack of layers: scan or unroll, the remat policy, ZeRO-3 kept-gathered weights.
+
+A stack is an NNX module created stacked (every weight has a leading `layers` axis, see
+`Llama.__init__`). Each layer is called as `layer(x, *args) -> (x, aux)`, `aux` a dict of scalars
+(e.g. an MoE load-balancing term) that the stack sums over layers. A stack whose layers differ (a
+dense layer every k-th, MoE otherwise) is a stack of periodic super-blocks, each holding its k layers.
+The pipeline schedules (ushard/parallel) are other implementations of `run_layers`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ushard.sharding import current_layout, gathered
+
+
+def _is_fused_attention(prim, *_, **__) -> bool:
+    # The forward of a fused attention kernel (cuDNN's is `dot_product_attention_fwd`): its output and
+    # softmax statistics are small next to what recomputing it costs.
+    return "attention" in prim.name
+
+
+_saveable = jax.checkpoint_policies
+# What the backward pass may keep from the forward; everything else is recomputed. "none": no remat.
+REMAT_POLICIES = {
+    "none": None,
+    "full": _saveable.nothing_saveable,
+    "dots": _saveable.dots_saveable,
+    "dots_no_batch": _saveable.dots_with_no_batch_dims_saveable,
+    "dots_attention": _saveable.save_from_both_policies(_saveable.dots_with_no_batch_dims_saveable, _is_fused_attention),
+}
+# ...and also the norm outputs and the SwiGLU product (tagged in models/layers.py): only rotary
+# embeddings and activation functions are recomputed.
+REMAT_POLICIES["dots_attention_norms"] = _saveable.save_from_both_policies(
+    REMAT_POLICIES["dots_attention"], _saveable.save_only_these_names("norm_out", "mlp_hidden")
+)
+
+
+def run_layers(layers: nnx.Module, x, *args, remat: str = "none", unroll: int = 1, compute_dtype=None):
+    """x through every layer of the stacked module `layers`; returns (x, aux summed over layers)."""
+    graphdef, layer_states = nnx.split(layers)
+
+    def one_layer(x, layer_state):
+        return nnx.merge(graphdef, layer_state)(x, *args)
+
+    if remat != "none":
+        # Unrolled layers are one graph: unless CSE is blocked there, XLA merges the backward pass's
+        # recomputation with the forward pass and keeps every activation, as if remat were off
+        # (docs/dev-notes.md). A rolled scan keeps the two apart itself, and blocking costs speed there.
+        one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=unroll > 1)
+    layout = current_layout()
+    if layout is not None and layout.keep_gathered:
+        # Gathered outside the remat boundary, the weights become inputs the backward pass keeps.
+        layer_body = one_layer
+        one_layer = lambda x, layer_state: layer_body(x, weights_for_compute(layer_state, compute_dtype))  # noqa: E731
+    x, aux = jax.lax.scan(one_layer, x, layer_states, unroll=unroll)
+    return x, jax.tree.map(lambda per_layer: jnp.sum(per_layer, axis=0), aux)
+
+
+def weights_for_compute(layer_state, compute_dtype):
+    """One layer's matmul weights cast to the compute dtype and gathered (norm scales as they are)."""
+
+    def prepare(variable):
+        names = variable.get_metadata()["out_sharding"][1:]  # without the stacked `layers` axis
+        if "norm" in names:
+            return variable
+        return variable.replace(gathered(variable[...].astype(compute_dtype), names))
+
+    return jax.tree.map(prepare, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))

@@ -1,0 +1,82 @@
+"""A trained model from a workdir's newest checkpoint, callable on tokens: `ushard.load_model(workdir)`.
+
+The settings come from the config saved with the checkpoint; only the parameters are read (not the
+optimizer state), through the same restore path as training (`Checkpoints.restore_newest`), onto one
+device or laid out ZeRO-3 over several (the `fsdp` axis spanning them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from ushard.checkpoint import Checkpoints, saved_model_config
+from ushard.config import MESH_AXES
+from ushard.data.tokenizer import TOKENIZERS
+from ushard.errors import UserError
+from ushard.mesh import build_mesh
+from ushard.models.definition import ModelDef, model_definition
+from ushard.sharding import Layout, check_divisible, use_layout
+
+
+@dataclass
+class TrainedModel:
+    """`model(tokens)`: int32 [batch, length] token ids -> float32 [batch, length, vocab] logits, each row
+    one document starting at position 0."""
+
+    model: ModelDef
+    params: dict
+    layout: Layout
+    step: int  # the training step of the checkpoint
+    tokenizer: str  # the name of the tokenizer it was trained with (ushard.data.tokenizer)
+    seq_len: int | None  # the length of its training windows
+
+    def __post_init__(self):
+        def logits(params, tokens):
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+            with use_layout(self.layout):
+                return self.model.apply(params, tokens, positions)[0].astype(jnp.float32)
+
+        self._logits = jax.jit(logits)
+
+    def __call__(self, tokens) -> jax.Array:
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise UserError(f"the model takes int32 token ids of shape [batch, length]; got {tokens.dtype} {tokens.shape}.")
+        if self.layout.mesh.size > 1 and tokens.shape[0] % self.layout.mesh.size:
+            raise UserError(f"a batch of {tokens.shape[0]} rows does not split over {self.layout.mesh.size} devices; "
+                            f"use a multiple of {self.layout.mesh.size} rows, or load the model onto one device.")
+        return self._logits(self.params, tokens.astype(jnp.int32))
+
+
+def load_model(workdir: str, devices=None, log=print) -> TrainedModel:
+    """The model in `workdir`'s newest readable checkpoint, on `devices` (default: the first device)."""
+    devices = jax.devices()[:1] if devices is None else list(devices)
+    mesh_shape = {axis: len(devices) if axis == "fsdp" else 1 for axis in MESH_AXES}
+    layout = Layout.create(build_mesh(mesh_shape, devices=devices), zero_stage=3)
+
+    def target(saved_config):
+        model_cfg = saved_model_config(saved_config)
+        model = model_definition(model_cfg)
+        check_divisible({f"parameter {p}": named for p, named in model.named_shapes().items()},
+                        layout.zero.params, mesh_shape)
+        shardings = layout.shardings(model.logical, "params")
+        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), model.shapes, shardings)
+        return {"params": params}, model_cfg
+
+    checkpoints = Checkpoints(workdir, create=False)
+    try:
+        restored = checkpoints.restore_newest(target, log)
+    finally:
+        checkpoints.close()
+    if restored is None:
+        raise UserError(f"{checkpoints.directory} holds no complete checkpoint; train a model first with "
+                        f"`ushard train --workdir {workdir}`.")
+    step, state, _, saved = restored
+    tokenizer = saved.get("data", {}).get("tokenizer", "byte")
+    if tokenizer not in TOKENIZERS:
+        raise UserError(f"the checkpoint was trained with tokenizer {tokenizer!r}, which this ushard does not have.")
+    model = model_definition(saved_model_config(saved))
+    return TrainedModel(model, state["params"], layout, step, tokenizer, saved.get("train", {}).get("seq_len"))

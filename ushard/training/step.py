@@ -1,0 +1,157 @@
+"""The jitted training and eval steps, with explicit shardings and donated state.
+
+The loss is a *sum* over target tokens and the gradient is divided by the token count of the whole
+global batch at the end, so one microbatch or many, one device or many, compute the same number.
+The model's auxiliary terms (`aux`, scalars such as an MoE load-balancing loss) are added to the
+objective weighted by each microbatch's token count, so they too average over the global batch, and
+are reported beside the loss. Gradient accumulation runs microbatches in a `lax.scan`; the
+accumulator carries the gradient sharding (replicated below ZeRO-2, sharded over fsdp from ZeRO-2 on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+from ushard.models.definition import ModelDef
+from ushard.sharding import BATCH_NAMES, Layout, use_layout
+from ushard.training.loss import cross_entropy_sums
+from ushard.training.state import TrainState
+
+BATCH_FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+@dataclass
+class StateShardings:
+    params: Any
+    grads: Any
+    opt_state: Any
+    replicated: NamedSharding
+
+    @property
+    def state(self) -> TrainState:
+        return TrainState(params=self.params, opt_state=self.opt_state, step=self.replicated, skipped=self.replicated)
+
+
+def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: Layout) -> StateShardings:
+    replicated = layout.replicated
+    opt_like_params = layout.shardings(model.logical, "opt_state")
+    abstract_opt = jax.eval_shape(tx.init, model.shapes)
+    # Optimizer leaves shaped like a parameter (Adam's moments) take that parameter's ZeRO sharding;
+    # the rest (step counts) are replicated scalars.
+    opt_state = optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract_opt, opt_like_params, transform_non_params=lambda _: replicated
+    )
+    return StateShardings(
+        params=layout.shardings(model.logical, "params"),
+        grads=layout.shardings(model.logical, "grads"),
+        opt_state=opt_state,
+        replicated=replicated,
+    )
+
+
+class Steps:
+    """The compiled functions of one (model, optimizer, layout). Build one per layout."""
+
+    def __init__(self, model: ModelDef, tx, schedule, layout: Layout, grad_accum: int, skip_nonfinite: bool):
+        self.model, self.tx, self.schedule, self.layout = model, tx, schedule, layout
+        self.grad_accum = grad_accum
+        self.skip_nonfinite = skip_nonfinite
+        self.shardings = sh = state_shardings(model, tx, layout)
+        self.batch_shardings = dict.fromkeys(BATCH_FIELDS, layout.batch)
+        batch_sh = self.batch_shardings
+        self.init = jax.jit(self._init, static_argnums=0, out_shardings=sh.state)
+        self.train_step = jax.jit(
+            self._train_step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, sh.replicated), donate_argnums=0
+        )
+        self.loss_and_grads = jax.jit(
+            self._loss_and_grads, in_shardings=(sh.params, batch_sh), out_shardings=(sh.replicated, sh.grads)
+        )
+        self.eval_step = jax.jit(self._eval_sums, in_shardings=(sh.params, batch_sh), out_shardings=sh.replicated)
+
+    # ------------------------------------------------------------------ traced functions
+
+    def _init(self, seed: int) -> TrainState:
+        params = self.model.init(seed)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(params=params, opt_state=self.tx.init(params), step=zero, skipped=zero)
+
+    def abstract_state(self, seed: int = 0) -> TrainState:
+        """The state's shapes and dtypes, each carrying its sharding (for restoring checkpoints)."""
+        shapes = jax.eval_shape(lambda: self._init(seed))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.shardings.state)
+
+    def _objective(self, params, batch):
+        """(cross-entropy sum + token-weighted aux terms, (cross-entropy sum, token count, weighted aux))."""
+        logits, aux = self.model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
+        loss, count = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
+        weighted_aux = {name: term * count for name, term in aux.items()}
+        return loss + sum(weighted_aux.values(), 0.0), (loss, count, weighted_aux)
+
+    def _eval_sums(self, params, batch):
+        with use_layout(self.layout):
+            _, (loss, count, _) = self._objective(params, batch)
+            return jnp.stack([loss, count])
+
+    def _grad_sums(self, params, batch):
+        """(loss sum, token count, weighted aux sums) and summed gradients over the global batch,
+        microbatch by microbatch."""
+        grad_fn = jax.grad(self._objective, has_aux=True)
+        pin = lambda g: jax.lax.with_sharding_constraint(g, self.shardings.grads)  # noqa: E731
+        if self.grad_accum == 1:
+            grads, sums = grad_fn(params, batch)
+            return sums, pin(grads)
+
+        a = self.grad_accum
+        micro_sharding = self.layout.sharding((None, *BATCH_NAMES))
+
+        def split(x):
+            # Row i*a + j goes to microbatch j: every device keeps its own rows, nothing moves.
+            x = x.reshape(x.shape[0] // a, a, *x.shape[1:]).swapaxes(0, 1)
+            return jax.lax.with_sharding_constraint(x, micro_sharding)
+
+        def one_microbatch(carry, micro):
+            sums_acc, grad_acc = carry
+            grads, sums = grad_fn(params, micro)
+            return (jax.tree.map(jnp.add, sums_acc, sums), pin(jax.tree.map(jnp.add, grad_acc, grads))), None
+
+        micro_batches = jax.tree.map(split, batch)
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        sums_shape = jax.eval_shape(lambda: grad_fn(params, first)[1])
+        zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+        zero_grads = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+        (sums, grads), _ = jax.lax.scan(one_microbatch, (zero_sums, zero_grads), micro_batches)
+        return sums, grads
+
+    def _mean_loss_and_grads(self, params, batch):
+        """(mean loss, mean aux terms, mean gradients) over the global batch's target tokens."""
+        with use_layout(self.layout):
+            (loss, count, weighted_aux), grads = self._grad_sums(params, batch)
+            count = jnp.maximum(count, 1.0)
+            aux = {name: term / count for name, term in weighted_aux.items()}
+            return loss / count, aux, jax.tree.map(lambda g: g / count, grads)
+
+    def _loss_and_grads(self, params, batch):
+        loss, _, grads = self._mean_loss_and_grads(params, batch)
+        return loss, grads
+
+    def _train_step(self, state: TrainState, batch):
+        loss, aux, grads = self._mean_loss_and_grads(state.params, batch)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        skipped = state.skipped
+        if self.skip_nonfinite:  # keep the old state where this step's numbers are not finite
+            keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            params = jax.tree.map(keep_old, params, state.params)
+            opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
+            skipped = skipped + (~finite).astype(jnp.int32)
+        metrics = {"loss": loss, "aux": aux, "grad_norm": grad_norm, "lr": self.schedule(state.step),
+                   "finite": finite, "skipped": skipped}
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1, skipped=skipped), metrics
