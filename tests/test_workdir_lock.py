@@ -102,6 +102,34 @@ def test_another_process_holds_it_then_is_killed_and_its_lock_is_taken_over(tmp_
     assert logged[0].endswith(", a run that ended without releasing it.")
 
 
+FORK = """
+import os, sys, time
+from ushard.workdir_lock import WorkdirLock
+WorkdirLock(sys.argv[1]).acquire()
+child = os.fork()
+if child == 0:
+    time.sleep(60)  # the child keeps the inherited lock
+else:
+    print(os.getpid(), child, flush=True)
+    os._exit(0)
+"""
+
+
+def test_a_lock_kept_by_a_forked_child_names_the_ended_parent(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", FORK, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    parent, child = map(int, proc.stdout.readline().split())
+    proc.stdout.close()
+    proc.wait()
+    try:
+        with pytest.raises(UserError) as excinfo:
+            WorkdirLock(str(tmp_path)).acquire()
+        assert f"(pid {parent} on host {HOST}, since " in _one_sentence(excinfo)
+        assert ", which has ended, but a process it started still holds it; lock file " in str(excinfo.value)
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("make, needle", [
     (lambda d: (d / "run").write_text("x"), "workdir {d}/run exists and is not a directory; give a directory for --workdir."),
     (lambda d: (d / "run" / ".lock").mkdir(parents=True), "cannot create the lock file {d}/run/.lock: Is a directory"),
@@ -111,6 +139,19 @@ def test_unusable_workdir_is_one_sentence(tmp_path, make, needle):
     with pytest.raises(UserError) as excinfo:
         WorkdirLock(str(tmp_path / "run")).acquire()
     assert needle.format(d=tmp_path) in _one_sentence(excinfo)
+
+
+def test_a_full_disk_is_one_sentence_and_leaves_the_lock_free(tmp_path, monkeypatch):
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(workdir_lock.os, "pwrite", pwrite)
+        with pytest.raises(UserError) as excinfo:
+            WorkdirLock(str(tmp_path)).acquire()
+    assert _one_sentence(excinfo) == f"cannot write the lock file {tmp_path / '.lock'}: No space left on device."
+    with WorkdirLock(str(tmp_path)):  # the failed attempt holds nothing
+        assert _holder_in_file(tmp_path)["pid"] == os.getpid()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")

@@ -105,6 +105,9 @@ class WorkdirLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(identity()) + "\n").encode(), 0)
             os.fsync(fd)
+        except OSError as e:  # a full disk, an I/O error
+            os.close(fd)
+            raise UserError(f"cannot write the lock file {self.path}: {e.strerror}.") from None
         except BaseException:
             os.close(fd)
             raise
@@ -131,8 +134,10 @@ class WorkdirLock:
         return previous
 
     def _busy(self, holder: dict | None) -> UserError:
+        # A forked child shares its parent's flock, so the lock can outlive the process it names.
+        gone = ", which has ended, but a process it started still holds it" if holder and holder_alive(holder) is False else ""
         return UserError(
-            f"workdir {self.workdir} is in use by another run ({_describe(holder)}; lock file {self.path}); "
+            f"workdir {self.workdir} is in use by another run ({_describe(holder)}{gone}; lock file {self.path}); "
             f"wait for it to end or choose another --workdir."
         )
 
