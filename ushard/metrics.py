@@ -70,7 +70,6 @@ class MetricsWriter:
             drop_after(self.path, resume_step)
         self._jsonl = open(self.path, "a", buffering=1)
         from tensorboardX import SummaryWriter
-
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 
         # The nanosecond suffix keeps two writers opened in one second from overwriting one file (the
