@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ushard import config as _config
 from ushard import xla_flags
+from ushard.workdir_lock import hold_workdir
 
 
 def load_config(name_or_path: str, overrides=None):
@@ -17,11 +18,7 @@ def load_config(name_or_path: str, overrides=None):
     `{"train.steps": 50}` or a list of `"a.b=value"` strings (a leading `--config.` is allowed).
     Every setting that needs no devices is checked; a mistake raises `ushard.UserError`, whose
     message is the CLI's one sentence."""
-    if isinstance(overrides, dict):
-        items = [f"{key}={value}" for key, value in overrides.items()]
-    else:
-        items = [item.removeprefix("--config.") for item in overrides or ()]
-    config = _config.load_config(name_or_path, items)
+    config = _config.load_config(name_or_path, overrides)
     _config.check_settings(config)
     return config
 
@@ -33,4 +30,7 @@ def train(config, workdir: str | None = None, log=print) -> list[dict]:
     from ushard.training.loop import Trainer
 
     xla_flags.apply(config)
-    return Trainer(config, workdir).run(log)
+    if workdir is None:
+        return Trainer(config).run(log)
+    with hold_workdir(workdir, log):  # one run per workdir, before anything in it is touched
+        return Trainer(config, workdir).run(log)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import importlib.util
 import math
+import numbers
 import os
 from importlib import resources
 
@@ -111,30 +113,57 @@ def _resolve_config_path(name: str) -> str:
     )
 
 
-def load_config(name: str, overrides: list[str] = ()) -> ml_collections.ConfigDict:
-    """Loads `name` (a path, or the bare name of a shipped config) and applies `--config.a.b=v` overrides."""
+def load_config(name: str, overrides=()) -> ml_collections.ConfigDict:
+    """Loads `name` (a path, or the bare name of a shipped config) and applies overrides: `a.b=v`
+    strings (`--config.` prefix optional) or a dict `{"a.b": v}` (see `apply_overrides`)."""
     path = _resolve_config_path(name)
     spec = importlib.util.spec_from_file_location("_ushard_user_config", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as e:  # the user's config file is user input
-        raise UserError(f"config file {path} failed to load: {type(e).__name__}: {e}.") from None
+        raise UserError(f"config file {path} failed to load: {_reason(e)}.") from None
     if not hasattr(module, "get_config"):
         raise UserError(f"config file {path} defines no get_config() function returning the config.")
     try:
         config = module.get_config()
     except AttributeError as e:
-        raise UserError(f"config file {path} sets a key ushard does not know: {e}.") from None
+        raise UserError(f"config file {path} sets a key ushard does not know: {_reason(e, typed=False)}.") from None
     except TypeError as e:  # a locked ConfigDict refuses a value of another type
-        raise UserError(f"config file {path} sets a value of the wrong type: {e}.") from None
+        raise UserError(f"config file {path} sets a value of the wrong type: {_reason(e, typed=False)}.") from None
+    except Exception as e:
+        raise UserError(f"config file {path}: get_config() failed with {_reason(e)}.") from None
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise UserError(
+            f"config file {path}: get_config() returned {type(config).__name__}, not a ConfigDict; "
+            f"start from ushard.config.default_config() and return it."
+        )
     apply_overrides(config, overrides)
     return config
 
 
+def _reason(e: Exception, typed: bool = True) -> str:
+    """An exception as one line without a closing full stop, to sit inside a sentence."""
+    text = " ".join(str(e).split()).rstrip(".")
+    return f"{type(e).__name__}: {text}" if typed else text
+
+
 def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
-    """Applies strings `a.b=value` (the `--config.` prefix already removed) with the existing type."""
-    for item in overrides:
+    """Applies overrides in place, each converted to the type of the value it replaces.
+
+    `overrides` is a list of `a.b=value` strings (the CLI's, `--config.` prefix optional) or a dict
+    `{"a.b": value}` (the Python API's). A string value is parsed as on the command line; any other
+    value must already have the key's type (an int is accepted for a float).
+    """
+    if isinstance(overrides, dict):
+        apply_override_dict(config, overrides)
+        return
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    for item in overrides or ():
+        if not isinstance(item, str):
+            raise UserError(f"override {item!r} is not a string; write overrides like 'train.steps=50', or pass a dict.")
+        item = item.removeprefix("--config.")
         if "=" not in item:
             raise UserError(f"override --config.{item} has no value; write --config.{item}=VALUE.")
         key, text = item.split("=", 1)
@@ -144,14 +173,58 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
             parent[leaf] = _parse_like(old, text, key)
 
 
+def apply_override_dict(config: ml_collections.ConfigDict, overrides: dict, prefix: str = "") -> None:
+    """`{"train.steps": 50, "model": {"remat": "full"}}`: dotted keys, or nested dicts for groups."""
+    for key, value in overrides.items():
+        if not isinstance(key, str):
+            raise UserError(f"override key {key!r} is not a string; write keys like 'train.steps'.")
+        key = prefix + key.removeprefix("--config.")
+        parent, leaf = _lookup_parent(config, key)
+        old = parent[leaf]
+        if isinstance(old, ml_collections.ConfigDict) and isinstance(value, dict):
+            apply_override_dict(config, value, key + ".")
+            continue
+        with parent.ignore_type():
+            parent[leaf] = _parse_like(old, value, key) if isinstance(value, str) else _check_like(old, value, key)
+
+
+def _check_like(old, value, key: str):
+    """A Python value for `key`, with the type of `old`: the dict path's counterpart of `_parse_like`."""
+    if isinstance(old, ml_collections.ConfigDict):
+        raise UserError(f"override {key} is a group of settings, not a value; set one of its keys instead.")
+    if old is None:
+        return value
+    number = not isinstance(value, bool)  # bool is an int to Python, never to a config
+    if isinstance(old, bool):
+        ok, new = isinstance(value, bool), value
+    elif isinstance(old, int):
+        ok = number and isinstance(value, numbers.Integral)  # numpy integers too
+        new = int(value) if ok else None
+    elif isinstance(old, float):
+        ok = number and isinstance(value, numbers.Real)  # an int is a fine float
+        new = float(value) if ok else None
+    elif isinstance(old, (tuple, list)):
+        ok = isinstance(value, (tuple, list))
+        new = type(old)(value) if ok else None
+    else:
+        ok, new = isinstance(value, type(old)), value
+    if not ok:
+        raise UserError(f"override {key}={value!r} is not a valid {type(old).__name__} (current value {old!r}).")
+    return new
+
+
 def _lookup_parent(config, key):
     parts = key.split(".")
     node = config
     for depth, part in enumerate(parts):
         if not isinstance(node, ml_collections.ConfigDict) or part not in node:
             where = ".".join(parts[:depth]) or "the config"
-            valid = ", ".join(sorted(node.keys())) if isinstance(node, ml_collections.ConfigDict) else "none"
-            raise UserError(f"unknown config key {key!r}: {where} has no {part!r}; valid keys there: {valid}.")
+            names = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(
+                f"unknown config key {key!r}: {where} has no {part!r}{hint}; valid keys there: {', '.join(names) or 'none'}."
+            )
         if depth == len(parts) - 1:
             return node, part
         node = node[part]

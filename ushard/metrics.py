@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import jax
 
@@ -49,18 +50,47 @@ def flops_per_token(model_cfg, matmul_params: int, seq_len: int) -> float:
 class MetricsWriter:
     """Appends one JSON object per logged step to DIR/metrics.jsonl, and the same scalars to TensorBoard.
 
-    Only process 0 writes; on the others every method is a no-op.
+    `resume_step=S` (the restored checkpoint's step, 0 for a fresh start) makes the files hold one
+    history: records with step > S, logged by an earlier run after its last checkpoint, are dropped
+    from metrics.jsonl, and TensorBoard is told to hide its events with step > S. Without it the
+    writer appends as it finds the file. Only process 0 writes; on the others every method is a no-op.
     """
 
-    def __init__(self, workdir: str | None):
+    def __init__(self, workdir: str | None, resume_step: int | None = None):
         self.enabled = workdir is not None and jax.process_index() == 0
         self._jsonl = self._tb = None
         if self.enabled:
             os.makedirs(workdir, exist_ok=True)
-            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
-            from tensorboardX import SummaryWriter
+            self.path = os.path.join(workdir, "metrics.jsonl")
+            self._tb_dir = os.path.join(workdir, "tensorboard")
+            self._open(resume_step)
 
-            self._tb = SummaryWriter(logdir=os.path.join(workdir, "tensorboard"))
+    def _open(self, resume_step: int | None) -> None:
+        if resume_step is not None:
+            drop_after(self.path, resume_step)
+        self._jsonl = open(self.path, "a", buffering=1)
+        from tensorboardX import SummaryWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        # The nanosecond suffix keeps two writers opened in one second from overwriting one file (the
+        # name has whole seconds) and keeps the files in the order they were written (TensorBoard reads
+        # them sorted by name).
+        suffix = f".{time.time_ns()}"
+        if resume_step is None:
+            self._tb = SummaryWriter(logdir=self._tb_dir, filename_suffix=suffix)
+            return
+        # A START event at step S+1 makes TensorBoard hide the events with step >= S+1 written before
+        # it (TensorBoard's own server also drops them when a step repeats). TensorBoard's Python
+        # loader ignores the first START it sees in a directory, so a second one follows for
+        # directories whose earlier files (older ushard) hold none; a repeated START changes nothing.
+        self._tb = SummaryWriter(logdir=self._tb_dir, purge_step=resume_step + 1, filename_suffix=suffix)
+        self._tb.file_writer.add_event(Event(step=resume_step + 1, session_log=SessionLog(status=SessionLog.START)))
+
+    def rewind(self, step: int) -> None:
+        """Forgets what was written after `step`: for a run rolled back to the checkpoint at `step`."""
+        if self.enabled:
+            self.close()
+            self._open(step)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -74,3 +104,36 @@ class MetricsWriter:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+
+
+def drop_after(path: str, step: int) -> int:
+    """Removes the records with `"step"` > `step` from the JSONL file at `path` (atomically, by writing
+    a new file and renaming it over the old); returns how many were removed.
+
+    A last line cut off by a crash is dropped too, so that the next record starts on a line of its own;
+    other lines without a step are kept.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return 0
+    kept = []
+    for line in lines:
+        try:
+            later = json.loads(line)["step"] > step
+        except (ValueError, TypeError, KeyError):  # not one of our records
+            if line.endswith("\n"):
+                kept.append(line)
+            continue
+        if not later:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept == lines:
+        return 0
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(lines) - len(kept)

@@ -56,7 +56,11 @@ def documents(data_cfg):
             yield path, read_bytes(path)
     elif data_cfg.source == "jsonl":
         for path in glob_files(data_cfg.paths, "data.paths"):
-            for lineno, line in enumerate(read_bytes(path).decode("utf-8", errors="replace").splitlines(), 1):
+            # utf-8-sig: a byte order mark (as some Windows editors write) is not part of the first record.
+            # Records end at "\n" only: str.splitlines() would also split at a U+2028 that JSON allows
+            # inside a string. A "\r" before the "\n" is whitespace to json.loads.
+            content = read_bytes(path).decode("utf-8-sig", errors="replace")
+            for lineno, line in enumerate(content.split("\n"), 1):
                 if not line.strip():
                     continue
                 try:

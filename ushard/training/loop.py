@@ -119,7 +119,7 @@ class Trainer:
         log(self.setup.describe())
         state, data_state = self.initial_state(log)
         step = int(jax.device_get(state.step))
-        writer = MetricsWriter(self.workdir)
+        writer = MetricsWriter(self.workdir, resume_step=step)  # drops what an earlier run logged after it
         records = []
         try:
             if step < t.steps:
@@ -162,6 +162,8 @@ class Trainer:
                 bad = next(((s, i, m) for s, i, m in fetched if not m["finite"]), None)
                 if bad and t.on_nonfinite != "skip":
                     state, data_state, step = self._handle_nonfinite(bad, log)
+                    writer.rewind(step)
+                    records = [r for r in records if r["step"] <= step]
                     last_time, last_step = time.perf_counter(), step
                     if bar:
                         bar.reset(total=t.steps)
