@@ -301,13 +301,13 @@ def check_settings(config) -> ModelConfig:
         _positive(t[key], f"train.{key}")
     for key in ("warmup_steps", "eval_every", "eval_batches", "weight_decay", "grad_clip", "lr"):
         _positive(t[key], f"train.{key}", allow_zero=True)
-    _choice(t.schedule, SCHEDULES, "train.schedule")
-    _choice(t.on_nonfinite, NONFINITE_POLICIES, "train.on_nonfinite")
     _positive(config.checkpoint.every, "checkpoint.every", allow_zero=True)
     _positive(config.checkpoint.keep, "checkpoint.keep")
-    _choice(d.source, DATA_SOURCES, "data.source")
-    _choice(d.tokenizer, tuple(TOKENIZERS), "data.tokenizer")
-    _choice(config.parallel.zero_stage, (0, 1, 2, 3), "parallel.zero_stage")
+    for key, valid in (("train.schedule", SCHEDULES), ("train.on_nonfinite", NONFINITE_POLICIES),
+                       ("data.source", DATA_SOURCES), ("data.tokenizer", tuple(TOKENIZERS)),
+                       ("parallel.zero_stage", (0, 1, 2, 3))):
+        group, name = key.split(".")
+        _choice(config[group][name], valid, key)
     if config.parallel.collective_combine_mib < 0:
         raise UserError(f"parallel.collective_combine_mib={config.parallel.collective_combine_mib} is negative; use 0 for XLA's default or a size in MiB.")
     if not 0.0 < d.eval_fraction < 1.0:
@@ -319,6 +319,8 @@ def check_settings(config) -> ModelConfig:
         raise UserError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the {d.tokenizer!r} tokenizer's {tokens} tokens; use at least that.")
     if d.source != "stdlib" and not d.paths:
         raise UserError(f"data.source={d.source!r} needs data.paths, a glob of files to read.")
+    if t.batch_size % t.grad_accum:
+        raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; use a multiple of {t.grad_accum}.")
     return model_cfg
 
 
@@ -338,24 +340,18 @@ def check_mesh(config, num_devices: int) -> dict[str, int]:
 def validate(config, num_devices: int) -> dict[str, int]:
     """Checks the whole config against itself and the device count; returns the resolved mesh shape.
 
-    Whether the model and the batch split over the mesh is decided by one generic rule: every
-    dimension of every parameter, and of the (micro)batch, must divide by the mesh axes that its
-    logical name maps to in each ZeRO table (ushard.sharding.check_divisible). The activations' other
-    dimensions (heads, mlp, vocab) are those of the parameters, so they are covered too.
+    Whether the model and the batch split over the mesh is one generic rule: every dimension of every
+    parameter (in each ZeRO stage's table) and of a microbatch must divide by the mesh axes its
+    logical name maps to. The activations' other dimensions (heads, mlp, vocab) are the parameters'.
     """
     from ushard.models.definition import model_definition
     from ushard.sharding import BATCH_NAMES, ZeroRules, check_divisible
 
-    model_cfg = check_settings(config)
-    mesh = check_mesh(config, num_devices)
+    model_cfg, mesh, t = check_settings(config), check_mesh(config, num_devices), config.train
     zero = ZeroRules.for_stage(config.parallel.zero_stage)
     parameters = {f"parameter {path}": named for path, named in model_definition(model_cfg).named_shapes().items()}
-    t = config.train
-    microbatch = f"a microbatch (train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} sequences of train.seq_len={t.seq_len})"
-    batch = {microbatch: (BATCH_NAMES, (t.batch_size // t.grad_accum, t.seq_len))}
-    if t.batch_size % t.grad_accum:
-        raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; use a multiple of {t.grad_accum}.")
-    for kind in ("params", "grads", "opt_state"):
-        check_divisible(parameters, zero.table(kind), mesh)
-    check_divisible(batch, zero.compute, mesh)
+    for rules in (zero.params, zero.grads, zero.opt_state):
+        check_divisible(parameters, rules, mesh)
+    what = f"a microbatch (train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} sequences of train.seq_len={t.seq_len})"
+    check_divisible({what: (BATCH_NAMES, (t.batch_size // t.grad_accum, t.seq_len))}, zero.compute, mesh)
     return mesh
