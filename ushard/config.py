@@ -349,7 +349,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
 
     model_cfg, mesh, t = check_settings(config), check_mesh(config, num_devices), config.train
     zero = ZeroRules.for_stage(config.parallel.zero_stage)
-    parameters = {f"parameter {path}": named for path, named in model_definition(model_cfg).named_shapes().items()}
+    parameters = model_definition(model_cfg).named_shapes()
     for rules in (zero.params, zero.grads, zero.opt_state):
         check_divisible(parameters, rules, mesh)
     what = f"a microbatch (train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} sequences of train.seq_len={t.seq_len})"

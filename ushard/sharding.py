@@ -163,6 +163,11 @@ class Layout:
         return self.sharding(BATCH_NAMES)
 
 
+def with_shardings(shapes, shardings):
+    """Abstract arrays (ShapeDtypeStructs) that carry the shardings to create or restore them with."""
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
 # --------------------------------------------------------------------------- the active layout
 
 _ACTIVE = contextvars.ContextVar("ushard_layout", default=None)

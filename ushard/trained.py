@@ -18,7 +18,7 @@ from ushard.data.tokenizer import TOKENIZERS
 from ushard.errors import UserError
 from ushard.mesh import build_mesh
 from ushard.models.definition import ModelDef, model_definition
-from ushard.sharding import Layout, check_divisible, use_layout
+from ushard.sharding import Layout, check_divisible, use_layout, with_shardings
 
 
 @dataclass
@@ -60,11 +60,8 @@ def load_model(workdir: str, devices=None, log=print) -> TrainedModel:
     def target(saved_config):
         model_cfg = saved_model_config(saved_config)
         model = model_definition(model_cfg)
-        check_divisible({f"parameter {p}": named for p, named in model.named_shapes().items()},
-                        layout.zero.params, mesh_shape)
-        shardings = layout.shardings(model.logical, "params")
-        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), model.shapes, shardings)
-        return {"params": params}, model_cfg
+        check_divisible(model.named_shapes(), layout.zero.params, mesh_shape)
+        return {"params": with_shardings(model.shapes, layout.shardings(model.logical, "params"))}, model_cfg
 
     checkpoints = Checkpoints(workdir, create=False)
     try:

@@ -40,9 +40,9 @@ class ModelDef:
         self.shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), variables, is_leaf=is_var)
 
     def named_shapes(self) -> dict[str, tuple]:
-        """{parameter path: (logical names, shape)}, for the divisibility check."""
+        """{"parameter <path>": (logical names, shape)}: what the divisibility check takes."""
         names, shapes = tree_paths(self.logical), tree_paths(self.shapes)
-        return {path: (names[path], shapes[path].shape) for path in names}
+        return {f"parameter {path}": (names[path], shapes[path].shape) for path in names}
 
     def init(self, seed: int):
         """Fresh parameters as a pure dict (call under jit with out_shardings to create them sharded)."""

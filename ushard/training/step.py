@@ -19,7 +19,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from ushard.models.definition import ModelDef
-from ushard.sharding import BATCH_NAMES, Layout, use_layout
+from ushard.sharding import BATCH_NAMES, Layout, use_layout, with_shardings
 from ushard.training.loss import cross_entropy_sums
 from ushard.training.state import TrainState
 
@@ -83,8 +83,7 @@ class Steps:
 
     def abstract_state(self, seed: int = 0) -> TrainState:
         """The state's shapes and dtypes, each carrying its sharding (for restoring checkpoints)."""
-        shapes = jax.eval_shape(lambda: self._init(seed))
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.shardings.state)
+        return with_shardings(jax.eval_shape(lambda: self._init(seed)), self.shardings.state)
 
     def _objective(self, params, batch):
         """(cross-entropy sum + token-weighted aux terms, (cross-entropy sum, token count, weighted aux))."""
