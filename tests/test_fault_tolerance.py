@@ -155,12 +155,39 @@ def test_resume_on_another_mesh_and_device_count(tmp_path, zero3_run, stdlib_bat
     np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)], [reference[s] for s in (4, 5, 6)], rtol=1e-5)
 
 
+def test_resume_with_another_batch_size_goes_on_at_the_next_token(tmp_path, zero3_run, stdlib_batches):
+    saved_dir, _ = zero3_run
+    shutil.copytree(saved_dir / "checkpoints", tmp_path / "checkpoints")
+    shutil.rmtree(tmp_path / "checkpoints" / "6")
+    # Half the batch size, and another remat policy (how the model is computed may change on a resume).
+    config = ckpt_config(**{"mesh.fsdp": 8, "train.batch_size": 8, "train.steps": 5, "model.remat": "full"})
+    Trainer(config, str(tmp_path), batches=stdlib_batches).run(log=quiet)
+    window = config.train.seq_len + 1
+    saved = json.loads((tmp_path / "checkpoints" / "5" / "data" / "metadata").read_text())
+    assert saved["position"] == 3 * 16 * window + 2 * 8 * window  # three steps of 16 rows, two of 8
+
+
+def test_resume_with_another_seed_is_refused_unless_restart(tmp_path, zero3_run):
+    saved_dir, _ = zero3_run
+    shutil.copytree(saved_dir / "checkpoints", tmp_path / "checkpoints")
+    config = ckpt_config(**{"mesh.fsdp": 8, "train.seed": 1, "train.steps": 7})
+    with pytest.raises(UserError, match=r"made with train\.seed=0 but this run has train\.seed=1.*data\.restart=true"):
+        Trainer(config, str(tmp_path)).run(log=quiet)
+    config = ckpt_config(**{"mesh.fsdp": 8, "train.seed": 1, "train.steps": 7, "data.restart": True})
+    Trainer(config, str(tmp_path)).run(log=quiet)
+    saved = json.loads((tmp_path / "checkpoints" / "7" / "data" / "metadata").read_text())
+    assert saved["position"] == 16 * (config.train.seq_len + 1) and saved["order"]["seed"] == 1  # a fresh order
+
+
 @pytest.mark.parametrize("override, match", [
     ({"model.d_model": 128}, r"blocks\.attn\.wk is \(2, 64, 2, 16\) float32 there but \(2, 128, 2, 32\) float32 here.*"
                              r"and 9 more.*model\.d_model=64 there but 128 here"),
     ({"model.fused_mlp": True}, r"blocks\.mlp\.w_gate_up is missing there.*"  # another parameter tree
                                 r"model\.fused_mlp=False there but True here"),
     ({"model.param_dtype": "bfloat16"}, r"blocks\.attn\.wk is \(2, 64, 2, 16\) float32 there but \(2, 64, 2, 16\) bfloat16 here"),
+    # Same parameters, another function:
+    ({"model.rope_theta": 500000.0}, r"holds another model: model\.rope_theta=10000\.0 there but 500000\.0 here"),
+    ({"model.document_mask": False}, r"holds another model: model\.document_mask=True there but False here"),
 ])
 def test_incompatible_checkpoint_names_the_difference(zero3_run, stdlib_batches, override, match):
     saved_dir, _ = zero3_run
@@ -181,17 +208,21 @@ def test_a_saved_config_without_newer_keys_reads_them_as_defaults():
 
 
 class PoisonedBatches:
-    """The real batches, except that batch `bad` carries an out-of-range token: its embedding is NaN."""
+    """The real batches, except that batch number `bad` (counted from 0) carries an out-of-range token:
+    its embedding is NaN."""
 
     def __init__(self, batches, bad: int):
         self._batches, self.bad = batches, bad
 
-    def train_batch(self, index, batch_size, rows=None):
-        batch = self._batches.train_batch(index, batch_size, rows)
-        if index == self.bad:
+    def position(self, batch_number: int) -> int:
+        return batch_number * small_config().train.batch_size * self._batches.window
+
+    def train_batch(self, state, batch_size, rows=None):
+        batch, next_state = self._batches.train_batch(state, batch_size, rows)
+        if state["position"] == self.position(self.bad):
             batch["inputs"] = batch["inputs"].copy()
             batch["inputs"][:, 3] = 10_000
-        return batch
+        return batch, next_state
 
     def __getattr__(self, name):
         return getattr(self._batches, name)
@@ -216,16 +247,18 @@ def test_nonfinite_rollback_restores_and_moves_past_the_batch(tmp_path, stdlib_b
     assert any("rolled back to step 4, skipping that batch" in l for l in lines), lines
     final = {r["step"]: r for r in records}  # the last record of each step: after the rollback
     assert all(np.isfinite(final[s]["loss"]) for s in range(1, 7))
-    assert trainer.skip_batches == {4}
+    poisoned = trainer.batches
+    assert trainer.skip_positions == {poisoned.position(4)}
     # Steps 5 and 6 trained on batches 5 and 6; the checkpoint says the next batch is 7.
-    assert json.loads((tmp_path / "checkpoints" / "6" / "data" / "metadata").read_text()) == {"next_batch": 7}
+    saved = json.loads((tmp_path / "checkpoints" / "6" / "data" / "metadata").read_text())
+    assert saved["position"] == poisoned.position(7)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(trainer.state.params)))
 
 
 def test_nonfinite_stop_says_where(stdlib_batches):
     trainer = Trainer(ckpt_config(**{"mesh.fsdp": 8, "train.on_nonfinite": "stop"}),
                       batches=PoisonedBatches(stdlib_batches, bad=1))
-    with pytest.raises(UserError, match=r"training stopped: step 2 \(batch 1\) gave loss nan"):
+    with pytest.raises(UserError, match=r"training stopped: step 2 \(the batch at data position 528\) gave loss nan"):
         trainer.run(log=quiet)
 
 

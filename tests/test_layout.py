@@ -123,7 +123,7 @@ def test_aux_terms_join_the_loss_token_weighted_and_are_reported(stdlib_batches)
         logits, aux = plain_apply(params, *args)
         return logits, {**aux, "penalty": 0.01 * jnp.mean(logits.astype(jnp.float32) ** 2)}
 
-    host = stdlib_batches.train_batch(0, 16)
+    host, _ = stdlib_batches.train_batch(stdlib_batches.initial_state(), 16)
     batch = place_batch(host, setup.layout.batch, (16, config.train.seq_len))
     state = setup.steps.init(0)
     model.apply = apply_with_penalty

@@ -55,7 +55,8 @@ def run_layout(name, batches):
     config = small_config(**overrides)
     trainer = Trainer(config, devices=jax.devices()[:1] if single else None, batches=batches)
     state = trainer.steps.init(config.train.seed)
-    first = trainer.global_batch(0)
+    batches = trainer.global_batches(config.train.steps)
+    first = batches[0]
     loss0, grads0 = trainer.steps.loss_and_grads(state.params, first)
     compiled = trainer.steps.train_step.lower(state, first).compile()
     result = {
@@ -68,8 +69,8 @@ def run_layout(name, batches):
         "all_gathers": len(re.findall(r"= \S+ all-gather(?:-start)?\(", compiled.as_text())),
         "losses": [],
     }
-    for step in range(config.train.steps):
-        state, metrics = compiled(state, trainer.global_batch(step))
+    for batch in batches:
+        state, metrics = compiled(state, batch)
         result["losses"].append(float(metrics["loss"]))
     result["params"] = jax.device_get(state.params)
     return result

@@ -96,7 +96,9 @@ def saved_model_config(saved_config: dict) -> ModelConfig:
 
 
 def check_compatible(on_disk, expected, saved_config: dict, model_cfg: ModelConfig, step: int) -> None:
-    """Raises UserError naming what differs when the parameters on disk are not the expected tree."""
+    """Raises UserError naming what differs when the checkpoint holds another model: other parameters
+    on disk than the expected tree, or another setting that defines the model's function (e.g.
+    rope_theta). Settings of how it is computed (remat, dtypes of compute, kernels) may change."""
     there, here = (
         {path: f"{tuple(x.shape)} {jax.numpy.dtype(x.dtype).name}" for path, x in tree_paths(tree).items()}
         for tree in (on_disk, expected)
@@ -104,17 +106,18 @@ def check_compatible(on_disk, expected, saved_config: dict, model_cfg: ModelConf
     diffs = [f"{p} is missing there" for p in here if p not in there]
     diffs += [f"{p} is not expected here" for p in there if p not in here]
     diffs += [f"{p} is {there[p]} there but {here[p]} here" for p in here if p in there and there[p] != here[p]]
-    if not diffs:
-        return
     saved = saved_model_config(saved_config)
-    settings = [f"model.{k}={getattr(saved, k)!r} there but {getattr(model_cfg, k)!r} here"
-                for k in model_cfg.__dataclass_fields__ if getattr(saved, k) != getattr(model_cfg, k)]
-    shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
-    because = f" (its settings differ: {'; '.join(settings)})" if settings else ""
-    raise UserError(
-        f"the checkpoint at step {step} holds another model's parameters ({shown}){because}; "
-        f"use the same model settings or another --workdir."
-    )
+    function = saved.differences(model_cfg, function_only=True)
+    if not diffs and not function:
+        return
+    if diffs:
+        shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+        settings = saved.differences(model_cfg)
+        because = f" (its settings differ: {'; '.join(settings)})" if settings else ""
+        what = f"holds another model's parameters ({shown}){because}"
+    else:
+        what = f"holds another model: {'; '.join(function)}"
+    raise UserError(f"the checkpoint at step {step} {what}; use the same model settings or another --workdir.")
 
 
 warnings.filterwarnings("ignore", message=".*Couldn't find sharding info under RestoreArgs.*")

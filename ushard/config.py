@@ -85,7 +85,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.paths = ""  # a glob, or several separated by commas (text, jsonl)
     c.data.jsonl_field = "text"
     c.data.tokenizer = "byte"
-    c.data.eval_fraction = 0.02  # share of documents held out for eval loss
+    c.data.eval_fraction = 0.02  # share of the tokens (by pieces of documents) held out for eval loss
+    c.data.chunk_tokens = 0  # documents are cut into pieces of at most this many tokens; 0: 2 * (seq_len + 1)
+    c.data.restart = False  # on resume, start a fresh data order if the checkpoint's cannot be continued
 
     c.lock()
     return c

@@ -75,16 +75,25 @@ class Trainer:
         self.peak = peak_flops(self.setup.mesh.devices.flat[0])
         ck = config.checkpoint
         self.checkpoints = Checkpoints(workdir, ck.keep, ck.async_save) if workdir else None
-        self.skip_batches: set[int] = set()  # batches that made the loss non-finite (rollback policy)
+        self.skip_positions: set[int] = set()  # data positions whose batch made the loss non-finite (rollback)
 
     # ------------------------------------------------------------------ batches
 
     def _to_device(self, host_rows):
         return place_batch(host_rows, self.setup.layout.batch, self.batch_shape, self.columns)
 
-    def global_batch(self, index: int):
-        """The global training batch number `index` (equal to the step unless batches were skipped)."""
-        return self._to_device(self.batches.train_batch(index, self.config.train.batch_size, self.rows))
+    def global_batch(self, data_state: dict) -> tuple[dict, dict]:
+        """The global training batch at `data_state`, on the devices, and the data state after it."""
+        host_rows, next_state = self.batches.train_batch(data_state, self.config.train.batch_size, self.rows)
+        return self._to_device(host_rows), next_state
+
+    def global_batches(self, count: int) -> list[dict]:
+        """The first `count` training batches of a fresh run (benchmarks and tests)."""
+        batches, data_state = [], self.batches.initial_state()
+        for _ in range(count):
+            batch, data_state = self.global_batch(data_state)
+            batches.append(batch)
+        return batches
 
     def eval_loss(self, params) -> float:
         t = self.config.train
@@ -102,10 +111,11 @@ class Trainer:
             abstract = self.steps.abstract_state().as_dict()
             restored = self.checkpoints.restore_newest(lambda _: (abstract, self.setup.model_config), log)
             if restored:
-                step, state, data_state, _ = restored
+                step, state, saved_data_state, _ = restored
+                data_state = self.batches.check_resume(saved_data_state, self.config.data.restart)
                 log(f"resumed from the checkpoint at step {step}")
                 return TrainState.from_dict(state), data_state
-        return self.steps.init(self.config.train.seed), {"next_batch": 0}
+        return self.steps.init(self.config.train.seed), self.batches.initial_state()
 
     def _save(self, state: TrainState, data_state, step: int) -> None:
         if self.checkpoints:
@@ -135,20 +145,20 @@ class Trainer:
     def _train(self, state, data_state, step, writer, log) -> list[dict]:
         t, every = self.config.train, self.config.checkpoint.every
         start = time.perf_counter()
-        step_fn = self.steps.train_step.lower(state, self.global_batch(data_state["next_batch"])).compile()
+        step_fn = self.steps.train_step.lower(state, self.global_batch(data_state)[0]).compile()
         log(f"compiled the train step in {time.perf_counter() - start:.1f}s")
         bar = _progress_bar(t.steps, step)
-        records, pending = [], []  # pending: (step, batch index, device metrics) since the last sync
+        records, pending = [], []  # pending: (step, data position, device metrics) since the last sync
         last_time, last_step = time.perf_counter(), step
         with StopSignals() as signals:
             while step < t.steps:
-                index = data_state["next_batch"]
-                while index in self.skip_batches:
-                    index += 1
-                state, metrics = step_fn(state, self.global_batch(index))
-                data_state = {"next_batch": index + 1}
+                while data_state["position"] in self.skip_positions:
+                    data_state = self.batches.advance(data_state, t.batch_size)
+                position = data_state["position"]
+                batch, data_state = self.global_batch(data_state)
+                state, metrics = step_fn(state, batch)
                 step += 1
-                pending.append((step, index, metrics))
+                pending.append((step, position, metrics))
                 if bar:
                     bar.update(1)
                 stop = signals.received  # read once: a signal may land at any moment
@@ -192,17 +202,18 @@ class Trainer:
 
     def _handle_nonfinite(self, bad, log):
         """The rollback and stop policies, once a step's loss or gradient norm was not finite."""
-        step, index, metrics = bad
+        step, position, metrics = bad
         what = f"loss {float(metrics['loss'])}, gradient norm {float(metrics['grad_norm'])}"
+        where = f"step {step} (the batch at data position {position:,})"
         if self.config.train.on_nonfinite == "stop":
             raise UserError(
-                f"training stopped: step {step} (batch {index}) gave {what}; train.on_nonfinite='stop' "
+                f"training stopped: {where} gave {what}; train.on_nonfinite='stop' "
                 f"(choose 'skip' or 'rollback' to carry on)."
             )
-        self.skip_batches.add(index)
+        self.skip_positions.add(position)
         state, data_state = self.initial_state(log)
         back_to = int(jax.device_get(state.step))
-        log(f"ushard: step {step} (batch {index}) gave {what}; rolled back to step {back_to}, skipping that batch.")
+        log(f"ushard: {where} gave {what}; rolled back to step {back_to}, skipping that batch.")
         return state, data_state, back_to
 
     def _record(self, step, metrics, step_time) -> dict:
