@@ -171,6 +171,17 @@ def test_cli_main_in_process_returns_2(capsys):
     assert err.startswith("ushard: error: ") and len(err.splitlines()) == 1 and "train.steps" in err
 
 
+@pytest.mark.parametrize("override, sentence", [
+    ("train.seed=-1", "train.seed=-1 must be between 0 and 2**32-1=4294967295."),
+    ("train.b1=1.0", "train.b1=1.0 must be >= 0 and < 1 (AdamW's decay rate; typical: b1=0.9, b2=0.95)."),
+    ("model.rope_theta=0", "model.rope_theta=0.0 must be a finite number > 0."),
+])
+def test_cli_refuses_a_bad_value_before_any_work(tmp_path, capsys, override, sentence):
+    assert main(["train", "--config", "tiny", f"--config.{override}", "--workdir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"ushard: error: {sentence}"]
+    assert not (tmp_path / "run").exists()  # refused before the workdir (and the data) was touched
+
+
 # --------------------------------------------------------------------------- config files
 
 
@@ -276,6 +287,15 @@ def test_broken_config_file(tmp_path, body, match):
         (["data.eval_fraction=0"], r"data\.eval_fraction=0\.0 must be strictly between 0 and 1"),
         (["data.eval_fraction=1"], r"data\.eval_fraction=1\.0 must be strictly between 0 and 1"),
         (["train.min_lr_ratio=1.5"], r"train\.min_lr_ratio=1\.5 must be between 0 and 1"),
+        (["train.seed=-1"], r"train\.seed=-1 must be between 0 and 2\*\*32-1=4294967295"),
+        (["train.seed=4294967296"], r"train\.seed=4294967296 must be between 0 and 2\*\*32-1"),
+        (["train.b1=1.0"], r"train\.b1=1\.0 must be >= 0 and < 1 \(AdamW's decay rate"),
+        (["train.b2=-0.5"], r"train\.b2=-0\.5 must be >= 0 and < 1"),
+        (["train.b2=nan"], r"train\.b2=nan must be >= 0 and < 1"),
+        (["train.eps=0"], r"train\.eps=0\.0 must be a finite number > 0"),
+        (["train.max_nonfinite_steps=0"], r"train\.max_nonfinite_steps=0 must be a number >= 1"),
+        (["model.rope_theta=0"], r"model\.rope_theta=0\.0 must be a finite number > 0"),
+        (["model.rope_theta=-1"], r"model\.rope_theta=-1\.0 must be a finite number > 0"),
         (["model.vocab_size=256"], r"model\.vocab_size=256 is smaller than the 'byte' tokenizer's 257 tokens"),
         # data
         (["data.source=text"], r"data\.source='text' needs data\.paths"),

@@ -58,6 +58,9 @@ def default_config() -> ml_collections.ConfigDict:
     # A step whose loss or gradient is NaN/inf: "skip" its update (and count it), "rollback" to the
     # last checkpoint and move past the offending batch, or "stop" with a message.
     c.train.on_nonfinite = "skip"
+    # "skip" and "rollback" give up (one sentence, exit 2) after this many non-finite steps in a row:
+    # a NaN that does not go away is a diverged run, not a bad batch.
+    c.train.max_nonfinite_steps = 5
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0  # steps between checkpoints in DIR/checkpoints; 0: only at the end and on SIGTERM
@@ -268,6 +271,17 @@ def _positive(value, key, allow_zero=False):
         raise UserError(f"{key}={value!r} must be a number >= {low}.")
 
 
+def _check_optimizer(t) -> None:
+    """AdamW's moment decays live in [0, 1): at 1 a moment never forgets its start and the bias
+    correction divides by zero. eps > 0 keeps m / (sqrt(v) + eps) finite where a gradient is exactly 0
+    (rows of the embedding that the data never uses)."""
+    for key in ("b1", "b2"):
+        if not 0.0 <= t[key] < 1.0:
+            raise UserError(f"train.{key}={t[key]!r} must be >= 0 and < 1 (AdamW's decay rate; typical: b1=0.9, b2=0.95).")
+    if not (math.isfinite(t.eps) and t.eps > 0):
+        raise UserError(f"train.eps={t.eps!r} must be a finite number > 0 (AdamW's denominator term; typical: 1e-8).")
+
+
 def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
     """Axis sizes with the one -1 filled in; the product must equal the device count."""
     sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
@@ -299,7 +313,7 @@ def check_settings(config) -> ModelConfig:
     """Checks every setting that needs no devices; returns the model's settings, validated."""
     t, d = config.train, config.data
     model_cfg = ModelConfig.from_config(config.model)
-    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
+    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "max_nonfinite_steps"):
         _positive(t[key], f"train.{key}")
     for key in ("warmup_steps", "eval_every", "eval_batches", "weight_decay", "grad_clip", "lr"):
         _positive(t[key], f"train.{key}", allow_zero=True)
@@ -314,6 +328,9 @@ def check_settings(config) -> ModelConfig:
         raise UserError(f"parallel.collective_combine_mib={config.parallel.collective_combine_mib} is negative; use 0 for XLA's default or a size in MiB.")
     if not 0.0 < d.eval_fraction < 1.0:
         raise UserError(f"data.eval_fraction={d.eval_fraction!r} must be strictly between 0 and 1.")
+    _check_optimizer(t)
+    if not 0 <= t.seed < 2**32:  # JAX would wrap a negative seed silently; 32 bits is plenty and fits every PRNG impl
+        raise UserError(f"train.seed={t.seed!r} must be between 0 and 2**32-1={2**32 - 1}.")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UserError(f"train.min_lr_ratio={t.min_lr_ratio!r} must be between 0 and 1.")
     tokens = TOKENIZERS[d.tokenizer].vocab_size
