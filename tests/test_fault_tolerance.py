@@ -1,5 +1,8 @@
 """Checkpoints, exact resume, resharding on restore, preemption and non-finite policies."""
 
+import contextlib
+import errno
+import io
 import json
 import os
 import random
@@ -14,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+import ushard
 from conftest import small_config
 from ushard.errors import UserError
 from ushard.training.loop import Trainer
@@ -58,16 +62,16 @@ def wait_for_step(workdir, step, proc, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_run(tmp_path_factory):
-    """The workdir (checkpoints at steps 6, 9 and 12) and losses of the 12-step run."""
+def finished_run(tmp_path_factory):
+    """The workdir of an uninterrupted 12-step run: checkpoints 6, 9 and 12 (keep=3)."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
     subprocess.run(train_cmd(workdir, "--config.train.steps=12"), env=env(), check=True, capture_output=True)
-    return workdir, losses_by_step(workdir)
+    return workdir
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(uninterrupted_run):
-    return uninterrupted_run[1]
+def uninterrupted(finished_run):
+    return losses_by_step(finished_run)
 
 
 def test_sigkill_then_same_command_resumes_bitwise(tmp_path, uninterrupted):
@@ -175,8 +179,8 @@ def test_sigterm_while_loading_the_data_stops_at_once(tmp_path):
     WorkdirLock(str(tmp_path)).acquire().release()  # free again
 
 
-def test_sigint_while_compiling_waits_for_the_compiler_then_stops(tmp_path, uninterrupted_run):
-    saved_dir, reference = uninterrupted_run
+def test_sigint_while_compiling_waits_for_the_compiler_then_stops(tmp_path, finished_run, uninterrupted):
+    saved_dir, reference = finished_run, uninterrupted
     shutil.copytree(saved_dir / "checkpoints" / "6", tmp_path / "checkpoints" / "6")
     cmd, environ = train_cmd(tmp_path, "--config.train.steps=12"), cached_env(tmp_path / "jax-cache")
     status, stderr = signal_after_line(cmd, "compiling the train step", signal.SIGINT, environ)  # a cold cache
@@ -248,6 +252,201 @@ def test_repeated_random_sigkills_lose_nothing(tmp_path):
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))  # each step exactly once
     assert {r["step"]: r["loss"] for r in records} == reference  # bitwise
+# ----------------------------------------------------------------------------- damaged checkpoints, failed saves
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Fails a test that hangs instead of blocking the suite (the waits that hung were Python waits)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_in_process(workdir, *extra) -> tuple[int, str, str]:
+    """`ushard train` with the 12-step command of `finished_run`, in this process (so a fault can be
+    injected and no interpreter start or import is paid): (exit status, stdout, stderr). Also asserts
+    that no thread the run started is left running: one would block the interpreter's exit."""
+    from ushard.cli import main
+
+    before = set(threading.enumerate())
+    out, err = io.StringIO(), io.StringIO()
+    with time_limit(180), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(train_cmd(workdir, "--config.train.steps=12", *extra)[3:])
+    for thread in set(threading.enumerate()) - before:
+        if not thread.daemon:
+            thread.join(timeout=10)
+            assert not thread.is_alive(), f"thread {thread.name} still runs: exiting would wait for it"
+    return status, out.getvalue(), err.getvalue()
+
+
+def warnings_in(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "warning" in line or "Traceback" in line or "Error" in line]
+
+
+def _array_file(step_dir):
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+               key=lambda p: p.stat().st_size)
+
+
+def _garble(path):
+    path.write_bytes(random.Random(0).randbytes(path.stat().st_size))
+
+
+# name: (damage done to checkpoints/<step>, which orbax still lists; how the one-line warning's reason starts)
+DAMAGE = {
+    "array file garbled": (lambda d: _garble(_array_file(d)), "Exception: Encountered error while reading array"),
+    "state/_METADATA deleted": (lambda d: (d / "state" / "_METADATA").unlink(), "the metadata of its state cannot be read"),
+    "manifest.ocdbt emptied": (lambda d: (d / "state" / "manifest.ocdbt").write_bytes(b""), "ValueError: DATA_LOSS"),
+    "data/metadata emptied": (lambda d: (d / "data" / "metadata").write_bytes(b""), "JSONDecodeError"),
+    "data/metadata is {}": (lambda d: (d / "data" / "metadata").write_text("{}"), "its data state {} holds no position"),
+    "config/metadata emptied": (lambda d: (d / "config" / "metadata").write_bytes(b""), "JSONDecodeError"),
+    "an empty directory": (lambda d: (shutil.rmtree(d), d.mkdir()), "KeyError"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_moved_aside_and_the_rerun_finishes_bitwise(tmp_path, finished_run, uninterrupted, damage):
+    shutil.copytree(finished_run, tmp_path, dirs_exist_ok=True)
+    damage_fn, reason = DAMAGE[damage]
+    damage_fn(tmp_path / "checkpoints" / "12")
+    status, out, err = run_in_process(tmp_path)  # the same command again: resumes at 9, saves step 12 anew
+    assert status == 0, err[-2000:]
+    [warning] = warnings_in(out + err)  # one line, however long orbax's message
+    moved = list((tmp_path / "checkpoints-damaged").iterdir())
+    assert [p.name.split("-")[0] for p in moved] == ["12"]
+    assert warning.startswith(f"ushard: warning: checkpoint 12 is damaged ({reason}")
+    assert warning.endswith(f"; moved it to {moved[0]} and trying an older one.") and len(warning) < 400
+    assert "resumed from the checkpoint at step 9" in out
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["12", "6", "9"]
+    assert losses_by_step(tmp_path) == uninterrupted  # bitwise, every step
+
+
+def test_every_damaged_step_after_the_restored_one_is_moved(tmp_path, finished_run):
+    shutil.copytree(finished_run, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "checkpoints" / "12" / "data" / "metadata").write_text("[]")
+    shutil.rmtree(tmp_path / "checkpoints" / "9")
+    (tmp_path / "checkpoints" / "9").mkdir()
+    config = ushard.load_config("tiny", [*RUN, "--config.train.steps=12"])
+    trainer, lines = Trainer(config, str(tmp_path)), []
+    _, data_state = trainer.initial_state(log=lines.append)  # restoring is all it takes: no compilation
+    trainer.checkpoints.close()
+    assert [line.split(" is damaged")[0] for line in lines[:2]] == [
+        "ushard: warning: checkpoint 12", "ushard: warning: checkpoint 9"]
+    assert lines[2:] == ["resumed from the checkpoint at step 6"] and data_state["position"] == 6 * 8 * 33  # 6 steps of 8 rows of 33 tokens
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "checkpoints-damaged").iterdir()) == ["12", "9"]
+    # Neither is listed any more, so saving steps 9 and 12 again cannot collide with them.
+    assert trainer.checkpoints.manager.all_steps() == [6] and os.listdir(tmp_path / "checkpoints") == ["6"]
+
+
+def test_load_model_skips_a_damaged_checkpoint_without_moving_it(tmp_path, finished_run):
+    shutil.copytree(finished_run / "checkpoints", tmp_path / "checkpoints")
+    (tmp_path / "checkpoints" / "12" / "state" / "manifest.ocdbt").write_bytes(b"")
+    lines = []
+    model = ushard.load_model(str(tmp_path), log=lines.append)
+    assert model.step == 9
+    [line] = lines
+    assert line.startswith("ushard: warning: checkpoint 12 is damaged (ValueError: DATA_LOSS")
+    assert line.endswith("; trying an older one.") and len(line) < 300
+    # A reader holds no lock on the workdir: a training run may own it, so nothing is moved.
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "6", "9"]
+    assert not (tmp_path / "checkpoints-damaged").exists()
+
+
+class _FullDisk:
+    """A write of a checkpoint's arrays failing as TensorStore's fails on a full disk."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def result(self, timeout=None):
+        raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "params.embedding/0.0" in OCDBT database at local file '
+                         f'"{self.path}": Failed to write 674767 bytes to file 9: No space left on device '
+                         f"[os_error_code='28']")
+
+    def cancel(self):
+        pass
+
+
+def _step_of(path, checkpoints) -> int | None:
+    """The step a path under DIR/checkpoints belongs to (`9.orbax-checkpoint-tmp/state` -> 9)."""
+    relative = os.path.relpath(path, checkpoints)
+    head = relative.split(os.sep)[0].split(".")[0]
+    return int(head) if not relative.startswith("..") and head.isdigit() else None
+
+
+def full_disk_from(monkeypatch, checkpoints, step):
+    """The array writes of every save from `step` on fail in the background, as on a full disk."""
+    import orbax.checkpoint as ocp
+
+    write = ocp.PyTreeCheckpointHandler.async_save
+
+    async def async_save(self, directory, *args, **kwargs):
+        commits = await write(self, directory, *args, **kwargs)
+        if (_step_of(directory, checkpoints) or 0) >= step:
+            return [_FullDisk(directory), *(commits or [])]
+        return commits
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", async_save)
+
+
+def read_only_from(monkeypatch, checkpoints, step):
+    """Creating the directory of any save from `step` on fails, as in a read-only directory (root ignores
+    permission bits, so chmod cannot make one)."""
+    mkdir = os.mkdir
+
+    def read_only_mkdir(path, *args, **kwargs):
+        if (_step_of(os.fspath(path), checkpoints) or 0) >= step:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", read_only_mkdir)
+
+
+def stop_by_fault(workdir, monkeypatch, fault, *extra) -> str:
+    """Runs the 12-step command with `fault` from step 6 on; checks that it stopped before step 9 with
+    one sentence and exit status 2, leaving checkpoint 3 complete; returns the sentence."""
+    checkpoints = workdir / "checkpoints"
+    with monkeypatch.context() as patch:
+        fault(patch, str(checkpoints), step=6)
+        status, out, err = run_in_process(workdir, *extra)
+    assert status == 2
+    assert warnings_in(out) == [] and len(err.splitlines()) == 1, err[-3000:]
+    logged = max(losses_by_step(workdir))
+    assert 6 <= logged < 9, logged  # stopped before the next save, which is where it used to be noticed
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["3"]
+    return err.strip()
+
+
+def sentence(workdir, cause) -> str:
+    return (f"ushard: error: saving the checkpoint of step 6 to {workdir / 'checkpoints' / '6'} failed ({cause}); "
+            f"training stopped and the newest complete checkpoint is step 3: fix the cause, then run the same "
+            f"command to resume.")
+
+
+@pytest.mark.parametrize("fault, cause", [
+    (full_disk_from, "[Errno 28] No space left on device"),  # found in the background, after the save returned
+    (read_only_from, "[Errno 30] Read-only file system"),  # found by the save itself
+])
+def test_a_failed_save_stops_the_run_and_the_rerun_resumes_bitwise(tmp_path, monkeypatch, uninterrupted, fault, cause):
+    assert stop_by_fault(tmp_path, monkeypatch, fault) == sentence(tmp_path, cause)
+    status, out, err = run_in_process(tmp_path)  # the cause fixed
+    assert status == 0, err[-2000:]
+    assert "resumed from the checkpoint at step 3" in out
+    assert losses_by_step(tmp_path) == uninterrupted
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["12", "6", "9"]
+
+
+def test_a_failed_synchronous_save_stops_the_run_the_same_way(tmp_path, monkeypatch):
+    stopped = stop_by_fault(tmp_path, monkeypatch, full_disk_from, "--config.checkpoint.async_save=false")
+    assert stopped == sentence(tmp_path, "[Errno 28] No space left on device")
 
 
 # ----------------------------------------------------------------------------- resharding, in process
@@ -325,6 +524,9 @@ def test_incompatible_checkpoint_names_the_difference(zero3_run, stdlib_batches,
     saved_dir, _ = zero3_run
     with pytest.raises(UserError, match=match):
         Trainer(ckpt_config(**{"mesh.fsdp": 8, **override}), str(saved_dir), batches=stdlib_batches).run(log=quiet)
+    # Not damaged: left where it is, for the run of the right model.
+    assert sorted(os.listdir(saved_dir / "checkpoints")) == ["3", "6"]
+    assert not (saved_dir / "checkpoints-damaged").exists()
 
 
 def test_a_saved_config_without_newer_keys_reads_them_as_defaults():

@@ -1,9 +1,10 @@
 """The training loop: build the layout, feed global batches, log, evaluate, checkpoint and resume.
 
 Fault handling lives here: a run started on a workdir with checkpoints resumes from the newest
-complete one; SIGTERM / SIGINT save a checkpoint before exiting; a non-finite loss or gradient is
-handled by `train.on_nonfinite`. The host only waits for the device at sync points (logging, eval,
-checkpoints, signals), so dispatch stays ahead of the device in between.
+complete one; SIGTERM / SIGINT save a checkpoint before exiting; a save that failed in the background
+stops the run at the next step (at the next log or save with several processes, which must agree);
+a non-finite loss or gradient is handled by `train.on_nonfinite`. The host only waits for the device
+at sync points (logging, eval, checkpoints, signals), so dispatch stays ahead of the device in between.
 """
 
 from __future__ import annotations
@@ -228,6 +229,8 @@ class Trainer:
             stop = signals.received  # read once: a signal may land at any moment
             log_now = step % t.log_every == 0 or step == t.steps
             save_now = (every and step % every == 0) or step == t.steps or stop
+            if self.checkpoints and (log_now or save_now or jax.process_count() == 1):
+                self.checkpoints.check()  # a failed background save stops the run now, not at the next save
             if not (log_now or save_now):
                 continue
             values = jax.device_get([m for _, _, m in pending])  # one transfer; waits for the device
