@@ -42,17 +42,7 @@ def run_layers(layers: nnx.Module, x, *args, remat: str = "none", unroll: int = 
     """x through every layer of the stacked module `layers`; returns (x, aux summed over layers)."""
     graphdef, layer_states = nnx.split(layers)
 
-    layout = current_layout()
-    keep_gathered = layout is not None and layout.keep_gathered
-
     def one_layer(x, layer_state):
-        # Pinning each weight to its compute layout where the layer uses it also pins its gradient
-        # there (the constraint's transpose): partial sums over the local rows, reduced afterwards.
-        # Left to XLA, the gradient takes the ZeRO-sharded layout of the stacked array and the
-        # partitioner gathers more (docs/dev-notes.md). Inside the remat boundary: gathered again
-        # for the backward pass.
-        if not keep_gathered:
-            layer_state = weights_for_compute(layer_state, compute_dtype)
         return nnx.merge(graphdef, layer_state)(x, *args)
 
     if remat != "none":
@@ -60,7 +50,8 @@ def run_layers(layers: nnx.Module, x, *args, remat: str = "none", unroll: int = 
         # recomputation with the forward pass and keeps every activation, as if remat were off
         # (docs/dev-notes.md). A rolled scan keeps the two apart itself, and blocking costs speed there.
         one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=unroll > 1)
-    if keep_gathered:
+    layout = current_layout()
+    if layout is not None and layout.keep_gathered:
         # Gathered outside the remat boundary, the weights become inputs the backward pass keeps.
         layer_body = one_layer
         one_layer = lambda x, layer_state: layer_body(x, weights_for_compute(layer_state, compute_dtype))  # noqa: E731
