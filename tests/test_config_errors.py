@@ -252,14 +252,18 @@ def test_broken_config_file(tmp_path, body, match):
         (["model.d_model=18"], r"head_dim = d_model/n_heads = 3 must be even"),
         # sharded dimensions: one generic check names the parameter (or batch), the dimension and the axes
         (["mesh.tensor=4", "mesh.fsdp=2"],
-         r"parameter blocks\.attn\.wk has a 'kv_heads' dimension of 2, which does not split over mesh\.tensor=4"),
-        (["mesh.tensor=2", "mesh.fsdp=4", "model.n_kv_heads=1"],
-         r"'kv_heads' dimension of 1, which does not split over mesh\.tensor=2"),
+         r"parameter blocks\.attn\.wo has a 'heads' dimension of 6, which does not split over mesh\.tensor=4"),
+        # fewer KV heads than tensor ranks are repeated, but each rank needs whole ones
+        (["mesh.tensor=2", "mesh.fsdp=4", "model.n_kv_heads=3"],
+         r"model\.n_kv_heads=3 and mesh\.tensor=2: each tensor rank needs whole key/value heads"),
         (["mesh.tensor=2", "mesh.fsdp=4", "model.vocab_size=513"],
          r"parameter embedding has a 'vocab' dimension of 513, which does not split over mesh\.tensor=2"),
         (["model.d_model=204", "model.n_heads=6"], r"'embed' dimension of 204, which does not split over mesh\.fsdp=8"),
         (["mesh.sequence=2", "mesh.fsdp=4", "train.seq_len=33"],
          r"train\.seq_len=33\) has a 'act_length' dimension of 33, which does not split over mesh\.sequence=2"),
+        (["mesh.tensor=2", "mesh.fsdp=4", "parallel.sequence_parallel=true", "train.seq_len=33"],
+         r"with parallel\.sequence_parallel, a microbatch .* 'act_residual_length' dimension of 33, which does "
+         r"not split over mesh\.tensor=2"),
         # the batch
         (["train.batch_size=12"], r"train\.batch_size=12 .*'act_batch' dimension of 12, .* mesh\.fsdp=8; make 12 a multiple of 8"),
         (["train.batch_size=8", "train.grad_accum=2"],
@@ -309,6 +313,14 @@ def test_invalid_config(overrides, match):
 def test_zero_stage_0_does_not_shard_embed_over_fsdp():
     # d_model=204 does not divide over fsdp=8: only a problem when ZeRO shards over fsdp.
     validate(_tiny("model.d_model=204", "parallel.zero_stage=0"), DEVICES)
+
+
+def test_fewer_kv_heads_than_tensor_ranks_are_valid():
+    """n_kv_heads=1 or 2 on tensor=2: each rank gets a copy of the KV head its query heads use."""
+    for kv in (1, 2):
+        validate(_tiny(f"model.n_kv_heads={kv}", "mesh.tensor=2", "mesh.fsdp=4"), DEVICES)
+    # sequence parallelism with a length that splits over sequence x tensor
+    validate(_tiny("mesh.tensor=2", "mesh.sequence=2", "mesh.fsdp=2", "parallel.sequence_parallel=true"), DEVICES)
 
 
 def test_device_count_is_part_of_the_check():

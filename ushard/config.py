@@ -82,6 +82,9 @@ def default_config() -> ml_collections.ConfigDict:
     # ZeRO-3: gather each layer's weights again for the backward pass (true), or keep the forward's
     # gathered copy in the compute dtype until then (false: half the all-gathers, one more weight copy).
     c.parallel.reshard_after_forward = True
+    # Megatron sequence parallelism over `tensor`: the residual stream and norms between the blocks are
+    # split along the sequence too, so activations shrink with the tensor size (same communication).
+    c.parallel.sequence_parallel = False
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"  # stdlib | text | jsonl
@@ -364,13 +367,31 @@ def validate(config, num_devices: int) -> dict[str, int]:
     logical name maps to. The activations' other dimensions (heads, mlp, vocab) are the parameters'.
     """
     from ushard.models.definition import model_definition
-    from ushard.sharding import BATCH_NAMES, ZeroRules, check_divisible
+    from ushard.sharding import BATCH_NAMES, RESIDUAL_NAMES, ZeroRules, check_divisible
 
-    model_cfg, mesh, t = check_settings(config), check_mesh(config, num_devices), config.train
-    zero = ZeroRules.for_stage(config.parallel.zero_stage)
+    model_cfg, mesh, t, p = check_settings(config), check_mesh(config, num_devices), config.train, config.parallel
+    split_kv = check_kv_heads(model_cfg.n_kv_heads, mesh["tensor"])
+    zero = ZeroRules.for_stage(p.zero_stage, sequence_parallel=p.sequence_parallel, split_kv_heads=split_kv)
     parameters = model_definition(model_cfg).named_shapes()
     for rules in (zero.params, zero.grads, zero.opt_state):
         check_divisible(parameters, rules, mesh)
     what = f"a microbatch (train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} sequences of train.seq_len={t.seq_len})"
-    check_divisible({what: (BATCH_NAMES, (t.batch_size // t.grad_accum, t.seq_len))}, zero.compute, mesh)
+    micro = (t.batch_size // t.grad_accum, t.seq_len)
+    check_divisible({what: (BATCH_NAMES, micro)}, zero.compute, mesh)
+    if p.sequence_parallel:
+        check_divisible({f"with parallel.sequence_parallel, {what}": (RESIDUAL_NAMES, micro)}, zero.compute, mesh)
     return mesh
+
+
+def check_kv_heads(n_kv_heads: int, tensor: int) -> bool:
+    """Whether the K/V heads split over mesh.tensor (else each is repeated on tensor/n_kv_heads ranks)."""
+    from ushard.sharding import kv_heads_split
+
+    if kv_heads_split(n_kv_heads, tensor):
+        return True
+    if tensor % n_kv_heads:
+        raise UserError(
+            f"model.n_kv_heads={n_kv_heads} and mesh.tensor={tensor}: each tensor rank needs whole key/value "
+            f"heads, so one must be a multiple of the other; choose mesh.tensor among the divisors or multiples of {n_kv_heads}."
+        )
+    return False

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ushard.models.layers import BTD, fan_in_init, param, project, rotary
-from ushard.sharding import constrain
+from ushard.sharding import constrain, gathered, split_ways
 
 Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
 KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
@@ -45,6 +45,49 @@ def cached_attention(q, k_cache, v_cache, length):
     return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None], implementation="xla")
 
 
+def kv_head_copies(n_kv_heads: int) -> int:
+    """How many tensor ranks share each KV head: tensor / n_kv_heads where the tensor axis has more ranks
+    than the model has KV heads (grouped-query attention), else 1.
+
+    Those K/V weights are not split over `tensor` (ushard.sharding.kv_heads_split): every rank holds
+    them whole and uses only the copy of the one KV head its query heads attend with, so each rank
+    computes one head's projection, the attention kernel sees ordinary GQA, and nothing is gathered.
+    """
+    return max(1, split_ways("act_kv_heads") // n_kv_heads)
+
+
+def spread_kv_heads(w):
+    """A K or V weight [embed, kv_heads, head_dim] with each head repeated for the ranks that share it.
+
+    The copies are split over the tensor axis exactly like the query heads they serve (`heads`), so
+    rank r computes the keys of KV head r // copies; their gradients add up in the repeat's transpose.
+    """
+    copies = kv_head_copies(w.shape[1])
+    if copies == 1:
+        return w
+    return gathered(jnp.repeat(w, copies, axis=1), ("embed", "heads", "head_dim"))
+
+
+def spread_qkv_groups(w):
+    """The fused weight [embed, kv_heads, q_per_kv + 2, head_dim] regrouped into one group per rank
+    that shares a KV head: q_per_kv / copies of that head's query heads, then its key and its value.
+
+    Query heads keep their order (group c holds heads c * q_per_kv/copies onwards), so the projection
+    computes the same q, k and v as the weight it came from, with the K/V heads repeated.
+    """
+    d, kv, groups, hd = w.shape
+    copies = kv_head_copies(kv)
+    if copies == 1:
+        return w
+    q_per_kv = groups - 2
+    # Both parts pinned whole on every rank (as stored): left to propagation, XLA split them along
+    # kv_heads before the repeat and moved the pieces between ranks (collective-permutes).
+    whole = ("embed", "kv_heads", None, "head_dim")
+    queries = gathered(w[:, :, :q_per_kv], whole).reshape(d, kv * copies, q_per_kv // copies, hd)
+    keys_values = jnp.repeat(gathered(w[:, :, q_per_kv:], whole), copies, axis=1)
+    return gathered(jnp.concatenate([queries, keys_values], axis=2), ("embed", "heads", None, "head_dim"))
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
         d, h, kv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
@@ -66,15 +109,16 @@ class Attention(nnx.Module):
     def _project(self, x, positions):
         """Queries, keys and values of x, rotated to their positions."""
         if self.fused_qkv:
-            qkv = project("btd,dkgh->btkgh", x, self.wqkv[...], self.fp8)
+            qkv = project("btd,dkgh->btkgh", x, spread_qkv_groups(self.wqkv[...]), self.fp8)
+            qkv = constrain(qkv, ("act_batch", "act_length", "act_kv_heads", None, "act_head_dim"))
             b, t, kv, groups, hd = qkv.shape
             q = constrain(qkv[:, :, :, : groups - 2].reshape(b, t, kv * (groups - 2), hd), Q_NAMES)
             k = constrain(qkv[:, :, :, groups - 2], KV_NAMES)
             v = constrain(qkv[:, :, :, groups - 1], KV_NAMES)
         else:
             q = constrain(project("btd,dhk->bthk", x, self.wq[...], self.fp8), Q_NAMES)
-            k = constrain(project("btd,dhk->bthk", x, self.wk[...], self.fp8), KV_NAMES)
-            v = constrain(project("btd,dhk->bthk", x, self.wv[...], self.fp8), KV_NAMES)
+            k = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wk[...]), self.fp8), KV_NAMES)
+            v = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wv[...]), self.fp8), KV_NAMES)
         q = rotary(q, positions, self.rope_theta)
         k = rotary(k, positions, self.rope_theta)
         return q, k, v
