@@ -1,7 +1,8 @@
 """Every parallel layout computes what one device computes: loss and gradients over several steps.
 
 Each layout is compiled once (AOT, so the same executable also gives its memory analysis) and shared
-by the tests below. float32 throughout; tolerance 1e-5 relative.
+by the tests below. float32 throughout; tolerance 1e-5 relative. Layouts named `*_packed` train on
+short documents packed several to a row (`packed_batches`) and are compared with `single_packed`.
 """
 
 import re
@@ -14,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import small_config
 from ushard import build
+from ushard.data import Batches
+from ushard.data.pipeline import PackedWindows
 from ushard.training.loop import Trainer
 
 RTOL = 1e-5
@@ -37,7 +40,17 @@ LAYOUTS = {
     "zero3_keep_gathered": ({"mesh.fsdp": 8, "parallel.zero_stage": 3, "parallel.reshard_after_forward": False}, False),
     "hsdp": ({"mesh.data": 2, "mesh.fsdp": 4, "parallel.zero_stage": 3}, False),
     "tensor_fsdp": ({"mesh.tensor": 2, "mesh.fsdp": 4, "parallel.zero_stage": 3}, False),
-    "sequence_fsdp": ({"mesh.sequence": 2, "mesh.fsdp": 4, "parallel.zero_stage": 3}, False),
+    # Context parallelism (the batch in zig-zag order, attention over the split sequence).
+    "single_packed": ({}, True),
+    "sequence2_ring_packed": ({"mesh.sequence": 2, "mesh.fsdp": 4, "parallel.context_parallel": "ring"}, False),
+    "sequence2_all_gather_packed": ({"mesh.sequence": 2, "mesh.fsdp": 4, "parallel.context_parallel": "all_gather"}, False),
+    "sequence4_ring_packed": ({"mesh.sequence": 4, "mesh.fsdp": 2, "parallel.context_parallel": "ring"}, False),
+    "sequence4_all_gather_accum_packed": (
+        {"mesh.sequence": 4, "mesh.fsdp": 2, "parallel.context_parallel": "all_gather", "train.grad_accum": 2}, False,
+    ),
+    "sequence2_fsdp2_tensor2_ring_packed": (
+        {"mesh.sequence": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "parallel.context_parallel": "ring"}, False,
+    ),
     # Fused q/k/v and gate/up weights: their own single-device reference (the parameters differ).
     "single_fused": ({"model.fused_qkv": True, "model.fused_mlp": True}, True),
     "tensor_fsdp_fused": (
@@ -76,8 +89,17 @@ def run_layout(name, batches):
 
 
 @pytest.fixture(scope="module")
-def results(stdlib_batches):
-    return {name: run_layout(name, stdlib_batches) for name in LAYOUTS}
+def packed_batches(stdlib_batches):
+    """The same text cut into documents of 2 to 12 tokens: several to a row, boundaries anywhere."""
+    stream = stdlib_batches.train_windows.tokens[:20_000]
+    cuts = np.cumsum(np.random.default_rng(0).integers(2, 13, size=len(stream) // 2))
+    windows = PackedWindows(np.split(stream, cuts[cuts < len(stream)]), window=stdlib_batches.train_windows.window)
+    return Batches(windows, windows, seed=0)
+
+
+@pytest.fixture(scope="module")
+def results(stdlib_batches, packed_batches):
+    return {name: run_layout(name, packed_batches if name.endswith("_packed") else stdlib_batches) for name in LAYOUTS}
 
 
 def tree_relative_difference(a, b) -> float:
@@ -87,7 +109,7 @@ def tree_relative_difference(a, b) -> float:
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("single")])
 def test_layout_matches_single_device(results, name):
-    reference = {"fused": "single_fused", "fp8": "single_fp8"}.get(name.rsplit("_", 1)[-1], "single")
+    reference = {"fused": "single_fused", "fp8": "single_fp8", "packed": "single_packed"}.get(name.rsplit("_", 1)[-1], "single")
     ref, got = results[reference], results[name]
     np.testing.assert_allclose(got["loss0"], ref["loss0"], rtol=RTOL)
     assert tree_relative_difference(got["grads0"], ref["grads0"]) <= (FP8_STEP0_RTOL if name.endswith("_fp8") else RTOL)
@@ -98,11 +120,19 @@ def test_layout_matches_single_device(results, name):
     assert tree_relative_difference(got["params"], ref["params"]) <= trained_rtol
 
 
-def test_training_moves_the_loss(results):
+@pytest.mark.parametrize("reference", ["single", "single_packed"])
+def test_training_moves_the_loss(results, reference):
     """Guards the parity test against comparing runs that do nothing."""
-    losses = results["single"]["losses"]
+    losses = results[reference]["losses"]
     assert losses[-1] < losses[0] - 0.05, losses
-    assert results["single"]["params"]["blocks"]["mlp"]["w_up"].std() > 0
+    assert results[reference]["params"]["blocks"]["mlp"]["w_up"].std() > 0
+
+
+def test_packed_rows_hold_several_documents(results):
+    """Context parallelism's document masks are exercised: boundaries inside rows and inside chunks."""
+    batch = results["single_packed"]["trainer"].batches.train_batch(0, 16)
+    documents_per_row = batch["segment_ids"].max(axis=1)
+    assert documents_per_row.min() >= 3, documents_per_row
 
 
 def spec_of(sharding_tree, *path):

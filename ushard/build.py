@@ -62,5 +62,6 @@ def build(config, devices=None) -> Setup:
     p, t = config.parallel, config.train
     layout = Layout.create(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), p.zero_stage, p.reshard_after_forward)
     tx, schedule = make_optimizer(t, model.logical)
-    steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip")
+    steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip",
+                  context_parallel=p.context_parallel)
     return Setup(config, model_cfg, mesh_shape, layout, model, tx, schedule, steps)

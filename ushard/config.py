@@ -21,6 +21,7 @@ import ml_collections
 from ushard.data.tokenizer import TOKENIZERS
 from ushard.errors import UserError
 from ushard.models.config import ModelConfig
+from ushard.parallel import context
 
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 # Axes whose implementation has not landed yet: a size other than 1 is refused with a clear sentence.
@@ -79,6 +80,9 @@ def default_config() -> ml_collections.ConfigDict:
     # ZeRO-3: gather each layer's weights again for the backward pass (true), or keep the forward's
     # gathered copy in the compute dtype until then (false: half the all-gathers, one more weight copy).
     c.parallel.reshard_after_forward = True
+    # How attention splits the sequence when mesh.sequence > 1 (ushard/parallel/context.py): "ring"
+    # passes keys and values around the devices, "all_gather" gathers them all on every device.
+    c.parallel.context_parallel = "ring"
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"  # stdlib | text | jsonl
@@ -305,7 +309,7 @@ def check_settings(config) -> ModelConfig:
     _positive(config.checkpoint.keep, "checkpoint.keep")
     for key, valid in (("train.schedule", SCHEDULES), ("train.on_nonfinite", NONFINITE_POLICIES),
                        ("data.source", DATA_SOURCES), ("data.tokenizer", tuple(TOKENIZERS)),
-                       ("parallel.zero_stage", (0, 1, 2, 3))):
+                       ("parallel.zero_stage", (0, 1, 2, 3)), ("parallel.context_parallel", context.MODES)):
         group, name = key.split(".")
         _choice(config[group][name], valid, key)
     if config.parallel.collective_combine_mib < 0:
@@ -345,7 +349,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
     logical name maps to. The activations' other dimensions (heads, mlp, vocab) are the parameters'.
     """
     from ushard.models.definition import model_definition
-    from ushard.sharding import BATCH_NAMES, ZeroRules, check_divisible
+    from ushard.sharding import BATCH_NAMES, ZeroRules, check_divisible, mesh_axes
 
     model_cfg, mesh, t = check_settings(config), check_mesh(config, num_devices), config.train
     zero = ZeroRules.for_stage(config.parallel.zero_stage)
@@ -354,4 +358,5 @@ def validate(config, num_devices: int) -> dict[str, int]:
         check_divisible(parameters, rules, mesh)
     what = f"a microbatch (train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} sequences of train.seq_len={t.seq_len})"
     check_divisible({what: (BATCH_NAMES, (t.batch_size // t.grad_accum, t.seq_len))}, zero.compute, mesh)
+    context.check_length(t.seq_len, math.prod(mesh[a] for a in mesh_axes("act_length", zero.compute)))
     return mesh
