@@ -264,6 +264,8 @@ def test_broken_config_file(tmp_path, body, match):
         (["mesh.tensor=2", "mesh.fsdp=4", "parallel.sequence_parallel=true", "train.seq_len=33"],
          r"with parallel\.sequence_parallel, a microbatch .* 'act_residual_length' dimension of 33, which does "
          r"not split over mesh\.tensor=2"),
+        (["mesh.sequence=4", "mesh.fsdp=2", "train.seq_len=36"],
+         r"train\.seq_len=36 must be a multiple of 8 when the sequence is split 4 ways"),
         # the batch
         (["train.batch_size=12"], r"train\.batch_size=12 .*'act_batch' dimension of 12, .* mesh\.fsdp=8; make 12 a multiple of 8"),
         (["train.batch_size=8", "train.grad_accum=2"],
@@ -276,6 +278,7 @@ def test_broken_config_file(tmp_path, body, match):
         (["train.schedule=exp"], r"train\.schedule='exp' is not valid; choose one of: cosine"),
         (["parallel.zero_stage=4"], r"parallel\.zero_stage=4 is not valid; choose one of: 0, 1, 2, 3"),
         (["parallel.collective_combine_mib=-1"], r"parallel\.collective_combine_mib=-1 is negative"),
+        (["parallel.context_parallel=ulysses"], r"parallel\.context_parallel='ulysses' is not valid; choose one of: ring, all_gather"),
         (["model.attention_impl=flash"], r"model\.attention_impl='flash' is not valid"),
         (["model.compute_dtype=fp8"], r"model\.compute_dtype='fp8' is not valid"),
         (["model.param_dtype=int8"], r"model\.param_dtype='int8' is not valid"),

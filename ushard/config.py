@@ -21,6 +21,7 @@ import ml_collections
 from ushard.data.tokenizer import TOKENIZERS
 from ushard.errors import UserError
 from ushard.models.config import ModelConfig
+from ushard.parallel import context
 
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 # Axes whose implementation has not landed yet: a size other than 1 is refused with a clear sentence.
@@ -85,6 +86,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Megatron sequence parallelism over `tensor`: the residual stream and norms between the blocks are
     # split along the sequence too, so activations shrink with the tensor size (same communication).
     c.parallel.sequence_parallel = False
+    # How attention splits the sequence when mesh.sequence > 1 (ushard/parallel/context.py): "ring"
+    # passes keys and values around the devices, "all_gather" gathers them all on every device.
+    c.parallel.context_parallel = "ring"
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"  # stdlib | text | jsonl
@@ -324,7 +328,7 @@ def check_settings(config) -> ModelConfig:
     _positive(config.checkpoint.keep, "checkpoint.keep")
     for key, valid in (("train.schedule", SCHEDULES), ("train.on_nonfinite", NONFINITE_POLICIES),
                        ("data.source", DATA_SOURCES), ("data.tokenizer", tuple(TOKENIZERS)),
-                       ("parallel.zero_stage", (0, 1, 2, 3))):
+                       ("parallel.zero_stage", (0, 1, 2, 3)), ("parallel.context_parallel", context.MODES)):
         group, name = key.split(".")
         _choice(config[group][name], valid, key)
     if config.parallel.collective_combine_mib < 0:
@@ -367,7 +371,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
     logical name maps to. The activations' other dimensions (heads, mlp, vocab) are the parameters'.
     """
     from ushard.models.definition import model_definition
-    from ushard.sharding import BATCH_NAMES, RESIDUAL_NAMES, ZeroRules, check_divisible
+    from ushard.sharding import BATCH_NAMES, RESIDUAL_NAMES, ZeroRules, check_divisible, mesh_axes
 
     model_cfg, mesh, t, p = check_settings(config), check_mesh(config, num_devices), config.train, config.parallel
     split_kv = check_kv_heads(model_cfg.n_kv_heads, mesh["tensor"])
@@ -380,6 +384,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
     check_divisible({what: (BATCH_NAMES, micro)}, zero.compute, mesh)
     if p.sequence_parallel:
         check_divisible({f"with parallel.sequence_parallel, {what}": (RESIDUAL_NAMES, micro)}, zero.compute, mesh)
+    context.check_length(t.seq_len, math.prod(mesh[a] for a in mesh_axes("act_length", zero.compute)))
     return mesh
 
 

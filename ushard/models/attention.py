@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ushard.models.layers import BTD, fan_in_init, param, project, rotary
+from ushard.parallel import context
 from ushard.sharding import constrain, gathered, split_ways
 
 Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
@@ -21,7 +24,13 @@ def causal_attention(q, k, v, segment_ids, impl: str):
     `segment_ids` ([B, T]) is None when documents may see each other. `impl` "auto" means cuDNN flash
     attention on GPUs in 16-bit compute, XLA otherwise (JAX's own default is always XLA, which
     materialises the [T, T] scores and runs out of memory at real sizes).
+
+    When the active layout splits the sequence, context parallelism (ushard/parallel/context.py) runs
+    `attention_block` on each device's blocks instead, whatever `impl` says: JAX's fused kernels give
+    no differentiable log-sum-exp to combine blocks with (docs/dev-notes.md).
     """
+    if context.is_split():
+        return context.attention(q, k, v, segment_ids, attention_block)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
@@ -29,6 +38,36 @@ def causal_attention(q, k, v, segment_ids, impl: str):
         cudnn_ok = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
         impl = "cudnn" if cudnn_ok else "xla"
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+
+
+def attention_block(q, k, v, q_index, k_index, q_segments, k_segments):
+    """Queries q [B, Tq, heads, hd] over keys and values [B, Tk, kv_heads, hd] from anywhere in the
+    sequence: (out [B, Tq, heads, hd], lse [B, Tq, heads]), both float32, lse the log-sum-exp of each
+    query's visible scores.
+
+    A query sees a key whose index in the unsplit row (`q_index` [1, Tq], `k_index` [1, Tk]) is not
+    after its own and, unless the segments are None, whose segment id ([B, Tq], [B, Tk]) is its own. A
+    query that sees no key here gets out = 0 and lse = -inf, so combining blocks ignores it.
+    """
+    b, tq, h, hd = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.reshape(b, tq, kv_heads, h // kv_heads, hd)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    visible = q_index[:, :, None] >= k_index[:, None, :]
+    if q_segments is not None:
+        visible = visible & (q_segments[:, :, None] == k_segments[:, None, :])
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    # The max only keeps exp() in range; it cancels out of lse, so no gradient flows through it.
+    peak = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.exp(scores - peak)
+    total = jnp.sum(weights, axis=-1)
+    seen = total > 0
+    total = jnp.where(seen, total, 1.0)  # rows that see nothing: out 0, and no log(0) in the gradient
+    out = jnp.einsum("bkgqs,bskd->bqkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / jnp.moveaxis(total, -1, 1)[..., None]
+    lse = jnp.where(seen, peak[..., 0] + jnp.log(total), -jnp.inf)
+    return out.reshape(b, tq, h, hd), jnp.moveaxis(lse, -1, 1).reshape(b, tq, h)
 
 
 def cached_attention(q, k_cache, v_cache, length):
