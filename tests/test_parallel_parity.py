@@ -289,8 +289,9 @@ def test_the_vocabulary_stays_split(results, name):
                    if any(512 in s for s in shapes)]
     assert whole_vocab == []
     # ...while the loss does reduce over the vocab shards: maxima and sums of [rows, tokens].
-    rows = 16 // LAYOUTS[name][0]["mesh.fsdp"]
-    assert [n for n, kind, shapes in collectives(results[name]["hlo"]) if kind == "all-reduce" and (rows, 32) in shapes]
+    overrides = LAYOUTS[name][0]
+    rows, tokens = 16 // overrides["mesh.fsdp"], 32 // overrides.get("mesh.sequence", 1)  # per device
+    assert [n for n, kind, shapes in collectives(results[name]["hlo"]) if kind == "all-reduce" and (rows, tokens) in shapes]
 
 
 @pytest.mark.parametrize("tensor", [2, 4])
