@@ -200,8 +200,9 @@ _ACTIVE = contextvars.ContextVar("ushard_layout", default=None)
 
 
 @contextlib.contextmanager
-def use_layout(layout: Layout):
-    """Makes `constrain`, `gathered` and `current_layout` resolve against `layout` while a step is traced."""
+def use_layout(layout: Layout | None):
+    """Makes `constrain`, `gathered` and `current_layout` resolve against `layout` while a step is
+    traced (None: no layout, as in plain eager use)."""
     token = _ACTIVE.set(layout)
     try:
         yield layout

@@ -20,22 +20,23 @@ slots cost nothing.
 - 1F1B (`one_f_one_b`) runs forward and backward work in the same tick (stage s: the forward of
   microbatch t - s and the backward of microbatch t - 2S + 2 + s), so a stage holds at most 2S - 1
   microbatches in flight whatever their number. It keeps only each in-flight microbatch's stage input
-  and recomputes the stage in the backward slot (`jax.vjp`). The last stage ends each microbatch (final
-  norm, head, loss) as soon as it leaves the layers and starts its backward in the same tick; the first
-  stage embeds each microbatch as it enters. That is why 1F1B is driven from the training step with
-  the model's three parts rather than from inside the model.
+  and recomputes the stage in the backward slot (`jax.vjp`). Each microbatch is embedded as it enters
+  the first stage and ends (final norm, head, loss, and the gradient that starts its backward pass) as
+  soon as it leaves the last one, which is why 1F1B is driven from the training step with the model's
+  three parts rather than from inside the model.
 
 Parallel code, no layer: the stage, embedding and head arrive as functions.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ushard.sharding import Layout, merge_rows, split_rows, use_layout
 
@@ -165,77 +166,142 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout):
 
     For microbatch m (rows of every `batch` leaf): x = first(outer, m); x, aux_i = stage(chunk_i, x, m)
     for each chunk of layers in turn; (objective, sums) = last(outer, x, Σ aux_i, m). `outer` are the
-    parameters outside the stack (replicated over the stages), `stack` the stacked layers.
+    parameters outside the stack, `stack` the stacked layers.
     Returns (sums summed over microbatches, d outer, d stack) with d = gradient of Σ_m objective_m.
+
+    Each tick has two manual regions (a shard_map over the stage axis) that run only the layers: the
+    forward slot, then the backward slot. Between them, outside, `first` and `last` run on every
+    stage's microbatch at once (vmapped over a leading stage dimension split over the stage axis, so
+    each device computes its own), and only the first / last stage's results are kept. XLA's
+    partitioner aborts on a gather (embedding lookup, target logit) inside a partially manual
+    shard_map; outside, it partitions them as usual. Computing the head on every stage costs no time
+    in the steady state (the ticks run in lock-step, and the last stage computes it anyway), and the
+    parameters outside the stack get one copy per stage, so their gradients are summed across the
+    stages once at the end instead of once a tick.
     """
     axis, stages, count = stage_axis(layout), layout.size("layers"), layout.pipeline.microbatches
     chunks = virtual_stages(stack, stages, 1)
     microbatches = jax.tree.map(lambda a: split_rows(a, count, layout), batch)
-    schedule = jnp.asarray(one_f_one_b_table(stages, count))
     keep = ring_size(stages)
-    forward = [(s, s + 1) for s in range(stages - 1)]
-    backward = [(s + 1, s) for s in range(stages - 1)]
     chained = carry_aux(stage)
+    stage_index = jnp.arange(stages)
+    first_stage, last_stage = stage_index == 0, stage_index == stages - 1
+    on_stages = functools.partial(pin_to_stages, layout=layout, axis=axis)
+    per_stage = functools.partial(jax.vmap, spmd_axis_name=axis)
 
-    def body(chunks, outer, microbatches):
+    def rows(index):  # each stage's microbatch (IDLE: any, unused) -> [stages, rows, ...]
+        return on_stages(take(microbatches, index))
+
+    with use_layout(None):  # shapes only: no layout, so the stage's layers are not pipelined again
+        aux = jax.eval_shape(lambda c, o, mb: stage(c, first(o, mb), mb)[1],
+                             jax.tree.map(lambda c: c[0, 0], chunks), outer, take(microbatches, 0))
+
+    def enter(outer, mb):  # the activation entering stage 0: (x, no aux yet)
+        return first(outer, mb), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
+
+    def finish(outer, activation, mb):  # -> (sums, d outer, d activation) of the objective
+        objective, pullback, sums = jax.vjp(lambda o, a: last(o, *a, mb), outer, activation, has_aux=True)
+        return sums, *pullback(jnp.ones_like(objective))
+
+    def enter_grads(outer, mb, d_activation):
+        return jax.vjp(lambda o: enter(o, mb), outer)[1](d_activation)[0]
+
+    forward_slot, backward_slot = one_f_one_b_slots(chained, chunks, keep, layout, axis)
+    outers = on_stages(jax.tree.map(lambda o: jnp.broadcast_to(o, (stages, *o.shape)), outer))
+    idle = jnp.full((stages,), IDLE)
+    activation = jax.eval_shape(per_stage(enter), outers, rows(idle))
+    sums = jax.eval_shape(lambda *a: per_stage(finish)(*a)[0], outers, activation, rows(idle))
+    ring = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], keep, *a.shape[1:]), a.dtype), activation)
+
+    def tick(carry, table_row):
+        received, d_received, ring, d_chunks, d_outers, sums = carry
+        f, b = table_row[:, 0], table_row[:, 1]
+        mb_f, mb_b = rows(f), rows(b)
+        entered = per_stage(enter)(outers, mb_f)
+        out, received, ring = forward_slot(chunks, f, mb_f, entered, received, ring)
+        sums_f, d_outers_head, d_out = per_stage(finish)(outers, out, mb_f)
+        d_activation, d_received, d_chunks = backward_slot(chunks, b, mb_b, ring, d_out, d_received, d_chunks)
+        d_outers_embed = per_stage(enter_grads)(outers, mb_b, d_activation)
+        ends, starts = last_stage & (f != IDLE), first_stage & (b != IDLE)
+        d_outers = add(d_outers, add(keep_stages(ends, d_outers_head), keep_stages(starts, d_outers_embed)))
+        return (received, d_received, ring, d_chunks, d_outers, add(sums, keep_stages(ends, sums_f))), None
+
+    zeros = functools.partial(zeros_on_stages, layout=layout, axis=axis)
+    carry = (zeros(activation), zeros(activation), zeros(ring), jax.tree.map(jnp.zeros_like, chunks), zeros(outers),
+             zeros(sums))
+    schedule = jnp.asarray(one_f_one_b_table(stages, count))
+    (_, _, _, d_chunks, d_outers, sums), _ = jax.lax.scan(tick, carry, schedule)
+    over_stages = functools.partial(jax.tree.map, lambda a: jnp.sum(a, axis=0))
+    return over_stages(sums), over_stages(d_outers), jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, stack)
+
+
+def one_f_one_b_slots(chained, chunks, keep: int, layout: Layout, axis: str):
+    """The two manual regions of a 1F1B tick, over arrays with a leading stage dimension.
+
+    forward_slot(chunks, f, mb, entered, received, ring) -> (out, sent, ring): stage s runs its forward
+    of microbatch f[s] on what entered (stage 0) or what it received, and keeps that input.
+    backward_slot(chunks, b, mb, ring, d_out, d_received, d_chunks) -> (d_in, d_sent, d_chunks): stage
+    s recomputes microbatch b[s] from its kept input and pulls back d_out (last stage: the head's
+    gradient of this tick) or what it received; weight gradients accumulate in d_chunks.
+    """
+    stages = layout.size("layers")
+    forward = [(s, s + 1) for s in range(stages - 1)]
+    backward = [(t, s) for s, t in forward]
+    stacked, chunk_spec = P(axis), P(None, axis)
+
+    def local(tree):
+        return jax.tree.map(lambda a: a[0], tree)
+
+    def stacked_again(tree):
+        return jax.tree.map(lambda a: a[None], tree)
+
+    def stage_grads(chunk, activation, mb, d_out):
+        return jax.vjp(lambda c, a: chained(c, a, mb), chunk, activation)[1](d_out)
+
+    def forward_body(chunks, f, mb, entered, received, ring):
         index = jax.lax.axis_index(axis)
         chunk = jax.tree.map(lambda c: c[0, 0], chunks)
-        outer, microbatches = varying((outer, microbatches), axis)
+        f, mb, entered, received, ring = local((f, mb, entered, received, ring))
         with use_layout(layout.inside_stage()):
-            mb0 = take(microbatches, 0)
-            aux = zeros_of(lambda c, o, mb: stage(c, first(o, mb), mb)[1], chunk, outer, mb0, axis=axis)
+            activation = jax.tree.map(lambda a, r: jnp.where(index == 0, a, r), entered, received)
+            ring = put(ring, jnp.maximum(f, 0) % keep, activation, f != IDLE)
+            out = when(f != IDLE, chained, chunk, activation, mb, axis=axis)
+        return stacked_again((out, jax.lax.ppermute(out, axis, forward), ring))
 
-            def enter(outer, mb):  # the activation entering stage 0: (x, no aux yet)
-                return first(outer, mb), aux
+    def backward_body(chunks, b, mb, ring, d_out, d_received, d_chunks):
+        index = jax.lax.axis_index(axis)
+        chunk = jax.tree.map(lambda c: c[0, 0], chunks)
+        b, mb, ring, d_out, d_received = local((b, mb, ring, d_out, d_received))
+        with use_layout(layout.inside_stage()):
+            d_out = jax.tree.map(lambda h, r: jnp.where(index == stages - 1, h, r), d_out, d_received)
+            kept = take(ring, jnp.maximum(b, 0) % keep)
+            d_chunk, d_in = when(b != IDLE, stage_grads, chunk, kept, mb, d_out, axis=axis)
+        d_chunks = add(d_chunks, jax.tree.map(lambda g: g[None, None], d_chunk))
+        return (*stacked_again((d_in, jax.lax.ppermute(d_in, axis, backward))), d_chunks)
 
-            def finish(outer, activation, mb):  # -> (sums, d outer, d activation) of the objective
-                objective, pullback, sums = jax.vjp(lambda o, a: last(o, *a, mb), outer, activation, has_aux=True)
-                return sums, *pullback(jnp.ones_like(objective))
+    mapped = functools.partial(jax.shard_map, mesh=layout.mesh, axis_names={axis})
+    forward_slot = mapped(forward_body, in_specs=(chunk_spec,) + (stacked,) * 5, out_specs=(stacked,) * 3)
+    backward_slot = mapped(backward_body, in_specs=(chunk_spec,) + (stacked,) * 5 + (chunk_spec,),
+                           out_specs=(stacked, stacked, chunk_spec))
+    return forward_slot, backward_slot
 
-            def stage_grads(chunk, activation, mb, d_out):  # recomputes the stage, then its backward
-                return jax.vjp(lambda c, a: chained(c, a, mb), chunk, activation)[1](d_out)
 
-            def enter_grads(outer, mb, d_activation):
-                return jax.vjp(lambda o: enter(o, mb), outer)[1](d_activation)[0]
+def pin_to_stages(tree, layout: Layout, axis: str):
+    """Leading dimension of every leaf split over the stage axis (the rest left to the compiler)."""
+    def pin(a):
+        spec = P(axis, *[P.UNCONSTRAINED] * (a.ndim - 1))
+        return jax.lax.with_sharding_constraint(a, NamedSharding(layout.mesh, spec))
 
-            zero_act = zeros_of(enter, outer, mb0, axis=axis)
-            zero_sums = zeros_of(lambda *a: finish(*a)[0], outer, zero_act, mb0, axis=axis)
-            ring = jax.tree.map(lambda a: jnp.zeros((keep, *a.shape), a.dtype), zero_act)
-            grads = jax.tree.map(jnp.zeros_like, (chunk, outer))
+    return jax.tree.map(pin, tree)
 
-            def tick(carry, row):
-                received, d_received, ring, (d_chunk, d_outer), sums = carry
-                f, b = row[index, 0], row[index, 1]
-                mb_f, mb_b = take(microbatches, f), take(microbatches, b)
-                # forward slot: stage 0 starts microbatch f, the others go on with what came in
-                entered = when((index == 0) & (f != IDLE), enter, outer, mb_f, axis=axis)
-                activation = jax.tree.map(lambda a, r: jnp.where(index == 0, a, r), entered, received)
-                ring = put(ring, jnp.maximum(f, 0) % keep, activation, f != IDLE)
-                out = when(f != IDLE, chained, chunk, activation, mb_f, axis=axis)
-                # the last stage ends microbatch f and starts its backward in this same tick
-                ended = (index == stages - 1) & (f != IDLE)
-                sums_f, d_outer_head, d_out = when(ended, finish, outer, out, mb_f, axis=axis)
-                d_out = jax.tree.map(lambda a, r: jnp.where(index == stages - 1, a, r), d_out, d_received)
-                # backward slot: microbatch b through this stage from its kept input
-                kept = take(ring, jnp.maximum(b, 0) % keep)
-                d_chunk_b, d_activation = when(b != IDLE, stage_grads, chunk, kept, mb_b, d_out, axis=axis)
-                d_outer_embed = when((index == 0) & (b != IDLE), enter_grads, outer, mb_b, d_activation, axis=axis)
-                d_chunk, d_outer, sums = jax.tree.map(
-                    jnp.add, (d_chunk, d_outer, sums), (d_chunk_b, add(d_outer_head, d_outer_embed), sums_f)
-                )
-                sent = jax.lax.ppermute(out, axis, forward)
-                d_sent = jax.lax.ppermute(d_activation, axis, backward)
-                return (sent, d_sent, ring, (d_chunk, d_outer), sums), None
 
-            carry = (zero_act, zero_act, varying(ring, axis), varying(grads, axis), zero_sums)
-            (_, _, _, (d_chunk, d_outer), sums), _ = jax.lax.scan(tick, carry, schedule)
-        d_chunks = jax.tree.map(lambda g: g[None, None], d_chunk)
-        return jax.lax.psum(sums, axis), jax.lax.psum(d_outer, axis), d_chunks
+def zeros_on_stages(shapes, layout: Layout, axis: str):
+    return pin_to_stages(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), layout, axis)
 
-    run = jax.shard_map(body, mesh=layout.mesh, in_specs=(P(None, axis), P(), P()),
-                        out_specs=(P(), P(), P(None, axis)), axis_names={axis})
-    sums, d_outer, d_chunks = run(chunks, outer, microbatches)
-    return sums, d_outer, jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, stack)
+
+def keep_stages(where, tree):
+    """Each leaf's rows [stages, ...] where `where` [stages] holds, zeros elsewhere."""
+    return jax.tree.map(lambda a: jnp.where(where.reshape(-1, *[1] * (a.ndim - 1)), a, 0), tree)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -103,8 +103,7 @@ class Steps:
         model = self.model
         stack, others = model.split_stack(params)
         # The embedding, final norm and head, gathered for compute once per step rather than once per
-        # microbatch. (Inside the pipeline's shard_map, XLA's partitioner also aborts on an embedding
-        # lookup from a table whose embed dimension is split: "Check failed: ... num_replica_groups".)
+        # microbatch (ZeRO-3 would gather them in every tick of the pipeline).
         others = jax.lax.with_sharding_constraint(others, self.layout.shardings(model.split_stack(model.logical)[1], "compute"))
         sums, d_others, d_stack = one_f_one_b(
             first=lambda others, mb: model.embed(others, mb["inputs"]),
