@@ -112,6 +112,9 @@ def main(argv=None) -> None:
         chosen = {"schedule": p.pipeline_schedule, "stages": config.mesh.pipeline,
                   "microbatches": p.pipeline_microbatches, "repeats": p.pipeline_repeats}
     chosen |= {k: v for k, v in vars(args).items() if k in chosen and v is not None}
+    if min(chosen["stages"], chosen["microbatches"], chosen["repeats"]) < 1:
+        parser.error(f"stages, microbatches and repeats must be at least 1, not {chosen} "
+                     f"(mesh.pipeline=-1 depends on the device count: give --stages)")
     cells = schedule_cells(**chosen)
     heading = title(**chosen)
     try:
