@@ -212,7 +212,7 @@ LAYOUTS = {
 SWEEP = {
     f"{schedule}_{stages}x{count}{'_fsdp2' if fsdp > 1 else ''}": pipelined(schedule, stages, count, fsdp=fsdp)
     for schedule, stages, count, fsdp in itertools.product(("gpipe", "circular", "1f1b"), (2, 4), (4, 8), (1, 2))
-}
+} | {f"{schedule}_2x4_sequence2_fsdp2": pipelined(schedule, 2, 4, sequence=2, fsdp=2) for schedule in ("gpipe", "1f1b")}
 
 
 @pytest.fixture(scope="module")
