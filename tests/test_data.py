@@ -1,4 +1,5 @@
-"""The data pipeline: deterministic global batches, independent of the mesh; packing; sources; tokenizer."""
+"""The data pipeline: deterministic global batches, independent of the mesh; pieces, packing, the
+held-out split; sources; tokenizer. The data position and resuming: test_data_position.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 
 from ushard.config import default_config, load_config
 from ushard.data import make_batches
-from ushard.data.pipeline import FIELDS, Batches, PackedWindows, is_held_out
+from ushard.data.corpus import Pieces, cut_into_pieces, held_out_pieces, load_corpus, name_hashes, piece_score
+from ushard.data.packing import FIELDS, PackedStream, window_rows
+from ushard.data.pipeline import Batches, in_source_order, shuffled
 from ushard.data.sources import documents
 from ushard.data.tokenizer import ByteTokenizer, get_tokenizer
 from ushard.errors import UserError
@@ -19,6 +22,7 @@ from ushard.errors import UserError
 SEQ_LEN = 32
 BATCH = 8
 SMALL = [f"train.batch_size={BATCH}", f"train.seq_len={SEQ_LEN}"]
+E = 256  # the byte tokenizer's end-of-document token
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,7 @@ def batches(request, tiny_config):
         shared = request.getfixturevalue("stdlib_batches")
     except pytest.FixtureLookupError:
         shared = None
-    if shared is not None and shared.train_windows.window == SEQ_LEN + 1:
+    if shared is not None and shared.seq_len == SEQ_LEN:
         return shared
     return make_batches(tiny_config.data, SEQ_LEN, tiny_config.train.seed)
 
@@ -47,64 +51,108 @@ def _assert_same(a: dict, b: dict):
         np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
 
 
+def _states(batches, steps, batch_size=BATCH):
+    """The data state before each of `steps` (sorted step numbers), from the start of the data."""
+    state, out = batches.initial_state(), {}
+    for s in range(max(steps) + 1):
+        out[s] = state
+        state = batches.advance(state, batch_size)
+    return [out[s] for s in steps]
+
+
+def _stream_of(pieces, order=None) -> PackedStream:
+    """The pieces (token lists) of one token array, in source order unless `order` says otherwise."""
+    lengths = np.array([len(p) for p in pieces], np.int64)
+    tokens = np.concatenate([np.asarray(p, np.uint16) for p in pieces])
+    return PackedStream(tokens, np.cumsum(lengths) - lengths, lengths, order or in_source_order(len(pieces)))
+
+
+def _data_cfg(**values):
+    c = default_config().data
+    for k, v in values.items():
+        c[k] = v
+    return c
+
+
 # --------------------------------------------------------------------------- (a) determinism
 
 
 def test_batch_shape_and_dtype(batches):
-    batch = batches.train_batch(0, BATCH)
+    batch, _ = batches.train_batch(batches.initial_state(), BATCH)
     for k in FIELDS:
         assert batch[k].shape == (BATCH, SEQ_LEN), k
         assert batch[k].dtype == np.int32, k
     assert batch["inputs"].max() < 257 and batch["inputs"].min() >= 0
     assert set(np.unique(batch["loss_mask"])) <= {0, 1}
+    assert batches.eval_batch(0, BATCH)["targets"].shape == (BATCH, SEQ_LEN)
 
 
-def test_global_batch_depends_only_on_config_seed_and_step(tiny_config, batches):
+def test_global_batch_depends_only_on_config_seed_and_position(tiny_config, batches):
     steps = (0, 1, 7, 1234)
+    states = _states(batches, steps)
     rebuilt = make_batches(tiny_config.data, SEQ_LEN, tiny_config.train.seed)  # from scratch
-    for s in steps:
-        _assert_same(batches.train_batch(s, BATCH), rebuilt.train_batch(s, BATCH))
+    rebuilt_states = _states(rebuilt, steps)
+    assert rebuilt_states == states
+    for s, state in zip(steps, states):
+        assert state["position"] == s * BATCH * (SEQ_LEN + 1)
+        _assert_same(batches.train_batch(state, BATCH)[0], rebuilt.train_batch(state, BATCH)[0])
         _assert_same(batches.eval_batch(s, BATCH), rebuilt.eval_batch(s, BATCH))
     # Asking in another order, or twice, gives the same answer: no hidden iterator state.
-    for s in reversed(steps):
-        _assert_same(batches.train_batch(s, BATCH), rebuilt.train_batch(s, BATCH))
+    for state in reversed(states):
+        _assert_same(batches.train_batch(state, BATCH)[0], rebuilt.train_batch(state, BATCH)[0])
 
-    # Another seed draws another order over the same windows (reused here: loading is what costs time).
-    other = Batches(batches.train_windows, batches.eval_windows, seed=tiny_config.train.seed + 1)
-    for s in steps:
-        assert not np.array_equal(batches.train_batch(s, BATCH)["inputs"], other.train_batch(s, BATCH)["inputs"])
+    # Another seed draws another order over the same pieces (reused here: loading is what costs time).
+    other = Batches(batches.corpus, SEQ_LEN, seed=tiny_config.train.seed + 1)
+    for s, state in zip(steps, _states(other, steps)):
+        assert state["position"] == s * BATCH * (SEQ_LEN + 1)
+        ours = batches.train_batch(states[steps.index(s)], BATCH)[0]["inputs"]
+        assert not np.array_equal(ours, other.train_batch(state, BATCH)[0]["inputs"])
 
     # Consecutive steps see different windows.
-    assert not np.array_equal(batches.train_batch(0, BATCH)["inputs"], batches.train_batch(1, BATCH)["inputs"])
+    first, second = (batches.train_batch(st, BATCH)[0]["inputs"] for st in _states(batches, (0, 1)))
+    assert not np.array_equal(first, second)
 
 
 def test_row_slices_concatenate_to_the_global_batch(batches):
-    """Each process builds only its own rows; together they are the global batch."""
-    for s in (0, 3):
-        full = batches.train_batch(s, BATCH)
-        halves = [batches.train_batch(s, BATCH, rows=range(0, 4)), batches.train_batch(s, BATCH, rows=range(4, 8))]
-        quarters = [batches.train_batch(s, BATCH, rows=range(i, i + 2)) for i in range(0, BATCH, 2)]
+    """Each process builds only its own rows; together they are the global batch, and all agree on the next state."""
+    for state in _states(batches, (0, 3)):
+        full, next_state = batches.train_batch(state, BATCH)
+        halves = [batches.train_batch(state, BATCH, rows=range(0, 4)), batches.train_batch(state, BATCH, rows=range(4, 8))]
+        quarters = [batches.train_batch(state, BATCH, rows=range(i, i + 2)) for i in range(0, BATCH, 2)]
         for parts in (halves, quarters):
-            _assert_same(full, {k: np.concatenate([p[k] for p in parts]) for k in FIELDS})
+            _assert_same(full, {k: np.concatenate([p[k] for p, _ in parts]) for k in FIELDS})
+            assert all(n == next_state for _, n in parts)
+        assert batches.train_batch(state, BATCH, rows=range(0))[1] == next_state == batches.advance(state, BATCH)
+    for s in (0, 3):
         _assert_same(
             batches.eval_batch(s, BATCH),
             {k: np.concatenate([batches.eval_batch(s, BATCH, rows=range(i, i + 4))[k] for i in (0, 4)]) for k in FIELDS},
         )
 
 
-def test_every_window_once_per_epoch_and_reshuffled():
-    """The order is a permutation of the windows in each epoch, re-drawn for the next epoch."""
+def test_every_piece_once_per_epoch_and_reshuffled():
+    """The order is a permutation of the pieces in each epoch, re-drawn for the next epoch."""
     rng = np.random.default_rng(0)
-    pieces = [np.append(rng.integers(0, 256, size=rng.integers(5, 40)), 256).astype(np.uint16) for _ in range(40)]
-    windows = PackedWindows(pieces, 9)
-    n = len(windows)
-    b = Batches(windows, windows, seed=3)
-    starts = {windows[i]["inputs"].tobytes(): i for i in range(n)}
-    assert len(starts) == n  # the windows themselves are all distinct here
-    epochs = [[starts[b.train_batch(s, 1)["inputs"][0].tobytes()] for s in range(e * n, (e + 1) * n)] for e in (0, 1)]
-    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(n))
+    pieces = [np.append(rng.integers(0, 256, size=rng.integers(5, 40)), E) for _ in range(40)]
+    stream = _stream_of(pieces, shuffled(len(pieces), seed=3))
+    by_content = {p.astype(np.uint16).tobytes(): i for i, p in enumerate(pieces)}
+    assert len(by_content) == len(pieces)  # the pieces themselves are all distinct here
+    tokens, first = stream.read(0, 2 * stream.epoch_tokens)
+    cuts = list(np.flatnonzero(first)) + [len(tokens)]
+    order = [by_content[tokens[a:b].tobytes()] for a, b in zip(cuts[:-1], cuts[1:])]  # each cut is a whole piece
+    epochs = order[: len(pieces)], order[len(pieces):]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(len(pieces)))
     assert epochs[0] != epochs[1]
-    assert epochs[0] != list(range(n))
+    assert epochs[0] != list(range(len(pieces)))
+
+
+def test_the_order_and_the_split_are_fixed_functions():
+    """Checkpoints keep positions in this order and split: if these values change, bump ORDER_VERSION."""
+    assert shuffled(10, seed=0)(0).tolist() == [0, 9, 1, 6, 3, 5, 4, 2, 8, 7]
+    assert shuffled(10, seed=0)(1).tolist() == [8, 3, 0, 1, 5, 2, 7, 4, 9, 6]
+    assert shuffled(10, seed=1)(0).tolist() == [2, 5, 8, 9, 1, 4, 6, 0, 3, 7]
+    assert [piece_score("a.txt", 0), piece_score("a.txt", 1), piece_score("lib/os.py", 0)] == pytest.approx(
+        [0.4776813383167493, 0.6610956592967604, 0.6782510650325599], abs=1e-15)
 
 
 # --------------------------------------------------------------------------- (b) independent of the mesh
@@ -120,20 +168,21 @@ MESHES = {
 
 
 def test_global_batch_is_identical_on_every_mesh(batches):
+    """Each process's rows, placed by the trainer's batch sharding, make the same global batch on every mesh."""
     from ushard.training.loop import Trainer
 
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices: run with JAX_NUM_CPU_DEVICES=8")
-    steps = (0, 1, 5)
+    states = _states(batches, (0, 1, 5))
     results = {}
     for name, overrides in MESHES.items():
         devices = jax.devices()[:1] if name == "one_device" else jax.devices()[:8]
         trainer = Trainer(load_config("tiny", SMALL + overrides), None, devices=devices, batches=batches)
         assert trainer.setup.mesh.size == len(devices)
         results[name] = []
-        for s in steps:
-            arrays = trainer.global_batch(s)
-            assert set(arrays) == set(FIELDS)
+        for state in states:
+            arrays, next_state = trainer.global_batch(state)
+            assert set(arrays) == set(FIELDS) and next_state == batches.advance(state, BATCH)
             for k, array in arrays.items():
                 assert array.shape == (BATCH, SEQ_LEN), (name, k)
                 full = np.asarray(array)
@@ -143,39 +192,41 @@ def test_global_batch_is_identical_on_every_mesh(batches):
             results[name].append({k: np.asarray(v) for k, v in arrays.items()})
 
     reference = results.pop("one_device")
-    for s, ref in enumerate(reference):
-        _assert_same(ref, batches.train_batch(steps[s], BATCH))
+    for state, ref in zip(states, reference):
+        _assert_same(ref, batches.train_batch(state, BATCH)[0])
     for name, per_step in results.items():
         for ref, got in zip(reference, per_step):
             _assert_same(ref, got)
 
 
-# --------------------------------------------------------------------------- (c) packing
+# --------------------------------------------------------------------------- (c) pieces and packing
 
 
-def _reference_window(stream, doc_start, a, n):
+def _reference_window(stream, piece_start, a, n):
     """Row fields of the window starting at stream index a, written out token by token."""
     inputs, targets, seg, pos, mask = [], [], [], [], []
     for j in range(n):
         inputs.append(stream[a + j])
         targets.append(stream[a + j + 1])
-        mask.append(0 if doc_start[a + j + 1] else 1)
+        mask.append(0 if piece_start[a + j + 1] else 1)
         if j == 0:
             seg.append(1)
             pos.append(0)
         else:
-            seg.append(seg[-1] + (1 if doc_start[a + j] else 0))
-            pos.append(0 if doc_start[a + j] else pos[-1] + 1)
+            seg.append(seg[-1] + (1 if piece_start[a + j] else 0))
+            pos.append(0 if piece_start[a + j] else pos[-1] + 1)
     return {"inputs": inputs, "targets": targets, "segment_ids": seg, "positions": pos, "loss_mask": mask}
 
 
+def _window(stream, position, window):
+    return {k: v[0] for k, v in window_rows(stream, position, window, range(1)).items()}
+
+
 def test_packing_small_example():
-    # Documents [1 2 E] [3 E] [4 5 6 E] [7 E] with E = 256; windows of 5 tokens (seq_len 4).
-    E = 256
-    pieces = [np.array(p, np.uint16) for p in ([1, 2, E], [3, E], [4, 5, 6, E], [7, E])]
-    w = PackedWindows(pieces, 5)
-    assert len(w) == 2  # 11 tokens: two windows, the last token dropped
-    first, second = w[0], w[1]
+    # Documents [1 2 E] [3 E] [4 5 6 E] [7 E]; windows of 5 tokens (seq_len 4), laid end to end.
+    w = _stream_of([[1, 2, E], [3, E], [4, 5, 6, E], [7, E]])
+    assert w.epoch_tokens == 11
+    first, second, third = (_window(w, i * 5, 5) for i in range(3))
     np.testing.assert_array_equal(first["inputs"], [1, 2, E, 3])
     np.testing.assert_array_equal(first["targets"], [2, E, 3, E])
     np.testing.assert_array_equal(first["loss_mask"], [1, 1, 0, 1])
@@ -187,24 +238,29 @@ def test_packing_small_example():
     np.testing.assert_array_equal(second["loss_mask"], [1, 1, 1, 0])
     np.testing.assert_array_equal(second["segment_ids"], [1, 1, 1, 1])
     np.testing.assert_array_equal(second["positions"], [0, 1, 2, 3])
+    # The third crosses into the next epoch (source order here): the last E, then documents 1 and 2 again.
+    np.testing.assert_array_equal(third["inputs"], [E, 1, 2, E])
+    np.testing.assert_array_equal(third["targets"], [1, 2, E, 3])
+    np.testing.assert_array_equal(third["loss_mask"], [0, 1, 1, 0])
+    np.testing.assert_array_equal(third["segment_ids"], [1, 2, 2, 2])
+    np.testing.assert_array_equal(third["positions"], [0, 0, 1, 2])
 
 
 @pytest.mark.parametrize("window", [2, 5, 17, 64])
 def test_packing_properties(window):
     rng = np.random.default_rng(window)
-    tok = ByteTokenizer()
     lengths = rng.integers(0, 30, size=60)
     lengths[:3] = 0  # empty documents: just the end-of-document token
-    pieces = [np.concatenate([rng.integers(0, 256, size=n).astype(np.uint16), [tok.eos_id]]) for n in lengths]
-    stream = np.concatenate(pieces).astype(np.int64)
-    doc_start = np.zeros(len(stream) + 1, bool)
-    doc_start[np.concatenate([[0], np.cumsum([len(p) for p in pieces])[:-1]])] = True
+    pieces = [np.append(rng.integers(0, 256, size=n), E) for n in lengths]
+    one_epoch = np.concatenate(pieces).astype(np.int64)
+    stream = np.concatenate([one_epoch, one_epoch])  # source order repeats: windows may cross the seam
+    piece_start = np.zeros(len(stream) + 1, bool)
+    piece_start[np.concatenate([[0], np.cumsum([len(p) for p in pieces * 2])])] = True
 
-    w = PackedWindows(pieces, window)
+    w = _stream_of(pieces)
     n = window - 1
-    assert len(w) == len(stream) // window
-    for i in range(len(w)):
-        row = w[i]
+    for i in range(len(stream) // window):
+        row = _window(w, i * window, window)
         a = i * window
         for k in FIELDS:
             assert row[k].shape == (n,) and row[k].dtype == np.int32, k
@@ -213,32 +269,140 @@ def test_packing_properties(window):
         np.testing.assert_array_equal(row["inputs"], stream[a : a + n])
         np.testing.assert_array_equal(row["targets"], stream[a + 1 : a + n + 1])
         # loss_mask is 0 exactly where the target is the first token of a new document
-        np.testing.assert_array_equal(row["loss_mask"] == 0, doc_start[a + 1 : a + n + 1])
+        np.testing.assert_array_equal(row["loss_mask"] == 0, piece_start[a + 1 : a + n + 1])
         # segment ids start at 1 and step by one at each document start, positions restart there
-        starts_here = doc_start[a : a + n].copy()
+        starts_here = piece_start[a : a + n].copy()
         assert row["segment_ids"][0] == 1 and row["positions"][0] == 0
         np.testing.assert_array_equal(np.diff(row["segment_ids"]), starts_here[1:].astype(int))
         assert np.all(row["positions"][starts_here] == 0)
         inner = ~starts_here[1:]
         np.testing.assert_array_equal(np.diff(row["positions"])[inner], 1)
         # and the whole row against the token-by-token reference
-        ref = _reference_window(stream, doc_start, a, n)
+        ref = _reference_window(stream, piece_start, a, n)
         for k in FIELDS:
             np.testing.assert_array_equal(row[k], ref[k], err_msg=f"window {i} {k}")
 
 
-def test_packing_empty_corpus_has_no_windows():
-    assert len(PackedWindows([], 9)) == 0
+def test_documents_are_cut_into_near_equal_pieces():
+    doc_lengths = np.array([1, 7, 8, 9, 17, 30], np.int64)
+    lengths, doc, index = cut_into_pieces(doc_lengths, 8)
+    assert lengths.tolist() == [1, 7, 8, 5, 4, 6, 6, 5, 8, 8, 7, 7]
+    assert doc.tolist() == [0, 1, 2, 3, 3, 4, 4, 4, 5, 5, 5, 5]
+    assert index.tolist() == [0, 0, 0, 0, 1, 0, 1, 2, 0, 1, 2, 3]
+    for d, n in enumerate(doc_lengths):  # each document: whole, in pieces of at most 8 and at least 8/2 (if cut)
+        mine = lengths[doc == d]
+        assert mine.sum() == n and mine.max() <= 8 and (len(mine) == 1 or mine.min() >= 4)
 
 
-# --------------------------------------------------------------------------- (d) text and jsonl sources
+def test_the_default_piece_is_two_rows_long(batches):
+    """data.chunk_tokens=0: pieces of at most 2 * (seq_len + 1), so a batch mixes many places of the corpus."""
+    assert batches.pieces.chunk == batches.order["chunk_tokens"] == 2 * (SEQ_LEN + 1)
+    assert batches.pieces.lengths.max() == 2 * (SEQ_LEN + 1)
+    batch, _ = batches.train_batch(batches.initial_state(), BATCH)
+    pieces_seen = batch["segment_ids"].max(axis=1).sum()
+    assert pieces_seen >= BATCH  # each row holds at least one piece, most hold two or more
 
 
-def _data_cfg(**values):
-    c = default_config().data
-    for k, v in values.items():
-        c[k] = v
-    return c
+def test_a_piece_of_a_long_document_starts_a_segment(tmp_path):
+    text = "".join(chr(ord("a") + i % 26) for i in range(99))  # one document of 100 tokens with its end token
+    (tmp_path / "long.txt").write_text(text)
+    corpus = load_corpus(_data_cfg(source="text", paths=str(tmp_path / "*.txt")))
+    pieces = corpus.pieces(30)
+    assert pieces.lengths.tolist() == [25, 25, 25, 25]
+    np.testing.assert_array_equal(corpus.tokens[:-1], np.frombuffer(text.encode(), np.uint8))
+    stream = PackedStream(corpus.tokens, pieces.starts, pieces.lengths, in_source_order(4))
+    row = _window(stream, 10, 31)  # tokens 10..40 of the text: crosses the piece boundary at 25
+    np.testing.assert_array_equal(row["inputs"], corpus.tokens[10:40])
+    assert row["segment_ids"].tolist() == [1] * 15 + [2] * 15
+    assert row["positions"].tolist() == list(range(15)) + list(range(15))
+    assert row["loss_mask"].tolist() == [1] * 14 + [0] + [1] * 15
+
+
+# --------------------------------------------------------------------------- (d) the held-out split
+
+
+def _lines(n: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    return "".join(f"line {i}: {'abcdefgh'[: rng.integers(1, 9)] * rng.integers(1, 12)}\n" for i in range(n))
+
+
+def _held_share(pieces: Pieces) -> float:
+    return pieces.split_tokens(True) / len(pieces.corpus.tokens)
+
+
+def _assert_partition(pieces: Pieces):
+    """Every token of the corpus is in exactly one piece, and every piece in exactly one split."""
+    covered = np.zeros(len(pieces.corpus.tokens), int)
+    for held in (False, True):
+        for start, length in zip(*pieces.split(held)):
+            covered[start : start + length] += 1
+    assert np.all(covered == 1)
+    assert pieces.split_tokens(False) + pieces.split_tokens(True) == len(pieces.corpus.tokens)
+
+
+@pytest.mark.parametrize("eval_fraction", [0.02, 0.1, 0.3])
+def test_a_single_text_file_gets_both_splits(tmp_path, monkeypatch, eval_fraction):
+    monkeypatch.chdir(tmp_path)  # a relative path: the document's name, hence the split, is the same every run
+    (tmp_path / "book.txt").write_text(_lines(40_000))  # about 0.8 million tokens, one document
+    cfg = _data_cfg(source="text", paths="book.txt", eval_fraction=eval_fraction, chunk_tokens=1024)
+    b = make_batches(cfg, 128, seed=0)
+    pieces = b.pieces
+    assert len(pieces.lengths) > 700 and pieces.lengths.max() <= 1024
+    _assert_partition(pieces)
+    assert eval_fraction * 0.6 < _held_share(pieces) < eval_fraction * 1.4
+    assert b.held_out.epoch_tokens == pieces.split_tokens(True) > 0
+    batch = b.eval_batch(0, 4)
+    tokens = pieces.corpus.tokens
+    held_text = ByteTokenizer().decode(np.concatenate([tokens[s : s + n] for s, n in zip(*pieces.split(True))]))
+    first_row = ByteTokenizer().decode(batch["inputs"][0])
+    assert held_text.startswith(first_row)  # eval reads the held-out pieces, in source order
+    # Deterministic: loading again draws the same split.
+    np.testing.assert_array_equal(load_corpus(cfg).pieces(1024).held_out, pieces.held_out)
+
+
+def test_jsonl_split_by_pieces_of_records(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    records = [{"text": _lines(40, seed=i)} for i in range(400)]  # about 1,000 tokens each
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    b = make_batches(_data_cfg(source="jsonl", paths="c.jsonl", eval_fraction=0.1, chunk_tokens=256), 64, seed=0)
+    pieces = b.pieces
+    assert len(pieces.lengths) > 1500
+    _assert_partition(pieces)
+    assert 0.07 < _held_share(pieces) < 0.13
+    # Records are split by piece: some record has pieces on both sides.
+    names = [f"c.jsonl:{i + 1}" for i in range(400)]
+    doc_lengths = np.array([len(r["text"]) + 1 for r in records], np.int64)
+    lengths, doc, index = cut_into_pieces(doc_lengths, 256)
+    np.testing.assert_array_equal(lengths, pieces.lengths)
+    np.testing.assert_array_equal(held_out_pieces(name_hashes(names), doc, index, 0.1), pieces.held_out)
+    mixed = [d for d in range(400) if 0 < pieces.held_out[doc == d].sum() < (doc == d).sum()]
+    assert mixed
+
+
+def test_split_of_a_piece_depends_only_on_its_name_and_index(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text(_lines(5_000, seed=1))
+    one = load_corpus(_data_cfg(source="text", paths="a.txt", eval_fraction=0.2)).pieces(512)
+    (tmp_path / "b.txt").write_text(_lines(5_000, seed=2))
+    two = load_corpus(_data_cfg(source="text", paths="*.txt", eval_fraction=0.2)).pieces(512)
+    n = len(one.lengths)
+    np.testing.assert_array_equal(two.held_out[:n], one.held_out)  # adding a file moves no piece of the first
+    expected = [piece_score("a.txt", i) < 0.2 for i in range(n)]
+    assert one.held_out.tolist() == expected
+    assert 0 < sum(expected) < n
+
+
+def test_a_small_corpus_still_holds_one_piece_out():
+    names = ["x", "y", "z"]
+    doc, index = np.array([0, 1, 2]), np.array([0, 0, 0])
+    scores = [piece_score(n, 0) for n in names]
+    held = held_out_pieces(name_hashes(names), doc, index, 1e-9)  # nothing would fall below the fraction
+    assert held.tolist() == [s == min(scores) for s in scores]
+    held = held_out_pieces(name_hashes(names), doc, index, 1 - 1e-9)  # everything would
+    assert held.tolist() == [s != max(scores) for s in scores]
+
+
+# --------------------------------------------------------------------------- (e) text and jsonl sources
 
 
 def _text(i: int) -> str:
@@ -255,7 +419,8 @@ def test_text_source(tmp_path):
         expected[str(path)] = _text(i).encode("utf-8")
         (a_files if i % 2 else b_files).append(str(path))
     (tmp_path / "a" / "ignored.md").write_text("not matched")
-    cfg = _data_cfg(source="text", paths=f"{tmp_path}/a/*.txt, {tmp_path}/b/*.txt", eval_fraction=0.3)
+    cfg = _data_cfg(source="text", paths=f"{tmp_path}/a/*.txt, {tmp_path}/b/*.txt", eval_fraction=0.3,
+                    chunk_tokens=4096)
 
     docs = list(documents(cfg))
     assert [name for name, _ in docs] == sorted(a_files) + sorted(b_files)  # globs in order, each sorted
@@ -263,14 +428,27 @@ def test_text_source(tmp_path):
 
     b = make_batches(cfg, 16, seed=0)
     tok = get_tokenizer("byte")
-    for windows, held in ((b.train_windows, False), (b.eval_windows, True)):
-        stream = np.concatenate(
-            [np.concatenate([tok.encode(c), [tok.eos_id]]) for n, c in docs if is_held_out(n, 0.3) == held]
-        )
-        np.testing.assert_array_equal(windows.tokens, stream)
-    batch = b.train_batch(2, 4)
+    np.testing.assert_array_equal(
+        b.corpus.tokens, np.concatenate([np.append(tok.encode(c), tok.eos_id) for _, c in docs])
+    )
+    # Short documents are one piece each, held out by a hash of their name.
+    assert b.pieces.held_out.tolist() == [piece_score(n, 0) < 0.3 for n, _ in docs]
+    for stream, held in ((b.train, False), (b.held_out, True)):
+        mine = [np.append(tok.encode(c), tok.eos_id).astype(np.uint16) for n, c in docs
+                if (piece_score(n, 0) < 0.3) == held]
+        tokens, _ = stream.read(0, stream.epoch_tokens)
+        assert sorted(t.tobytes() for t in mine) == sorted(  # the same documents, in some order
+            tokens[a:b].tobytes() for a, b in _piece_bounds(stream))
+    state = b.advance(b.initial_state(), 4)
+    batch, _ = b.train_batch(state, 4)
     assert batch["inputs"].shape == (4, 16)
-    _assert_same(batch, make_batches(cfg, 16, seed=0).train_batch(2, 4))
+    _assert_same(batch, make_batches(cfg, 16, seed=0).train_batch(state, 4)[0])
+
+
+def _piece_bounds(stream):
+    _, first = stream.read(0, stream.epoch_tokens)
+    cuts = list(np.flatnonzero(first)) + [stream.epoch_tokens]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def test_jsonl_source_with_custom_field(tmp_path):
@@ -286,9 +464,9 @@ def test_jsonl_source_with_custom_field(tmp_path):
     assert docs[0] == (f"{path}:1", "record 0 — naïve café ")
     assert docs[15] == (f"{path}:17", f"record 15 — naïve café {'x' * 15}")  # line numbers count blank lines
     b = make_batches(cfg, 16, seed=0)
-    assert len(b.train_windows) > 0 and len(b.eval_windows) > 0
-    text = ByteTokenizer().decode(np.concatenate([b.train_windows.tokens, b.eval_windows.tokens]))
-    assert "naïve café" in text
+    assert b.train.epoch_tokens > 0 and b.held_out.epoch_tokens > 0
+    text = ByteTokenizer().decode(b.corpus.tokens)
+    assert text == "".join(c for _, c in docs)
 
     with pytest.raises(UserError, match=r"is not a JSON object with a string 'text' field"):
         list(documents(_data_cfg(source="jsonl", paths=str(path))))  # default field name: absent
@@ -312,12 +490,60 @@ def test_data_user_errors(tmp_path):
     (tmp_path / "ok.txt").write_text("x")
     with pytest.raises(UserError, match=r"matched no files"):  # one pattern of several matching nothing
         list(documents(_data_cfg(source="text", paths=f"{tmp_path}/ok.txt,{tmp_path}/missing*.txt")))
-    (tmp_path / "short.txt").write_text("too short")
-    with pytest.raises(UserError, match=r"fewer than train\.seq_len\+1=65 tokens"):
-        make_batches(_data_cfg(source="text", paths=str(tmp_path / "*.txt"), eval_fraction=0.5), 64, seed=0)
+    with pytest.raises(UserError, match=r"^data\.chunk_tokens=-1 must be a number of tokens, or 0 for 2 \* "):
+        make_batches(_data_cfg(source="text", paths=str(tmp_path / "ok.txt"), chunk_tokens=-1), 16, seed=0)
 
 
-# --------------------------------------------------------------------------- (e) tokenizer
+def _one_sentence(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message and message.endswith(".")
+    return message
+
+
+def test_a_corpus_too_small_says_what_would_fit(tmp_path, monkeypatch):
+    """Each message gives the token counts and settings that work; following its advice works."""
+    monkeypatch.chdir(tmp_path)  # relative paths: the same names, hence the same split, every run
+    (tmp_path / "short.txt").write_text("too short")  # 10 tokens: one piece
+    cfg = _data_cfg(source="text", paths="short.txt", eval_fraction=0.5)
+    for chunk, piece in ((0, 130), (4096, 4096)):  # the default, 2 * (seq_len + 1), or as set
+        cfg.chunk_tokens = chunk
+        with pytest.raises(UserError) as excinfo:
+            make_batches(cfg, 64, seed=0)
+        assert _one_sentence(excinfo) == (
+            f"data.source='text' holds 10 tokens, one piece of at most {piece} tokens (data.chunk_tokens), so "
+            f"none can be held out for eval; train.seq_len=3 with data.chunk_tokens=0 cuts it in two, or add data."
+        )
+    cfg.chunk_tokens = 0
+    b = make_batches(cfg, 3, seed=0)
+    assert b.pieces.lengths.tolist() == [5, 5]
+    assert b.train.epoch_tokens == b.held_out.epoch_tokens == 5
+
+    (tmp_path / "book.txt").write_text("y" * 19_999)  # 20,000 tokens: 5 pieces of 4,000, one held out
+    cfg = _data_cfg(source="text", paths="book.txt", eval_fraction=0.02, chunk_tokens=4096)
+    with pytest.raises(UserError) as excinfo:
+        make_batches(cfg, 8191, seed=0)
+    assert _one_sentence(excinfo) == (
+        "the held-out split of data.source='text' has 4,000 of the corpus's 20,000 tokens, fewer than "
+        "train.seq_len+1=8192; train.seq_len=3999 or less fits it, or raise data.eval_fraction, or add data."
+    )
+    b = make_batches(cfg, 3999, seed=0)
+    assert b.held_out.epoch_tokens == 4000 and b.train.epoch_tokens == 16_000
+
+    cfg.eval_fraction = 0.99  # now the training split is the small one
+    with pytest.raises(UserError, match=r"^the training split of data\.source='text' has 4,000 of the corpus's "
+                                        r"20,000 tokens, .*train\.seq_len=3999 or less fits it, or lower "
+                                        r"data\.eval_fraction, or add data\.$"):
+        make_batches(cfg, 8191, seed=0)
+
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    with pytest.raises(UserError) as excinfo:
+        make_batches(_data_cfg(source="jsonl", paths="empty.jsonl"), 16, seed=0)
+    assert _one_sentence(excinfo) == (
+        "data.source='jsonl' holds only 0 tokens, too few to train on and hold some out for eval; add data."
+    )
+
+
+# --------------------------------------------------------------------------- (f) tokenizer
 
 
 def test_byte_tokenizer_roundtrip():

@@ -7,6 +7,7 @@ model-level memory check are `slow` (`python -m pytest -m slow tests/test_pipeli
 """
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -212,7 +213,7 @@ LAYOUTS = {
 SWEEP = {
     f"{schedule}_{stages}x{count}{'_fsdp2' if fsdp > 1 else ''}": pipelined(schedule, stages, count, fsdp=fsdp)
     for schedule, stages, count, fsdp in itertools.product(("gpipe", "circular", "1f1b"), (2, 4), (4, 8), (1, 2))
-} | {f"{schedule}_2x4_sequence2_fsdp2": pipelined(schedule, 2, 4, sequence=2, fsdp=2) for schedule in ("gpipe", "1f1b")}
+}
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +231,7 @@ def check_layout(settings, reference, batches):
     for shardings in (got["init_shardings"].params, got["grad_shardings"]):
         assert spec_at(shardings, w_up)[0] == "pipeline"
     assert spec_at(got["init_shardings"].params, ("embedding",))[0] != "pipeline"
-    assert got["collective_permutes"] > 0
+    assert re.search(r"= \S+ collective-permute(?:-start)?\(", got["hlo"])
 
 
 def spec_at(tree, path):

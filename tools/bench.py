@@ -39,7 +39,7 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     xla_flags.apply(config)  # before the backend starts
     trainer = Trainer(config)
     state = trainer.steps.init(config.train.seed)
-    batches = [trainer.global_batch(s) for s in range(warmup + steps)]
+    batches = trainer.global_batches(warmup + steps)
     # The jitted step itself, dispatched as the training loop does (not an AOT executable), so that
     # JAX's own recompilations apply, e.g. profile-guided scheduling with JAX_ENABLE_PGLE=1.
     step_fn = trainer.steps.train_step

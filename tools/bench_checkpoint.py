@@ -32,14 +32,15 @@ def measure(config_name: str, async_save: bool, repeats: int, root: str) -> dict
     workdir = os.path.join(root, f"async_{async_save}")
     trainer = Trainer(config, workdir=workdir)
     state = trainer.steps.init(config.train.seed)
-    step_fn = trainer.steps.train_step.lower(state, trainer.global_batch(0)).compile()
-    for s in range(2):
-        state, metrics = step_fn(state, trainer.global_batch(s))
+    batches = trainer.global_batches(2)
+    step_fn = trainer.steps.train_step.lower(state, batches[0]).compile()
+    for batch in batches:
+        state, metrics = step_fn(state, batch)
     jax.block_until_ready(state)
     blocked, complete = [], []
     for r in range(repeats):
         start = time.perf_counter()
-        trainer.checkpoints.save(10 + r, state.as_dict(), {"next_batch": 2}, config)
+        trainer.checkpoints.save(10 + r, state.as_dict(), trainer.batches.initial_state(), config)
         blocked.append(time.perf_counter() - start)
         trainer.checkpoints.wait()
         complete.append(time.perf_counter() - start)

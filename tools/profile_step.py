@@ -100,7 +100,7 @@ def main() -> None:
     xla_flags.apply(config)  # before the backend starts
     trainer = Trainer(config)
     state = trainer.steps.init(config.train.seed)
-    batch = trainer.global_batch(0)
+    batch = trainer.global_batches(1)[0]
     step_fn = trainer.steps.train_step.lower(state, batch).compile()
     for _ in range(2):
         state, metrics = step_fn(state, batch)

@@ -72,7 +72,9 @@ def build(config, devices=None) -> Setup:
     p, t = config.parallel, config.train
     pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats)
     mesh = build_mesh(mesh_shape, dict(config.mesh.dcn), devices)
-    layout = Layout.create(mesh, p.zero_stage, p.reshard_after_forward, pipeline)
+    layout = Layout.create(mesh, p.zero_stage, p.reshard_after_forward, p.sequence_parallel, model_cfg.n_kv_heads,
+                           pipeline)
     tx, schedule = make_optimizer(t, model.logical)
-    steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip")
+    steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip",
+                  context_parallel=p.context_parallel)
     return Setup(config, model_cfg, mesh_shape, layout, model, tx, schedule, steps)

@@ -1,4 +1,4 @@
-"""Data: documents from a source, a tokenizer, packing into windows, and the global batch of a step."""
+"""Data: documents from a source, a tokenizer, pieces packed into a stream, and the global batch at a position."""
 
 from ushard.data.pipeline import Batches, make_batches
 from ushard.data.placement import local_block, place_batch

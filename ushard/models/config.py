@@ -45,6 +45,11 @@ class ModelConfig:
     # and attention's softmax stay in the compute dtype.
     fp8: bool = False
 
+    # How the model is computed, not what it computes: a run may resume with these changed. Every
+    # other setting (new ones included, unless added here) defines the model's function.
+    IMPLEMENTATION_SETTINGS = ("compute_dtype", "attention_impl", "remat", "scan_unroll", "fused_qkv",
+                               "fused_mlp", "fp8")
+
     @classmethod
     def from_config(cls, model_cfg) -> "ModelConfig":
         """From the `model` group of a config (a ConfigDict or a plain dict); raises UserError if invalid."""
@@ -73,6 +78,13 @@ class ModelConfig:
             raise UserError(f"head_dim = d_model/n_heads = {self.head_dim} must be even for rotary embeddings.")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; grouped-query attention needs whole groups.")
+
+    def differences(self, other: "ModelConfig", function_only: bool = False) -> list[str]:
+        """The settings that differ ("model.k=<self's> there but <other's> here"); with `function_only`,
+        only those that define the model's function."""
+        skip = self.IMPLEMENTATION_SETTINGS if function_only else ()
+        return [f"model.{k}={getattr(self, k)!r} there but {getattr(other, k)!r} here"
+                for k in self.__dataclass_fields__ if k not in skip and getattr(self, k) != getattr(other, k)]
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -1,1 +1,5 @@
-"""The parallelisms XLA cannot derive from shardings alone, each an explicit `shard_map` in one module."""
+"""The parallelisms XLA cannot derive from shardings alone: explicit `jax.shard_map` code, one module each.
+
+Each module knows the Layout (which mesh axes a logical name maps to) and no model layer; the model
+reaches them through one seam each (context.py: the attention kernel; pipeline.py: the layer stack).
+"""
