@@ -68,8 +68,12 @@ CLI_CASES = {
         ["data.paths", "/nonexistent/*.txt"],
     ),
     "unsupported_axis": (
-        ["--config", "tiny", "--config.mesh.pipeline=2", "--config.mesh.fsdp=4"],
-        ["mesh.pipeline=2", "valid: 1"],
+        ["--config", "tiny", "--config.mesh.expert=2", "--config.mesh.fsdp=4"],
+        ["mesh.expert=2", "valid: 1"],
+    ),
+    "pipeline_layers": (
+        ["--config", "tiny", "--config.mesh.pipeline=8", "--config.mesh.fsdp=1"],
+        ["model.n_layers=4", "mesh.pipeline=8", "multiple of 8"],
     ),
 }
 
@@ -244,8 +248,24 @@ def test_broken_config_file(tmp_path, body, match):
         (["mesh.dcn.fsdp=3"], r"mesh\.dcn\.fsdp=3 must be a positive divisor of mesh\.fsdp=8"),
         (["mesh.dcn.data=0"], r"mesh\.dcn\.data=0"),
         # axes that are not implemented yet
-        (["mesh.pipeline=2", "mesh.fsdp=4"], r"mesh\.pipeline=2 is not supported yet"),
         (["mesh.expert=2", "mesh.fsdp=4"], r"mesh\.expert=2 is not supported yet"),
+        # the pipeline (tiny: 4 layers, 32 sequences a step, fsdp=-1)
+        (["mesh.pipeline=2", "parallel.pipeline_schedule=zigzag"],
+         r"parallel\.pipeline_schedule='zigzag' is not valid; choose one of: gpipe, circular, 1f1b"),
+        (["mesh.pipeline=8", "mesh.fsdp=1"],
+         r"model\.n_layers=4 does not split into mesh\.pipeline=8 stages x parallel\.pipeline_repeats=1 .*multiple of 8"),
+        (["mesh.pipeline=2", "parallel.pipeline_schedule=circular", "parallel.pipeline_repeats=4"],
+         r"model\.n_layers=4 does not split into mesh\.pipeline=2 stages x parallel\.pipeline_repeats=4 .*multiple of 8"),
+        (["parallel.pipeline_repeats=2"], r"parallel\.pipeline_repeats=2 needs parallel\.pipeline_schedule='circular'"),
+        (["mesh.pipeline=4", "mesh.fsdp=2", "parallel.pipeline_schedule=circular", "parallel.pipeline_microbatches=2"],
+         r"parallel\.pipeline_microbatches=2 is fewer than the circular schedule needs.*at least mesh\.pipeline=4"),
+        (["mesh.pipeline=2", "parallel.pipeline_microbatches=3"],
+         r"the 32 sequences of a step .* do not split into parallel\.pipeline_microbatches=3 microbatches"),
+        (["mesh.pipeline=2", "train.grad_accum=2", "parallel.pipeline_microbatches=8"],
+         r"train\.grad_accum=2 / parallel\.pipeline_microbatches=8 .*'act_batch' dimension of 2, .*mesh\.fsdp=4"),
+        (["parallel.pipeline_microbatches=0"], r"parallel\.pipeline_microbatches=0 must be a number >= 1"),
+        (["mesh.pipeline=2", "mesh.sequence=2", "mesh.fsdp=2"],
+         r"mesh\.pipeline=2 with mesh\.sequence=2 is not supported yet"),
         # heads
         (["model.n_kv_heads=4"], r"model\.n_heads=6 is not divisible by model\.n_kv_heads=4"),
         (["model.d_model=100"], r"model\.d_model=100 is not divisible by model\.n_heads=6"),

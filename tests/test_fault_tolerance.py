@@ -470,20 +470,47 @@ def zero3_run(tmp_path_factory, stdlib_batches):
     return workdir, {r["step"]: r["loss"] for r in records}
 
 
-@pytest.mark.parametrize("layout,devices", [
-    ({"mesh.data": 2, "mesh.fsdp": 4, "parallel.zero_stage": 1}, 8),
-    ({"mesh.fsdp": 4}, 4),
-])
-def test_resume_on_another_mesh_and_device_count(tmp_path, zero3_run, stdlib_batches, layout, devices):
-    saved_dir, reference = zero3_run
-    shutil.copytree(saved_dir / "checkpoints" / "3", tmp_path / "checkpoints" / "3")
+# The layers in two stages of the 1F1B pipeline, each stage's layer ZeRO-3 sharded over fsdp=4.
+PIPELINED = {"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_schedule": "1f1b", "parallel.pipeline_microbatches": 4}
+
+
+@pytest.fixture(scope="module")
+def pipelined_run(tmp_path_factory, stdlib_batches):
+    """zero3_run's training, pipelined, with checkpoints at steps 3 and 6."""
+    workdir = tmp_path_factory.mktemp("pipelined")
+    records = Trainer(ckpt_config(**PIPELINED), str(workdir), batches=stdlib_batches).run(log=quiet)
+    return workdir, {r["step"]: r["loss"] for r in records}
+
+
+def resumed_losses(saved_dir, workdir, layout, devices, batches) -> list[float]:
+    """The losses of steps 4-6 of a run resumed on `layout` from `saved_dir`'s checkpoint at step 3."""
+    shutil.copytree(saved_dir / "checkpoints" / "3", workdir / "checkpoints" / "3")
     lines = []
-    trainer = Trainer(ckpt_config(**layout), str(tmp_path), devices=jax.devices()[:devices], batches=stdlib_batches)
+    trainer = Trainer(ckpt_config(**layout), str(workdir), devices=jax.devices()[:devices], batches=batches)
     records = trainer.run(log=lines.append)
     assert "resumed from the checkpoint at step 3" in lines
     resumed = {r["step"]: r["loss"] for r in records}
     assert sorted(resumed) == [4, 5, 6]
-    np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)], [reference[s] for s in (4, 5, 6)], rtol=1e-5)
+    return [resumed[s] for s in (4, 5, 6)]
+
+
+@pytest.mark.parametrize("layout,devices", [
+    ({"mesh.data": 2, "mesh.fsdp": 4, "parallel.zero_stage": 1}, 8),
+    ({"mesh.fsdp": 4}, 4),
+    (PIPELINED, 8),
+])
+def test_resume_on_another_mesh_and_device_count(tmp_path, zero3_run, stdlib_batches, layout, devices):
+    saved_dir, reference = zero3_run
+    losses = resumed_losses(saved_dir, tmp_path, layout, devices, stdlib_batches)
+    np.testing.assert_allclose(losses, [reference[s] for s in (4, 5, 6)], rtol=1e-5)
+
+
+def test_a_pipelined_run_resumes_without_a_pipeline(tmp_path, pipelined_run, zero3_run, stdlib_batches):
+    saved_dir, pipelined = pipelined_run
+    _, reference = zero3_run
+    np.testing.assert_allclose([pipelined[s] for s in range(1, 7)], [reference[s] for s in range(1, 7)], rtol=1e-5)
+    losses = resumed_losses(saved_dir, tmp_path, {"mesh.fsdp": 8}, 8, stdlib_batches)
+    np.testing.assert_allclose(losses, [pipelined[s] for s in (4, 5, 6)], rtol=1e-5)
 
 
 def test_resume_with_another_batch_size_goes_on_at_the_next_token(tmp_path, zero3_run, stdlib_batches):

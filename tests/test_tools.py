@@ -1,5 +1,5 @@
 """tools/: kernels of a profiled step attributed to HLO instructions (hlo_ops.py); the matmuls whose
-ceilings tools/ceilings.py measures."""
+ceilings tools/ceilings.py measures; the pipeline schedule drawn by tools/pipeline_schedule.py."""
 
 import os
 import sys
@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 import ceilings  # noqa: E402
+import pipeline_schedule  # noqa: E402
 from hlo_ops import HloOps  # noqa: E402
 
 # A scheduled module in the form `compiled.as_text()` prints on GPUs: a Triton GEMM fusion, a cuBLAS call
@@ -92,3 +93,21 @@ def test_ceilings_times_every_matmul_of_the_model(fused):
                                           jax.ShapeDtypeStruct(lhs, "float32"), jax.ShapeDtypeStruct(rhs, "float32")).shape
     # activations [tokens, n], their gradient [tokens, k], the weight's gradient [k, n]
     assert out_shapes == {"forward": (8, 5), "input grad": (8, 3), "weight grad": (3, 5)}
+
+
+def test_pipeline_schedule_cells_say_which_microbatch_each_stage_runs():
+    cells = pipeline_schedule.schedule_cells
+    # 1F1B: the last stage turns each microbatch round within its tick
+    assert cells("1f1b", 2, 2) == [[["F0"], ["F1"], ["B0"], ["B1"]], [[], ["F0", "B0"], ["F1", "B1"], []]]
+    # GPipe: the forward loop, then autodiff's backward over the same ticks in reverse
+    assert cells("gpipe", 2, 2) == [[["F0"], ["F1"], [], [], ["B1"], ["B0"]], [[], ["F0"], ["F1"], ["B1"], ["B0"], []]]
+    assert cells("circular", 2, 2, 2)[0][:4] == [["F0.0"], ["F1.0"], ["F0.1"], ["F1.1"]]
+
+
+def test_pipeline_schedule_draws_what_a_config_chose(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "schedule.png"
+    pipeline_schedule.main(["--config", "tiny", "--config.mesh.pipeline=4", "--config.parallel.pipeline_schedule=1f1b",
+                            "--microbatches", "16", "--out", str(out)])
+    assert "1f1b: 4 stages, 16 microbatches\nbubble 15.8%; a stage holds up to 7 " in capsys.readouterr().out
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -16,6 +16,7 @@ from ushard.mesh import build_mesh
 from ushard.metrics import flops_per_token
 from ushard.models.config import ModelConfig
 from ushard.models.definition import ModelDef, model_definition
+from ushard.parallel.pipeline import PipelineSchedule, bubble_fraction
 from ushard.sharding import Layout, format_rules
 from ushard.training.optim import make_optimizer
 from ushard.training.step import Steps
@@ -48,9 +49,18 @@ class Setup:
         platform = self.mesh.devices.flat[0].platform
         return (
             f"ushard: {self.model.num_params() / 1e6:.1f}M params on {self.mesh.size} {platform} "
-            f"device(s), mesh {shape}, ZeRO-{self.config.parallel.zero_stage}\n"
+            f"device(s), mesh {shape}, ZeRO-{self.config.parallel.zero_stage}\n{self._describe_pipeline()}"
             f"parameter layout (logical axis -> mesh axes):\n{format_rules(self.layout.zero.params)}"
         )
+
+    def _describe_pipeline(self) -> str:
+        pipe = self.layout.pipeline
+        if pipe is None:
+            return ""
+        stages = self.mesh_shape["pipeline"]
+        rounds = f" x {pipe.repeats} rounds" if pipe.name == "circular" else ""
+        bubble = bubble_fraction(pipe.name, stages, pipe.microbatches, pipe.repeats)
+        return f"pipeline: {pipe.name}, {stages} stages{rounds}, {pipe.microbatches} microbatches, bubble {bubble:.1%}\n"
 
 
 def build(config, devices=None) -> Setup:
@@ -60,8 +70,10 @@ def build(config, devices=None) -> Setup:
     model_cfg = ModelConfig.from_config(config.model)
     model = model_definition(model_cfg)
     p, t = config.parallel, config.train
+    pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats)
     mesh = build_mesh(mesh_shape, dict(config.mesh.dcn), devices)
-    layout = Layout.create(mesh, p.zero_stage, p.reshard_after_forward, p.sequence_parallel, model_cfg.n_kv_heads)
+    layout = Layout.create(mesh, p.zero_stage, p.reshard_after_forward, p.sequence_parallel, model_cfg.n_kv_heads,
+                           pipeline)
     tx, schedule = make_optimizer(t, model.logical)
     steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip",
                   context_parallel=p.context_parallel)

@@ -22,10 +22,11 @@ from ushard.data.tokenizer import TOKENIZERS
 from ushard.errors import UserError
 from ushard.models.config import ModelConfig
 from ushard.parallel import context
+from ushard.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 # Axes whose implementation has not landed yet: a size other than 1 is refused with a clear sentence.
-UNSUPPORTED_MESH_AXES = ("pipeline", "expert")
+UNSUPPORTED_MESH_AXES = ("expert",)
 SCHEDULES = ("cosine", "linear", "constant")
 NONFINITE_POLICIES = ("skip", "rollback", "stop")
 DATA_SOURCES = ("stdlib", "text", "jsonl")
@@ -89,6 +90,12 @@ def default_config() -> ml_collections.ConfigDict:
     # How attention splits the sequence when mesh.sequence > 1 (ushard/parallel/context.py): "ring"
     # passes keys and values around the devices, "all_gather" gathers them all on every device.
     c.parallel.context_parallel = "ring"
+    # mesh.pipeline > 1 splits the layers into that many stages (ushard/parallel/pipeline.py):
+    # "gpipe", "circular" (pipeline_repeats chunks of layers per stage, the bubble divided by them) or
+    # "1f1b" (GPipe's bubble, activation memory bounded by the stages instead of the microbatches).
+    c.parallel.pipeline_schedule = "gpipe"
+    c.parallel.pipeline_microbatches = 8  # per step (per train.grad_accum part when that is > 1)
+    c.parallel.pipeline_repeats = 1  # circular only: virtual stages per device
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"  # stdlib | text | jsonl
@@ -322,13 +329,16 @@ def check_settings(config) -> ModelConfig:
     model_cfg = ModelConfig.from_config(config.model)
     for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "max_nonfinite_steps"):
         _positive(t[key], f"train.{key}")
+    for key in ("pipeline_microbatches", "pipeline_repeats"):
+        _positive(config.parallel[key], f"parallel.{key}")
     for key in ("warmup_steps", "eval_every", "eval_batches", "weight_decay", "grad_clip", "lr"):
         _positive(t[key], f"train.{key}", allow_zero=True)
     _positive(config.checkpoint.every, "checkpoint.every", allow_zero=True)
     _positive(config.checkpoint.keep, "checkpoint.keep")
     for key, valid in (("train.schedule", SCHEDULES), ("train.on_nonfinite", NONFINITE_POLICIES),
                        ("data.source", DATA_SOURCES), ("data.tokenizer", tuple(TOKENIZERS)),
-                       ("parallel.zero_stage", (0, 1, 2, 3)), ("parallel.context_parallel", context.MODES)):
+                       ("parallel.zero_stage", (0, 1, 2, 3)), ("parallel.context_parallel", context.MODES),
+                       ("parallel.pipeline_schedule", PIPELINE_SCHEDULES)):
         group, name = key.split(".")
         _choice(config[group][name], valid, key)
     if config.parallel.collective_combine_mib < 0:
@@ -355,12 +365,49 @@ def check_mesh(config, num_devices: int) -> dict[str, int]:
     mesh = resolve_mesh_shape(config.mesh, num_devices)
     for axis in UNSUPPORTED_MESH_AXES:
         if mesh[axis] != 1:
-            raise UserError(f"mesh.{axis}={mesh[axis]} is not supported yet; valid: 1 (use data, fsdp, sequence or tensor).")
+            raise UserError(f"mesh.{axis}={mesh[axis]} is not supported yet; valid: 1 (use pipeline, data, fsdp, sequence or tensor).")
     for axis in MESH_AXES:
         dcn = config.mesh.dcn[axis]
         if not isinstance(dcn, int) or dcn < 1 or mesh[axis] % dcn:
             raise UserError(f"mesh.dcn.{axis}={dcn!r} must be a positive divisor of mesh.{axis}={mesh[axis]}.")
     return mesh
+
+
+def check_pipeline(config, mesh: dict[str, int]) -> None:
+    """What the pipeline schedule needs of the layers, the batch and the other mesh axes."""
+    p, t, layers, stages = config.parallel, config.train, config.model.n_layers, mesh["pipeline"]
+    schedule, count, repeats = p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats
+    if repeats > 1 and schedule != "circular":
+        raise UserError(
+            f"parallel.pipeline_repeats={repeats} needs parallel.pipeline_schedule='circular' "
+            f"(it is {schedule!r}); set pipeline_repeats=1 or choose the circular schedule."
+        )
+    if stages == 1:
+        return
+    if mesh["sequence"] > 1:
+        # Context parallelism's attention is a shard_map of its own; nested in a stage's it does not
+        # lower yet ("manual axes come before free axes").
+        raise UserError(
+            f"mesh.pipeline={stages} with mesh.sequence={mesh['sequence']} is not supported yet; split the "
+            f"sequence without a pipeline, or the batch (data, fsdp) and tensor within the pipeline's stages."
+        )
+    if layers % (stages * repeats):
+        raise UserError(
+            f"model.n_layers={layers} does not split into mesh.pipeline={stages} stages x "
+            f"parallel.pipeline_repeats={repeats} chunks of equal size; make n_layers a multiple of {stages * repeats}."
+        )
+    if schedule == "circular" and count < stages:
+        raise UserError(
+            f"parallel.pipeline_microbatches={count} is fewer than the circular schedule needs: a "
+            f"microbatch must leave the last stage before it starts its next round on the first, so use "
+            f"at least mesh.pipeline={stages} microbatches."
+        )
+    rows = t.batch_size // t.grad_accum
+    if rows % count:
+        raise UserError(
+            f"the {rows} sequences of a step (train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum}) "
+            f"do not split into parallel.pipeline_microbatches={count} microbatches; make {rows} a multiple of {count}."
+        )
 
 
 def validate(config, num_devices: int) -> dict[str, int]:
@@ -374,13 +421,18 @@ def validate(config, num_devices: int) -> dict[str, int]:
     from ushard.sharding import BATCH_NAMES, RESIDUAL_NAMES, ZeroRules, check_divisible, mesh_axes
 
     model_cfg, mesh, t, p = check_settings(config), check_mesh(config, num_devices), config.train, config.parallel
+    check_pipeline(config, mesh)
     split_kv = check_kv_heads(model_cfg.n_kv_heads, mesh["tensor"])
-    zero = ZeroRules.for_stage(p.zero_stage, sequence_parallel=p.sequence_parallel, split_kv_heads=split_kv)
+    zero = ZeroRules.for_stage(p.zero_stage, sequence_parallel=p.sequence_parallel, split_kv_heads=split_kv,
+                               pipeline_size=mesh["pipeline"])
     parameters = model_definition(model_cfg).named_shapes()
     for rules in (zero.params, zero.grads, zero.opt_state):
         check_divisible(parameters, rules, mesh)
-    what = f"a microbatch (train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} sequences of train.seq_len={t.seq_len})"
-    micro = (t.batch_size // t.grad_accum, t.seq_len)
+    rows, split = t.batch_size // t.grad_accum, f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum}"
+    if mesh["pipeline"] > 1:
+        rows, split = rows // p.pipeline_microbatches, f"{split} / parallel.pipeline_microbatches={p.pipeline_microbatches}"
+    what = f"a microbatch ({split} sequences of train.seq_len={t.seq_len})"
+    micro = (rows, t.seq_len)
     check_divisible({what: (BATCH_NAMES, micro)}, zero.compute, mesh)
     if p.sequence_parallel:
         check_divisible({f"with parallel.sequence_parallel, {what}": (RESIDUAL_NAMES, micro)}, zero.compute, mesh)

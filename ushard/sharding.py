@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ushard.errors import UserError
+
+if TYPE_CHECKING:
+    from ushard.parallel.pipeline import PipelineSchedule
 
 WEIGHT_NAMES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts", "expert_mlp", "norm")
 ACTIVATION_NAMES = (
@@ -46,10 +51,12 @@ KINDS = ("params", "grads", "opt_state", "compute")
 Rules = tuple  # tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 
-def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, split_kv_heads: bool = True) -> Rules:
+def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, split_kv_heads: bool = True,
+                  pipeline_stages: bool = False) -> Rules:
     """The full table. `shard_state_over_fsdp` is the ZeRO switch for one kind of training state;
     `sequence_parallel` splits the residual stream's length over `tensor` too; `split_kv_heads` is false
-    when there are fewer KV heads than tensor ranks (see `kv_heads_split`)."""
+    when there are fewer KV heads than tensor ranks (see `kv_heads_split`); `pipeline_stages` splits the
+    stacked layers into contiguous stages over the `pipeline` axis."""
     return (
         # weights
         ("embed", "fsdp" if shard_state_over_fsdp else None),
@@ -58,7 +65,7 @@ def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, 
         ("head_dim", None),
         ("mlp", "tensor"),
         ("vocab", "tensor"),
-        ("layers", None),
+        ("layers", "pipeline" if pipeline_stages else None),
         ("experts", "expert"),
         ("expert_mlp", "tensor"),
         ("norm", None),
@@ -92,9 +99,10 @@ class ZeroRules:
 
     @classmethod
     def for_stage(cls, stage: int, reshard_after_forward: bool = True, fsdp_size: int = 1,
-                  sequence_parallel: bool = False, split_kv_heads: bool = True) -> "ZeroRules":
+                  sequence_parallel: bool = False, split_kv_heads: bool = True,
+                  pipeline_size: int = 1) -> "ZeroRules":
         def rules(shard_state_over_fsdp):
-            return logical_rules(shard_state_over_fsdp, sequence_parallel, split_kv_heads)
+            return logical_rules(shard_state_over_fsdp, sequence_parallel, split_kv_heads, pipeline_size > 1)
 
         return cls(
             params=rules(stage >= 3),
@@ -109,6 +117,11 @@ class ZeroRules:
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {KINDS}")
         return getattr(self, kind)
+
+    def with_rule(self, name: str, axes) -> "ZeroRules":
+        """The same tables with `name` mapped to `axes` in each."""
+        replace = lambda rules: tuple((n, axes if n == name else a) for n, a in rules)  # noqa: E731
+        return dataclasses.replace(self, **{kind: replace(self.table(kind)) for kind in KINDS})
 
 
 def mesh_axes(name: str | None, rules: Rules) -> tuple[str, ...]:
@@ -139,18 +152,31 @@ def format_rules(rules: Rules) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """A mesh and the rules for each kind of array: the one object every sharding is derived from."""
+    """A mesh and the rules for each kind of array: the one object every sharding is derived from.
+
+    `pipeline` (ushard/parallel/pipeline.py) is the schedule that runs the layer stack when its
+    `layers` axis is split into stages (mesh.pipeline > 1); None otherwise.
+    """
 
     mesh: Mesh
     zero: ZeroRules
+    pipeline: PipelineSchedule | None = None
 
     @classmethod
     def create(cls, mesh: Mesh, zero_stage: int = 3, reshard_after_forward: bool = True,
-               sequence_parallel: bool = False, n_kv_heads: int | None = None) -> "Layout":
+               sequence_parallel: bool = False, n_kv_heads: int | None = None,
+               pipeline: PipelineSchedule | None = None) -> "Layout":
         """`n_kv_heads`: the model's, to decide whether its K/V weights split over `tensor` (None: they do)."""
         split_kv = n_kv_heads is None or kv_heads_split(n_kv_heads, mesh.shape["tensor"])
-        return cls(mesh, ZeroRules.for_stage(zero_stage, reshard_after_forward, mesh.shape["fsdp"],
-                                             sequence_parallel, split_kv))
+        stages = mesh.shape["pipeline"]
+        zero = ZeroRules.for_stage(zero_stage, reshard_after_forward, mesh.shape["fsdp"], sequence_parallel, split_kv,
+                                   stages)
+        return cls(mesh, zero, pipeline if stages > 1 else None)
+
+    def inside_stage(self) -> "Layout":
+        """The layout for code that runs inside one pipeline stage (a shard_map manual over the stage
+        axis): the stage sees its own layers, unsplit, and shardings name the map's abstract mesh."""
+        return Layout(jax.sharding.get_abstract_mesh(), self.zero.with_rule("layers", None))
 
     @property
     def keep_gathered(self) -> bool:
@@ -207,8 +233,9 @@ _ACTIVE = contextvars.ContextVar("ushard_layout", default=None)
 
 
 @contextlib.contextmanager
-def use_layout(layout: Layout):
-    """Makes `constrain`, `gathered` and `current_layout` resolve against `layout` while a step is traced."""
+def use_layout(layout: Layout | None):
+    """Makes `constrain`, `gathered` and `current_layout` resolve against `layout` while a step is
+    traced (None: no layout, as in plain eager use)."""
     token = _ACTIVE.set(layout)
     try:
         yield layout
@@ -259,3 +286,23 @@ def check_divisible(named_shapes: dict, rules: Rules, mesh_shape: dict[str, int]
                     f"{what} has a {name!r} dimension of {dim}, which does not split over {split}; "
                     f"make {dim} a multiple of {ways}, or shrink those mesh axes."
                 )
+
+
+# --------------------------------------------------------------------------- microbatches
+
+
+def split_rows(x: jax.Array, count: int, layout: Layout | None) -> jax.Array:
+    """[B, ...] -> [count, B/count, ...], microbatch j holding rows i*count + j: every device keeps its
+    own rows, nothing moves. The rows stay split over the batch's mesh axes; other dimensions keep
+    whatever layout they had."""
+    x = x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
+    if layout is None:
+        return x
+    batch_axes = layout.axes("act_batch") or None
+    spec = PartitionSpec(None, batch_axes, *[PartitionSpec.UNCONSTRAINED] * (x.ndim - 2))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+
+
+def merge_rows(x: jax.Array) -> jax.Array:
+    """The inverse of `split_rows`: [count, B/count, ...] -> [B, ...]."""
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])

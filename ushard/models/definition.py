@@ -30,6 +30,8 @@ def tree_paths(tree) -> dict[str, object]:
 class ModelDef:
     """Everything about the model that is not its weights."""
 
+    STACK = "blocks"  # the stacked layers' subtree of the params: what a pipeline splits into stages
+
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         abstract = nnx.eval_shape(lambda: _build(cfg, 0))
@@ -57,6 +59,25 @@ class ModelDef:
     def apply(self, params, tokens, positions, segment_ids=None):
         """-> (logits [batch, length, vocab], aux: dict of scalar loss terms)."""
         return self.module(params)(tokens, positions, segment_ids)
+
+    # The model in three parts, for a pipeline schedule that runs them per microbatch on different
+    # stages (1F1B): apply = head(layers(embed(tokens))). Each takes only the params it uses.
+    def split_stack(self, params) -> tuple[dict, dict]:
+        """(the stacked layers' params, every other param)."""
+        return params[self.STACK], {k: v for k, v in params.items() if k != self.STACK}
+
+    def join_stack(self, stack, others) -> dict:
+        return {**others, self.STACK: stack}
+
+    def embed(self, others, tokens):
+        return self.module(others).embed(tokens)
+
+    def layers(self, stack, x, positions, segment_ids=None):
+        """-> (x, aux). `stack` may hold any number of consecutive layers (a pipeline stage's)."""
+        return self.module({self.STACK: stack}).layers(x, positions, segment_ids)
+
+    def head(self, others, x):
+        return self.module(others).head(x)
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         """An empty KV cache for `decode` (see ushard.models.llama.init_cache)."""

@@ -66,7 +66,8 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), fan_in_init(cfg.d_model), dtype)
 
-    def _embed(self, tokens):
+    # The three parts a pipeline schedule calls separately (ModelDef.embed / layers / head).
+    def embed(self, tokens):
         # Vocab-parallel: each tensor rank looks up the tokens in its rows of the table (zeros for the
         # rest) and the partial rows are summed, at full length and then into the residual stream's
         # layout (a reduce-scatter with sequence parallelism). Constrained straight to the residual
@@ -75,7 +76,13 @@ class Llama(nnx.Module):
         rows = constrain(embed_lookup(table, tokens), ("act_batch", "act_length", "act_embed"))
         return constrain(rows, BTD)
 
-    def _logits(self, x):
+    def layers(self, x, positions, segment_ids):
+        """x through the layer stack: (x, aux)."""
+        cfg = self.cfg
+        return run_layers(self.blocks, x, positions, segment_ids,
+                          remat=cfg.remat, unroll=cfg.scan_unroll, compute_dtype=self.compute_dtype)
+
+    def head(self, x):
         x = self.final_norm(x)
         head = self.embedding[...].T if self.tie_embeddings else self.lm_head[...]
         head = gathered(head.astype(self.compute_dtype), ("embed", "vocab"))
@@ -85,10 +92,8 @@ class Llama(nnx.Module):
     def __call__(self, tokens, positions, segment_ids=None):
         """tokens, positions, segment_ids: int [batch, length] -> (logits [batch, length, vocab], aux),
         aux a dict of scalar loss terms (empty for this dense model)."""
-        cfg = self.cfg
-        x, aux = run_layers(self.blocks, self._embed(tokens), positions, segment_ids,
-                            remat=cfg.remat, unroll=cfg.scan_unroll, compute_dtype=self.compute_dtype)
-        return self._logits(x), aux
+        x, aux = self.layers(self.embed(tokens), positions, segment_ids)
+        return self.head(x), aux
 
     def decode(self, tokens, positions, cache):
         """Inference with a KV cache: (logits [batch, T, vocab], the updated cache).
@@ -98,7 +103,7 @@ class Llama(nnx.Module):
         itself, as in `__call__` over the whole sequence (one document, no segment ids). Prefill is one
         call with the whole prompt on an empty cache; generation then feeds one token at a time.
         """
-        x = self._embed(tokens)
+        x = self.embed(tokens)
         graphdef, layer_states = nnx.split(self.blocks)
         length = cache["length"]
 
@@ -108,4 +113,4 @@ class Llama(nnx.Module):
             return x, (k_cache, v_cache)
 
         x, (k, v) = jax.lax.scan(one_layer, x, (layer_states, cache["k"], cache["v"]))
-        return self._logits(x), {"k": k, "v": v, "length": length + tokens.shape[1]}
+        return self.head(x), {"k": k, "v": v, "length": length + tokens.shape[1]}

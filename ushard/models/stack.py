@@ -4,7 +4,8 @@ A stack is an NNX module created stacked (every weight has a leading `layers` ax
 `Llama.__init__`). Each layer is called as `layer(x, *args) -> (x, aux)`, `aux` a dict of scalars
 (e.g. an MoE load-balancing term) that the stack sums over layers. A stack whose layers differ (a
 dense layer every k-th, MoE otherwise) is a stack of periodic super-blocks, each holding its k layers.
-The pipeline schedules (ushard/parallel) are other implementations of `run_layers`.
+When the layout splits the `layers` axis into pipeline stages, `run_layers` hands the stack to the
+pipeline (ushard/parallel/pipeline.py), which runs `scan_layers` on each stage's chunk of layers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ushard.parallel.pipeline import run_stages
 from ushard.sharding import current_layout, gathered
 
 
@@ -39,8 +41,24 @@ REMAT_POLICIES["dots_attention_norms"] = _saveable.save_from_both_policies(
 
 
 def run_layers(layers: nnx.Module, x, *args, remat: str = "none", unroll: int = 1, compute_dtype=None):
-    """x through every layer of the stacked module `layers`; returns (x, aux summed over layers)."""
+    """x through every layer of the stacked module `layers`; returns (x, aux summed over layers).
+
+    `args` go to every layer unchanged; when the layout splits the layers into pipeline stages they
+    must be per-row arrays [batch, ...] (positions, segment ids), cut into microbatches with x.
+    """
     graphdef, layer_states = nnx.split(layers)
+
+    def stage(chunk, x, args):
+        return scan_layers(graphdef, chunk, x, args, remat, unroll, compute_dtype)
+
+    layout = current_layout()
+    if layout is not None and layout.pipeline is not None:
+        return run_stages(stage, layer_states, x, args, layout)
+    return stage(layer_states, x, args)
+
+
+def scan_layers(graphdef, layer_states, x, args, remat: str, unroll: int, compute_dtype):
+    """x through the stacked layers `layer_states` one after another: (x, aux summed over them)."""
 
     def one_layer(x, layer_state):
         return nnx.merge(graphdef, layer_state)(x, *args)

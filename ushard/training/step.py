@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 
 from ushard.models.definition import ModelDef
 from ushard.parallel import context
-from ushard.sharding import BATCH_NAMES, Layout, use_layout, with_shardings
+from ushard.parallel.pipeline import one_f_one_b
+from ushard.sharding import Layout, split_rows, use_layout, with_shardings
 from ushard.training.loss import cross_entropy_sums
 from ushard.training.state import TrainState
 
@@ -56,6 +57,13 @@ def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: L
     )
 
 
+def objective_terms(logits, aux, batch):
+    """(cross-entropy sum + token-weighted aux terms, (cross-entropy sum, token count, weighted aux))."""
+    loss, count = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
+    weighted_aux = {name: term * count for name, term in aux.items()}
+    return loss + sum(weighted_aux.values(), 0.0), (loss, count, weighted_aux)
+
+
 class Steps:
     """The compiled functions of one (model, optimizer, layout). Build one per layout."""
 
@@ -89,11 +97,24 @@ class Steps:
         return with_shardings(jax.eval_shape(lambda: self._init(seed)), self.shardings.state)
 
     def _objective(self, params, batch):
-        """(cross-entropy sum + token-weighted aux terms, (cross-entropy sum, token count, weighted aux))."""
         logits, aux = self.model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
-        loss, count = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
-        weighted_aux = {name: term * count for name, term in aux.items()}
-        return loss + sum(weighted_aux.values(), 0.0), (loss, count, weighted_aux)
+        return objective_terms(logits, aux, batch)
+
+    def _one_f_one_b_grads(self, params, batch):
+        """What `jax.grad(self._objective, has_aux=True)` returns, by the 1F1B pipeline schedule: the
+        model's three parts run per microbatch, the loss on the last stage as each one leaves the layers."""
+        model = self.model
+        stack, others = model.split_stack(params)
+        # The embedding, final norm and head, gathered for compute once per step rather than once per
+        # microbatch (ZeRO-3 would gather them in every tick of the pipeline).
+        others = jax.lax.with_sharding_constraint(others, self.layout.shardings(model.split_stack(model.logical)[1], "compute"))
+        sums, d_others, d_stack = one_f_one_b(
+            first=lambda others, mb: model.embed(others, mb["inputs"]),
+            stage=lambda chunk, x, mb: model.layers(chunk, x, mb["positions"], mb["segment_ids"]),
+            last=lambda others, x, aux, mb: objective_terms(model.head(others, x), aux, mb),
+            outer=others, stack=stack, batch=batch, layout=self.layout,
+        )
+        return model.join_stack(d_stack, d_others), sums
 
     def _eval_sums(self, params, batch):
         with use_layout(self.layout), context.context_parallel(batch, self.context_parallel) as batch:
@@ -103,26 +124,22 @@ class Steps:
     def _grad_sums(self, params, batch):
         """(loss sum, token count, weighted aux sums) and summed gradients over the global batch,
         microbatch by microbatch."""
-        grad_fn = jax.grad(self._objective, has_aux=True)
+        pipeline = self.layout.pipeline
+        if pipeline is not None and pipeline.name == "1f1b":
+            grad_fn = self._one_f_one_b_grads
+        else:
+            grad_fn = jax.grad(self._objective, has_aux=True)
         pin = lambda g: jax.lax.with_sharding_constraint(g, self.shardings.grads)  # noqa: E731
         if self.grad_accum == 1:
             grads, sums = grad_fn(params, batch)
             return sums, pin(grads)
-
-        a = self.grad_accum
-        micro_sharding = self.layout.sharding((None, *BATCH_NAMES))
-
-        def split(x):
-            # Row i*a + j goes to microbatch j: every device keeps its own rows, nothing moves.
-            x = x.reshape(x.shape[0] // a, a, *x.shape[1:]).swapaxes(0, 1)
-            return jax.lax.with_sharding_constraint(x, micro_sharding)
 
         def one_microbatch(carry, micro):
             sums_acc, grad_acc = carry
             grads, sums = grad_fn(params, micro)
             return (jax.tree.map(jnp.add, sums_acc, sums), pin(jax.tree.map(jnp.add, grad_acc, grads))), None
 
-        micro_batches = jax.tree.map(split, batch)
+        micro_batches = jax.tree.map(lambda x: split_rows(x, self.grad_accum, self.layout), batch)
         first = jax.tree.map(lambda x: x[0], micro_batches)
         sums_shape = jax.eval_shape(lambda: grad_fn(params, first)[1])
         zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)

@@ -1,0 +1,387 @@
+"""Pipeline parallelism in one SPMD program: GPipe, circular and 1F1B schedules over the stage axis.
+
+The stacked layers ([layers, ...] weights) are split into contiguous stages by sharding their `layers`
+axis over the mesh axis the layout maps it to (`mesh.pipeline`): parameters keep their shapes, so
+checkpoints do not depend on the layout. A batch is cut into microbatches (rows i*M + j form microbatch
+j, so no row leaves its device), and a `lax.scan` over clock ticks runs, on every stage at once, the
+work a static schedule assigns it. The schedule is a numpy table built at trace time (tick x stage:
+which microbatch, which round, forward or backward); each device reads its own column through
+`axis_index`. Activations move to the next stage with one `ppermute` per tick, gradients to the
+previous one with another; both sit outside any `lax.cond` (a collective inside a branch whose
+predicate differs between devices hangs), while the work of a slot runs under `lax.cond` so that idle
+slots cost nothing.
+
+- GPipe and circular (`run_stages`) run forward only: they are the pipelined implementation of the
+  layer stack (`ushard.models.stack.run_layers`), with embedding, final norm, head and loss outside.
+  Their backward pass is autodiff of the tick loop, which keeps every tick's residuals: activation
+  memory grows with the number of microbatches. Circular runs `repeats` rounds: stage s holds chunks
+  s, s + S, s + 2S, ... of the layers (virtual stages), and a microbatch goes round the ring of stages
+  `repeats` times, which divides the bubble by `repeats`.
+- 1F1B (`one_f_one_b`) runs forward and backward work in the same tick (stage s: the forward of
+  microbatch t - s and the backward of microbatch t - 2S + 2 + s), so a stage holds at most 2S - 1
+  microbatches in flight whatever their number. It keeps only each in-flight microbatch's stage input
+  and recomputes the stage in the backward slot (`jax.vjp`). Each microbatch is embedded as it enters
+  the first stage and ends (final norm, head, loss, and the gradient that starts its backward pass) as
+  soon as it leaves the last one, which is why 1F1B is driven from the training step with the model's
+  three parts rather than from inside the model.
+
+Parallel code, no layer: the stage, embedding and head arrive as functions.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ushard.sharding import Layout, merge_rows, split_rows, use_layout
+
+SCHEDULES = ("gpipe", "circular", "1f1b")
+IDLE = -1
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """`parallel.pipeline_*`: the schedule's name, microbatches per step (per `train.grad_accum` part),
+    and virtual stages per device (circular only)."""
+
+    name: str = "gpipe"
+    microbatches: int = 1
+    repeats: int = 1
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The share of a step each device idles in fill and drain, with forward and backward work in
+    their usual proportion and idle slots skipped: (S - 1) / (R·M + S - 1), R = repeats for the
+    circular schedule and 1 otherwise. 1F1B has GPipe's bubble; it saves memory, not time."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {SCHEDULES}")
+    rounds = repeats if schedule == "circular" else 1
+    return (stages - 1) / (rounds * microbatches + stages - 1)
+
+
+# --------------------------------------------------------------------------- schedule tables
+
+
+def forward_table(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
+    """GPipe / circular: [ticks, stages, 2] of (microbatch, round) each stage runs, IDLE when none.
+
+    Stage s starts item i = t - s at tick t: microbatch i mod M in round i // M. A microbatch leaves
+    the last stage at tick rM + m + S - 1 and re-enters stage 0 at (r + 1)M + m, hence M >= S.
+    """
+    ticks = repeats * microbatches + stages - 1
+    table = np.full((ticks, stages, 2), IDLE, np.int32)
+    for t in range(ticks):
+        for s in range(stages):
+            item = t - s
+            if 0 <= item < repeats * microbatches:
+                table[t, s] = (item % microbatches, item // microbatches)
+    return table
+
+
+def one_f_one_b_table(stages: int, microbatches: int) -> np.ndarray:
+    """1F1B: [ticks, stages, 2] of (forward microbatch, backward microbatch) per stage, IDLE when none.
+
+    Forward of m on stage s at tick m + s; the last stage starts m's backward in the same tick, and
+    each stage before it one tick later: backward of m on stage s at m + 2S - 2 - s.
+    """
+    ticks = microbatches + 2 * stages - 2
+    table = np.full((ticks, stages, 2), IDLE, np.int32)
+    for t in range(ticks):
+        for s in range(stages):
+            for slot, m in enumerate((t - s, t - (2 * stages - 2 - s))):
+                if 0 <= m < microbatches:
+                    table[t, s, slot] = m
+    return table
+
+
+def ring_size(stages: int) -> int:
+    """Stage inputs 1F1B keeps: stage 0 holds microbatch m from tick m to m + 2S - 2."""
+    return 2 * stages - 1
+
+
+# --------------------------------------------------------------------------- the forward schedules
+
+
+def run_stages(stage, stack, x, args, layout: Layout):
+    """The pipelined layer stack: (y, aux) = stage(chunk_{V-1}, ... stage(chunk_0, x, args) ..., args).
+
+    stage(chunk, x, args) -> (x, aux) runs consecutive layers (`chunk`: `stack` with fewer rows) on one
+    microbatch; `stack` is the stacked layers' pytree, [layers, ...] leaves; x [B, ...] and `args` (a
+    pytree of per-row arrays [B, ...]) are split into microbatches. Returns y [B, ...] and the aux terms
+    summed over layers and averaged over microbatches. Differentiable (autodiff of the tick loop).
+    """
+    pipe, axis, stages = layout.pipeline, stage_axis(layout), layout.size("layers")
+    count, repeats = pipe.microbatches, pipe.repeats if pipe.name == "circular" else 1
+    chunks = virtual_stages(stack, stages, repeats)
+    xs, args = jax.tree.map(lambda a: split_rows(a, count, layout), (x, args))
+    table = forward_table(stages, count, repeats)
+    # Stage 0 keeps, at tick t, what the last stage sent at t - 1 when it goes round again.
+    last = table[:, -1]
+    returning = np.where(last[:, 1] < repeats - 1, last[:, 0], IDLE)
+    arrivals = np.full(table.shape[:2], IDLE, np.int32)
+    arrivals[1:, 0] = returning[:-1]
+    schedule = jnp.asarray(np.concatenate([table, arrivals[..., None]], axis=-1))
+    forward = [(s, (s + 1) % stages) for s in range(stages)]
+    chained = carry_aux(stage)
+
+    def body(chunks, xs, args):
+        index = jax.lax.axis_index(axis)
+        chunks = jax.tree.map(lambda c: c[:, 0], chunks)  # this stage's chunk of each round
+        xs, args = varying((xs, args), axis)
+        with use_layout(layout.inside_stage()):
+            aux = zeros_of(lambda *a: stage(*a)[1], take(chunks, 0), take(xs, 0), take(args, 0), axis=axis)
+            slots = (xs, jax.tree.map(lambda a: jnp.zeros((count, *a.shape), a.dtype), aux))
+            slots = varying(slots, axis)
+
+            def tick(carry, row):
+                slots, received = carry
+                m, round_, arrived = row[index, 0], row[index, 1], row[index, 2]
+                slots = put(slots, arrived, received, arrived != IDLE)
+                start = jax.tree.map(lambda a, b: jnp.where(index == 0, a, b), take(slots, m), received)
+                out = when(m != IDLE, chained, take(chunks, round_), start, take(args, m), axis=axis)
+                done = (index == stages - 1) & (round_ == repeats - 1)
+                slots = put(slots, m, out, done & (m != IDLE))
+                return (slots, jax.lax.ppermute(out, axis, forward)), None
+
+            (slots, _), _ = jax.lax.scan(tick, (slots, take(slots, 0)), schedule)
+        at_last = index == stages - 1  # the finished microbatches are on the last stage
+        return jax.lax.psum(jax.tree.map(lambda v: jnp.where(at_last, v, 0), slots), axis)
+
+    run = jax.shard_map(body, mesh=layout.mesh, in_specs=(P(None, axis), P(), P()), out_specs=P(),
+                        axis_names={axis})
+    ys, aux = run(chunks, xs, args)
+    return merge_rows(ys), jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
+
+
+# --------------------------------------------------------------------------- 1F1B
+
+
+def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout):
+    """Sums and gradients of Σ_m objective_m by the 1F1B schedule, without autodiff of the loop.
+
+    For microbatch m (rows of every `batch` leaf): x = first(outer, m); x, aux_i = stage(chunk_i, x, m)
+    for each chunk of layers in turn; (objective, sums) = last(outer, x, Σ aux_i, m). `outer` are the
+    parameters outside the stack, `stack` the stacked layers.
+    Returns (sums summed over microbatches, d outer, d stack) with d = gradient of Σ_m objective_m.
+
+    Each tick has two manual regions (a shard_map over the stage axis) that run only the layers: the
+    forward slot, then the backward slot. Between them, outside, `first` and `last` run on every
+    stage's microbatch at once (vmapped over a leading stage dimension split over the stage axis, so
+    each device computes its own), and only the first / last stage's results are kept. XLA's
+    partitioner aborts on a gather (embedding lookup, target logit) inside a partially manual
+    shard_map; outside, it partitions them as usual. Computing the head on every stage costs no time
+    in the steady state (the ticks run in lock-step, and the last stage computes it anyway), and the
+    parameters outside the stack get one copy per stage, so their gradients are summed across the
+    stages once at the end instead of once a tick.
+    """
+    axis, stages, count = stage_axis(layout), layout.size("layers"), layout.pipeline.microbatches
+    chunks = virtual_stages(stack, stages, 1)
+    microbatches = jax.tree.map(lambda a: split_rows(a, count, layout), batch)
+    keep = ring_size(stages)
+    chained = carry_aux(stage)
+    stage_index = jnp.arange(stages)
+    first_stage, last_stage = stage_index == 0, stage_index == stages - 1
+    on_stages = functools.partial(pin_to_stages, layout=layout, axis=axis)
+    per_stage = functools.partial(jax.vmap, spmd_axis_name=axis)
+
+    def rows(index):  # each stage's microbatch (IDLE: any, unused) -> [stages, rows, ...]
+        return on_stages(take(microbatches, index))
+
+    with use_layout(None):  # shapes only: no layout, so the stage's layers are not pipelined again
+        aux = jax.eval_shape(lambda c, o, mb: stage(c, first(o, mb), mb)[1],
+                             jax.tree.map(lambda c: c[0, 0], chunks), outer, take(microbatches, 0))
+
+    def enter(outer, mb):  # the activation entering stage 0: (x, no aux yet)
+        return first(outer, mb), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
+
+    def finish(outer, activation, mb):  # -> (sums, d outer, d activation) of the objective
+        objective, pullback, sums = jax.vjp(lambda o, a: last(o, *a, mb), outer, activation, has_aux=True)
+        return sums, *pullback(jnp.ones_like(objective))
+
+    def enter_grads(outer, mb, d_activation):
+        return jax.vjp(lambda o: enter(o, mb), outer)[1](d_activation)[0]
+
+    forward_slot, backward_slot = one_f_one_b_slots(chained, chunks, keep, layout, axis)
+    outers = on_stages(jax.tree.map(lambda o: jnp.broadcast_to(o, (stages, *o.shape)), outer))
+    idle = jnp.full((stages,), IDLE)
+    activation = jax.eval_shape(per_stage(enter), outers, rows(idle))
+    sums = jax.eval_shape(lambda *a: per_stage(finish)(*a)[0], outers, activation, rows(idle))
+    ring = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], keep, *a.shape[1:]), a.dtype), activation)
+
+    def tick(carry, table_row):
+        received, d_received, ring, d_chunks, d_outers, sums = carry
+        f, b = table_row[:, 0], table_row[:, 1]
+        mb_f, mb_b = rows(f), rows(b)
+        entered = per_stage(enter)(outers, mb_f)
+        out, received, ring = forward_slot(chunks, f, mb_f, entered, received, ring)
+        sums_f, d_outers_head, d_out = per_stage(finish)(outers, out, mb_f)
+        d_activation, d_received, d_chunks = backward_slot(chunks, b, mb_b, ring, d_out, d_received, d_chunks)
+        d_outers_embed = per_stage(enter_grads)(outers, mb_b, d_activation)
+        ends, starts = last_stage & (f != IDLE), first_stage & (b != IDLE)
+        d_outers = add(d_outers, add(keep_stages(ends, d_outers_head), keep_stages(starts, d_outers_embed)))
+        return (received, d_received, ring, d_chunks, d_outers, add(sums, keep_stages(ends, sums_f))), None
+
+    zeros = functools.partial(zeros_on_stages, layout=layout, axis=axis)
+    carry = (zeros(activation), zeros(activation), zeros(ring), jax.tree.map(jnp.zeros_like, chunks), zeros(outers),
+             zeros(sums))
+    schedule = jnp.asarray(one_f_one_b_table(stages, count))
+    (_, _, _, d_chunks, d_outers, sums), _ = jax.lax.scan(tick, carry, schedule)
+    over_stages = functools.partial(jax.tree.map, lambda a: jnp.sum(a, axis=0))
+    return over_stages(sums), over_stages(d_outers), jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, stack)
+
+
+def one_f_one_b_slots(chained, chunks, keep: int, layout: Layout, axis: str):
+    """The two manual regions of a 1F1B tick, over arrays with a leading stage dimension.
+
+    forward_slot(chunks, f, mb, entered, received, ring) -> (out, sent, ring): stage s runs its forward
+    of microbatch f[s] on what entered (stage 0) or what it received, and keeps that input.
+    backward_slot(chunks, b, mb, ring, d_out, d_received, d_chunks) -> (d_in, d_sent, d_chunks): stage
+    s recomputes microbatch b[s] from its kept input and pulls back d_out (last stage: the head's
+    gradient of this tick) or what it received; weight gradients accumulate in d_chunks.
+    """
+    stages = layout.size("layers")
+    forward = [(s, s + 1) for s in range(stages - 1)]
+    backward = [(t, s) for s, t in forward]
+    stacked, chunk_spec = P(axis), P(None, axis)
+
+    def local(tree):
+        return jax.tree.map(lambda a: a[0], tree)
+
+    def stacked_again(tree):
+        return jax.tree.map(lambda a: a[None], tree)
+
+    def stage_grads(chunk, activation, mb, d_out):
+        return jax.vjp(lambda c, a: chained(c, a, mb), chunk, activation)[1](d_out)
+
+    def forward_body(chunks, f, mb, entered, received, ring):
+        index = jax.lax.axis_index(axis)
+        chunk = jax.tree.map(lambda c: c[0, 0], chunks)
+        f, mb, entered, received, ring = local((f, mb, entered, received, ring))
+        with use_layout(layout.inside_stage()):
+            activation = jax.tree.map(lambda a, r: jnp.where(index == 0, a, r), entered, received)
+            ring = put(ring, jnp.maximum(f, 0) % keep, activation, f != IDLE)
+            out = when(f != IDLE, chained, chunk, activation, mb, axis=axis)
+        return stacked_again((out, jax.lax.ppermute(out, axis, forward), ring))
+
+    def backward_body(chunks, b, mb, ring, d_out, d_received, d_chunks):
+        index = jax.lax.axis_index(axis)
+        chunk = jax.tree.map(lambda c: c[0, 0], chunks)
+        b, mb, ring, d_out, d_received = local((b, mb, ring, d_out, d_received))
+        with use_layout(layout.inside_stage()):
+            d_out = jax.tree.map(lambda h, r: jnp.where(index == stages - 1, h, r), d_out, d_received)
+            kept = take(ring, jnp.maximum(b, 0) % keep)
+            d_chunk, d_in = when(b != IDLE, stage_grads, chunk, kept, mb, d_out, axis=axis)
+        d_chunks = add(d_chunks, jax.tree.map(lambda g: g[None, None], d_chunk))
+        return (*stacked_again((d_in, jax.lax.ppermute(d_in, axis, backward))), d_chunks)
+
+    mapped = functools.partial(jax.shard_map, mesh=layout.mesh, axis_names={axis})
+    forward_slot = mapped(forward_body, in_specs=(chunk_spec,) + (stacked,) * 5, out_specs=(stacked,) * 3)
+    backward_slot = mapped(backward_body, in_specs=(chunk_spec,) + (stacked,) * 5 + (chunk_spec,),
+                           out_specs=(stacked, stacked, chunk_spec))
+    return forward_slot, backward_slot
+
+
+def pin_to_stages(tree, layout: Layout, axis: str):
+    """Leading dimension of every leaf split over the stage axis (the rest left to the compiler)."""
+    def pin(a):
+        spec = P(axis, *[P.UNCONSTRAINED] * (a.ndim - 1))
+        return jax.lax.with_sharding_constraint(a, NamedSharding(layout.mesh, spec))
+
+    return jax.tree.map(pin, tree)
+
+
+def zeros_on_stages(shapes, layout: Layout, axis: str):
+    return pin_to_stages(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), layout, axis)
+
+
+def keep_stages(where, tree):
+    """Each leaf's rows [stages, ...] where `where` [stages] holds, zeros elsewhere."""
+    return jax.tree.map(lambda a: jnp.where(where.reshape(-1, *[1] * (a.ndim - 1)), a, 0), tree)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def stage_axis(layout: Layout) -> str:
+    """The mesh axis the stacked `layers` are split over (the layout's rules say which)."""
+    axes = layout.axes("layers")
+    if len(axes) != 1:
+        raise ValueError(f"a pipeline needs `layers` mapped to one mesh axis, not {axes}")
+    return axes[0]
+
+
+def virtual_stages(stack, stages: int, repeats: int):
+    """[layers, ...] -> [repeats, stages, layers per chunk, ...]: chunk (r, s) holds layers
+    (r·S + s)·n ... (r·S + s + 1)·n - 1, run by stage s in round r. With one round this is the stored
+    layout (stage s holds a contiguous block); with more, XLA moves the chunks to their stages."""
+    def split(w):
+        return w.reshape(repeats, stages, w.shape[0] // (repeats * stages), *w.shape[1:])
+
+    return jax.tree.map(split, stack)
+
+
+def carry_aux(stage):
+    """stage(chunk, x, mb) -> (x, aux) as a map of activations (x, aux so far) -> (x, aux so far + aux)."""
+    def chained(chunk, activation, mb):
+        x, aux = activation
+        x, more = stage(chunk, x, mb)
+        return x, add(aux, more)
+
+    return chained
+
+
+def zeros_of(fn, *operands, axis):
+    """Zeros shaped like fn(*operands), which is traced but not run."""
+    return varying(jax.eval_shape(fn, *operands), axis, zeros=True)
+
+
+def add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def take(tree, index):
+    """Row `index` of every [n, ...] leaf (IDLE reads row 0: the caller ignores it)."""
+    index = jnp.maximum(index, 0)
+    return jax.tree.map(lambda a: a[index], tree)
+
+
+def put(tree, index, value, where):
+    """Row `index` of every [n, ...] leaf set to `value` where `where` holds (one row read and
+    written, not the whole buffer)."""
+    index = jnp.maximum(index, 0)
+    return jax.tree.map(lambda buf, v: buf.at[index].set(jnp.where(where, v, buf[index])), tree, value)
+
+
+def when(predicate, fn, *operands, axis):
+    """fn(*operands) where `predicate` holds, zeros shaped like its result elsewhere, at no cost then.
+
+    A `lax.cond` whose predicate differs between stages: nothing inside may communicate over the stage
+    axis (the compiler's collectives over the other mesh axes are fine, every device of such a group
+    takes the same branch)."""
+    # The zeros are made outside the branches: zeros made inside one get a sharding of their own,
+    # which the compiler refuses when it differs from the other branch's ("Inconsistent conditional
+    # sharding").
+    zeros = zeros_of(fn, *operands, axis=axis)
+    return jax.lax.cond(predicate, lambda *ops: varying(fn(*ops), axis), lambda *_: zeros, *operands)
+
+
+def varying(tree, axis, zeros: bool = False):
+    """Marks values as differing between stages (shard_map's type check wants equal types in both
+    branches of a cond and around a scan); with `zeros`, zeros of the given shapes."""
+    def cast(x):
+        if zeros:
+            x = jnp.zeros(x.shape, x.dtype)
+        return x if axis in _varying_axes(x) else jax.lax.pcast(x, (axis,), to="varying")
+
+    return jax.tree.map(cast, tree)
+
+
+def _varying_axes(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # JAX 0.10: ManualAxisType; earlier: aval.vma
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
