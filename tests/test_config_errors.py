@@ -234,7 +234,20 @@ def test_broken_config_file(tmp_path, body, match):
         (["mesh.dcn.data=0"], r"mesh\.dcn\.data=0"),
         # axes that are not implemented yet
         (["mesh.pipeline=2", "mesh.fsdp=4"], r"mesh\.pipeline=2 is not supported yet"),
-        (["mesh.expert=2", "mesh.fsdp=4"], r"mesh\.expert=2 is not supported yet"),
+        (["mesh.expert=2", "mesh.fsdp=4"], r"mesh\.expert=2 splits the experts of an MoE model, but this model has none"),
+        # mixture of experts
+        (["model.moe.num_experts=8", "model.moe.top_k=9"], r"model\.moe\.top_k=9 is more than model\.moe\.num_experts=8"),
+        (["model.moe.num_experts=8", "model.moe.score_func=relu"], r"model\.moe\.score_func='relu' is not valid; choose one of: softmax, sigmoid"),
+        (["model.moe.num_experts=8", "model.moe.num_groups=3"], r"model\.moe\.num_experts=8 does not split into model\.moe\.num_groups=3 equal groups"),
+        (["model.moe.num_experts=8", "model.moe.num_groups=4", "model.moe.top_groups=1", "model.moe.top_k=3"],
+         r"model\.moe\.top_k=3 is more than the 2 experts in model\.moe\.top_groups=1 groups"),
+        (["model.moe.num_experts=8", "model.moe.every=2", "model.moe.first_dense_layers=1"],
+         r"model\.n_layers=4 minus model\.moe\.first_dense_layers=1 leaves 3 layers, not a positive multiple of model\.moe\.every=2"),
+        (["model.moe.capacity_factor=-1"], r"model\.moe\.capacity_factor=-1\.0 must be a finite number >= 0"),
+        (["model.moe.num_experts=4", "mesh.expert=8", "mesh.fsdp=1"],
+         r"parameter blocks\.mlp\.experts\.w_down has a 'experts' dimension of 4, which does not split over mesh\.expert=8"),
+        (["model.moe.num_experts=8", "model.moe.expert_d_ff=100", "mesh.tensor=8", "mesh.fsdp=1", "model.n_heads=8", "model.n_kv_heads=8", "model.d_model=192"],
+         r"'expert_mlp' dimension of 100, which does not split over mesh\.tensor=8"),
         # heads
         (["model.n_kv_heads=4"], r"model\.n_heads=6 is not divisible by model\.n_kv_heads=4"),
         (["model.d_model=100"], r"model\.d_model=100 is not divisible by model\.n_heads=6"),

@@ -24,7 +24,7 @@ from ushard.models.config import ModelConfig
 
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 # Axes whose implementation has not landed yet: a size other than 1 is refused with a clear sentence.
-UNSUPPORTED_MESH_AXES = ("pipeline", "expert")
+UNSUPPORTED_MESH_AXES = ("pipeline",)
 SCHEDULES = ("cosine", "linear", "constant")
 NONFINITE_POLICIES = ("skip", "rollback", "stop")
 DATA_SOURCES = ("stdlib", "text", "jsonl")
@@ -34,8 +34,9 @@ def default_config() -> ml_collections.ConfigDict:
     """Every key ushard understands, with its default. Shipped configs start from this."""
     c = ml_collections.ConfigDict()
 
-    # The model's keys, defaults and their meaning: ushard/models/config.py (ModelConfig).
-    c.model = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(ModelConfig)})
+    # The model's keys, defaults and their meaning: ushard/models/config.py (ModelConfig; its nested
+    # groups, such as `model.moe`, are nested here too).
+    c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000
@@ -332,6 +333,9 @@ def check_mesh(config, num_devices: int) -> dict[str, int]:
     for axis in UNSUPPORTED_MESH_AXES:
         if mesh[axis] != 1:
             raise UserError(f"mesh.{axis}={mesh[axis]} is not supported yet; valid: 1 (use data, fsdp, sequence or tensor).")
+    if mesh["expert"] > 1 and not config.model.moe.num_experts:
+        raise UserError(f"mesh.expert={mesh['expert']} splits the experts of an MoE model, but this model has none "
+                        f"(model.moe.num_experts=0); use mesh.data or mesh.fsdp for data parallelism.")
     for axis in MESH_AXES:
         dcn = config.mesh.dcn[axis]
         if not isinstance(dcn, int) or dcn < 1 or mesh[axis] % dcn:

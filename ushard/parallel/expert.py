@@ -1,0 +1,127 @@
+"""Expert parallelism: routed experts computed where their weights live, tokens moved by all-to-all.
+
+`routed_experts` is the one call an MoE layer makes for its routed experts. It knows no layer: the
+experts are `expert_fn(weights, x, group_sizes=None)`, which computes every expert on its own tokens,
+either batched (x [experts, tokens, d]) or grouped (x [tokens, d] sorted by expert, group_sizes[e]
+rows for expert e). Each token's output is the sum over its assignments of gate * expert output.
+
+Under a layout (while a step is traced) it runs in a `jax.shard_map` over the mesh axes that split
+the tokens (`act_batch`, `act_length`), the experts (`experts`) and the experts' hidden dimension
+(`expert_mlp`), each asked of the layout. Outside MoE layers the expert axis is one more batch axis,
+so every device holds tokens of its own; per device:
+
+- Experts not split (one expert group): the device's kept assignments, sorted by expert, go through
+  the grouped form (`jax.lax.ragged_dot`): no padding, nothing moved.
+- Experts split over P devices (E / P each): fixed-capacity all-to-all. A device writes each kept
+  assignment's token into slot (expert, rank among that expert's assignments on this device) of a
+  [E, capacity, d] buffer; `all_to_all` over the expert axes sends every expert's rows to the device
+  holding it; that device runs its experts batched over what every device sent, and a second
+  `all_to_all` brings the outputs back to the slots they came from. The capacity is the most one
+  device can hold for one expert under the drop rule (ushard/models/moe.py): local rows x
+  min(row capacity, local row length). Dropless, that is every local token, so the result is exact
+  (buffers E / top_k times the assignments); `ragged_all_to_all`, which moves only what is used,
+  does not run on CPU.
+
+`expert_fn`'s outputs are partial sums where `expert_mlp` is split (tensor parallel experts: each
+device holds a slice of every hidden layer), so they are summed over those axes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ushard.sharding import current_layout
+
+TOKEN_NAMES = ("act_batch", "act_length")  # the dimensions of x [batch, length, d] that hold tokens
+
+
+def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int):
+    """Every token through its kept experts, weighted by its gates: x [batch, length, d], experts int /
+    gates float32 / keep bool [batch, length, k], weights {name: [experts, ...]} with logical names
+    `weight_names`; `row_capacity`: the drop rule's C (the most assignments an expert keeps from one
+    sequence; the length when dropless). Returns [batch, length, d] in x's dtype."""
+    layout = current_layout()
+    if layout is None:
+        return _local(x, experts, gates, keep, weights, expert_fn, lambda y: y)
+
+    token_axes = tuple(a for name in TOKEN_NAMES for a in layout.axes(name))
+    expert_axes, hidden_axes = layout.axes("experts"), layout.axes("expert_mlp")
+    if not set(expert_axes) <= set(token_axes) or set(hidden_axes) & set(token_axes):
+        raise NotImplementedError(
+            f"expert parallelism needs the expert axes {expert_axes} among the token axes {token_axes} and "
+            f"the expert_mlp axes {hidden_axes} outside them"
+        )
+    groups = layout.size("experts")
+    reduce = (lambda y: jax.lax.psum(y, hidden_axes)) if hidden_axes else (lambda y: y)  # noqa: E731
+
+    def per_device(x, experts, gates, keep, weights):
+        if groups == 1:
+            return _local(x, experts, gates, keep, weights, expert_fn, reduce)
+        capacity = x.shape[0] * min(row_capacity, x.shape[1])
+        return _all_to_all(x, experts, gates, keep, weights, expert_fn, reduce, expert_axes, groups, capacity)
+
+    tokens = layout.spec((*TOKEN_NAMES, None))
+    weight_specs = {name: layout.spec(weight_names[name]) for name in weights}
+    return jax.shard_map(
+        per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, tokens, weight_specs), out_specs=tokens,
+        axis_names=set(token_axes + expert_axes + hidden_axes),
+    )(x, experts, gates, keep, weights)
+
+
+def _experts_held(weights: dict) -> int:
+    return next(iter(weights.values())).shape[0]  # every weight leads with its experts
+
+
+def _sort_by_expert(key, num_experts: int):
+    """key int [A] in [0, num_experts] (num_experts: dropped) -> (stable order that sorts it, rows per
+    expert [num_experts], each assignment's rank among its expert's assignments)."""
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.bincount(key, length=num_experts + 1)
+    starts = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(key.shape[0]) - starts[key[order]]
+    rank = jnp.zeros_like(key).at[order].set(rank_sorted)
+    return order, counts[:num_experts], rank
+
+
+def _combine(outputs, gates, dtype):
+    """outputs [tokens, k, d] of each assignment -> [tokens, d]: summed by gates in float32."""
+    return jnp.einsum("nk,nkd->nd", gates, outputs.astype(jnp.float32)).astype(dtype)
+
+
+def _flat(x, experts, gates, keep, num_experts: int):
+    """Tokens [n, d], and per assignment (token-major): the sort key (num_experts where dropped) and gates [n, k]."""
+    batch, length, d = x.shape
+    key = jnp.where(keep, experts, num_experts).reshape(-1).astype(jnp.int32)
+    return x.reshape(batch * length, d), key, gates.reshape(batch * length, -1)
+
+
+def _local(x, experts, gates, keep, weights, expert_fn, reduce):
+    """All experts on this device: the kept assignments sorted by expert through the grouped form."""
+    num_experts, k = _experts_held(weights), experts.shape[-1]
+    tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
+    order, sizes, _ = _sort_by_expert(key, num_experts)
+    out_sorted = reduce(expert_fn(weights, tokens[order // k], sizes))  # dropped rows (last) give zeros
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+    outputs = out_sorted[inverse].reshape(tokens.shape[0], k, -1)
+    return _combine(outputs, gates, x.dtype).reshape(x.shape)
+
+
+def _all_to_all(x, experts, gates, keep, weights, expert_fn, reduce, axes, groups: int, capacity: int):
+    """Experts split over `groups` devices along `axes`: fixed-capacity dispatch (module docstring)."""
+    local_experts, k = _experts_held(weights), experts.shape[-1]
+    num_experts, d = local_experts * groups, x.shape[-1]
+    tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
+    _, _, rank = _sort_by_expert(key, num_experts)
+    slot = jnp.where(key < num_experts, key * capacity + rank, num_experts * capacity)  # past the end: dropped
+    send = jnp.zeros((num_experts * capacity, d), x.dtype).at[slot].set(tokens[jnp.arange(key.shape[0]) // k], mode="drop")
+
+    def exchange(buffer):  # [groups, ...]: row block g goes to (comes from) device g of the expert group
+        return jax.lax.all_to_all(buffer, axes, 0, 0, tiled=True)
+
+    received = exchange(send.reshape(groups, local_experts, capacity, d))
+    batched = received.swapaxes(0, 1).reshape(local_experts, groups * capacity, d)
+    computed = reduce(expert_fn(weights, batched)).reshape(local_experts, groups, capacity, d).swapaxes(0, 1)
+    returned = exchange(computed).reshape(num_experts * capacity, d)
+    outputs = jnp.take(returned, slot, axis=0, mode="fill", fill_value=0).reshape(tokens.shape[0], k, d)
+    return _combine(outputs, gates, x.dtype).reshape(x.shape)
