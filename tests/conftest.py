@@ -29,6 +29,10 @@ def small_config(config_name="tiny", **overrides):
     return config
 
 
+# configs/tiny_moe.py's experts (8, top-2) at the test sizes, with the loss-free balancing bias moving.
+SMALL_MOE = {"model.moe.expert_d_ff": 32, "model.moe.bias_update_rate": 0.01}
+
+
 @pytest.fixture(scope="session")
 def stdlib_batches():
     """The embedded default data at the small test sizes, loaded once per test session."""

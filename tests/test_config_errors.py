@@ -106,6 +106,24 @@ def test_shipped_configs_are_valid_and_the_size_they_say(name, params):
     assert ModelDef(ModelConfig.from_config(config.model)).num_params() == params  # for Llama 3, Meta's published counts
 
 
+@pytest.mark.parametrize("name, devices, mesh, params, active", [
+    ("tiny_moe", 8, {"fsdp": 8}, 5_316_320, 1_677_312),
+    ("bench_moe", 8, {"fsdp": 8}, 2_614_429_824, 887_881_728),
+    # Mistral AI's published 46.7B (Hugging Face counts 46_702_792_704; + 8 routing biases per layer)
+    # and 12.9B active with the input embedding (12_879_659_008 here).
+    ("mixtral_8x7b", 64, {"expert": 8, "fsdp": 8}, 46_702_792_704 + 32 * 8, 12_748_587_008),
+    ("deepseek_v3_like", 512, {"expert": 64, "fsdp": 8}, 666_776_743_424, 32_375_046_144),
+])
+def test_shipped_moe_configs_are_valid_and_the_size_they_say(name, devices, mesh, params, active):
+    from ushard.models.config import ModelConfig
+    from ushard.models.definition import ModelDef
+
+    config = load_config(name)
+    assert {a: s for a, s in validate(config, devices).items() if s > 1} == mesh
+    model = ModelDef(ModelConfig.from_config(config.model))
+    assert (model.num_params(), model.num_matmul_params()) == (params, active)
+
+
 def test_default_config_is_valid():
     assert validate(default_config(), DEVICES)["fsdp"] == 8
 

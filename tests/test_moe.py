@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import small_config
+from conftest import SMALL_MOE, small_config
 from test_layout import layout_for
 from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.definition import ModelDef
@@ -18,6 +18,7 @@ from ushard.models.moe import (
 )
 from ushard.parallel.expert import routed_experts
 from ushard.sharding import use_layout
+from ushard.training.loop import Trainer
 
 E, K, D, F = 8, 2, 16, 8  # experts, top_k, model width, expert hidden width
 B, T = 8, 16  # rows (one per device at most), tokens per row
@@ -217,3 +218,18 @@ def test_active_parameters_count_top_k_of_the_routed_experts():
     per_layer = attention + d * m.moe.num_experts + 3 * d * f * m.moe.top_k + 3 * d * f  # router, 2 routed, 1 shared
     assert model.num_matmul_params() == L * per_layer + d * m.vocab_size
     assert model.num_params() > model.num_matmul_params() + L * 3 * d * f * (m.moe.num_experts - m.moe.top_k)
+
+
+def test_loss_free_bias_lowers_the_expert_load_imbalance(stdlib_batches):
+    """A short tiny_moe run without the load-balancing loss: the moving routing bias keeps the busiest
+    expert's load closer to the mean than no balancing does (measured: 1.7 against 3.8 at step 20)."""
+
+    def max_over_mean(rate):
+        config = small_config("tiny_moe", **{**SMALL_MOE, "model.moe.aux_loss_weight": 0.0, "model.moe.bias_update_rate": rate,
+                                             "train.steps": 20, "train.log_every": 10, "mesh.fsdp": 8})
+        records = Trainer(config, batches=stdlib_batches).run(log=lambda *_: None)
+        assert records[-1]["aux/moe_dropped_fraction"] == 0.0  # dropless
+        return records[-1]["aux/moe_load_max_over_mean"]
+
+    unbalanced, balanced = max_over_mean(0.0), max_over_mean(0.01)
+    assert balanced < 0.75 * unbalanced, (balanced, unbalanced)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import small_config
+from conftest import SMALL_MOE, small_config
 from ushard import build
 from ushard.training.loop import Trainer
 
@@ -23,7 +23,10 @@ FP8_TRAINED_RTOL = 5e-3  # measured 1.3e-3 for the parameters after 3 steps
 # depends on the CPU's vector width.
 FP8_STEP0_RTOL = 3e-5
 
-# name: (mesh and parallel overrides, use one device)
+MOE_CAPACITY = {**SMALL_MOE, "model.moe.capacity_factor": 1.0}  # drops by a per-sequence rule: layout-independent
+
+# name: (mesh and parallel overrides, use one device). A name's last part names its reference
+# ("_fused" -> "single_fused"; none of these: "single") and, for "_moe" / "_moecap", the tiny_moe config.
 LAYOUTS = {
     "single": ({}, True),
     "ddp": ({"mesh.data": 8, "parallel.zero_stage": 0}, False),
@@ -47,12 +50,23 @@ LAYOUTS = {
     # FP8 matmuls: per-tensor scales are global maxima, so every layout quantises the same values.
     "single_fp8": ({"model.fp8": True}, True),
     "tensor_fsdp_fp8": ({"model.fp8": True, "mesh.tensor": 2, "mesh.fsdp": 4, "parallel.zero_stage": 3}, False),
+    # Mixture of experts, dropless: expert parallelism (all-to-all), alone and with fsdp and tensor.
+    "single_moe": (SMALL_MOE, True),
+    "expert2_fsdp4_moe": ({**SMALL_MOE, "mesh.expert": 2, "mesh.fsdp": 4}, False),
+    "expert4_fsdp2_keep_gathered_moe": (
+        {**SMALL_MOE, "mesh.expert": 4, "mesh.fsdp": 2, "parallel.reshard_after_forward": False}, False),
+    "expert8_moe": ({**SMALL_MOE, "mesh.expert": 8}, False),
+    "expert2_tensor2_fsdp2_moe": ({**SMALL_MOE, "mesh.expert": 2, "mesh.tensor": 2, "mesh.fsdp": 2}, False),
+    # ...and with a capacity: the same tokens are dropped on every layout.
+    "single_moecap": (MOE_CAPACITY, True),
+    "expert4_fsdp2_moecap": ({**MOE_CAPACITY, "mesh.expert": 4, "mesh.fsdp": 2}, False),
 }
+REFERENCES = {"fused": "single_fused", "fp8": "single_fp8", "moe": "single_moe", "moecap": "single_moecap"}
 
 
 def run_layout(name, batches):
     overrides, single = LAYOUTS[name]
-    config = small_config(**overrides)
+    config = small_config("tiny_moe" if name.endswith(("_moe", "_moecap")) else "tiny", **overrides)
     trainer = Trainer(config, devices=jax.devices()[:1] if single else None, batches=batches)
     state = trainer.steps.init(config.train.seed)
     batches = trainer.global_batches(config.train.steps)
@@ -68,10 +82,12 @@ def run_layout(name, batches):
         "memory": compiled.memory_analysis(),
         "all_gathers": len(re.findall(r"= \S+ all-gather(?:-start)?\(", compiled.as_text())),
         "losses": [],
+        "aux": [],
     }
     for batch in batches:
         state, metrics = compiled(state, batch)
         result["losses"].append(float(metrics["loss"]))
+        result["aux"].append({k: float(v) for k, v in metrics["aux"].items()})
     result["params"] = jax.device_get(state.params)
     return result
 
@@ -88,7 +104,7 @@ def tree_relative_difference(a, b) -> float:
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("single")])
 def test_layout_matches_single_device(results, name):
-    reference = {"fused": "single_fused", "fp8": "single_fp8"}.get(name.rsplit("_", 1)[-1], "single")
+    reference = REFERENCES.get(name.rsplit("_", 1)[-1], "single")
     ref, got = results[reference], results[name]
     np.testing.assert_allclose(got["loss0"], ref["loss0"], rtol=RTOL)
     assert tree_relative_difference(got["grads0"], ref["grads0"]) <= (FP8_STEP0_RTOL if name.endswith("_fp8") else RTOL)
@@ -97,6 +113,9 @@ def test_layout_matches_single_device(results, name):
     trained_rtol = FP8_TRAINED_RTOL if name.endswith("_fp8") else RTOL
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=trained_rtol)
     assert tree_relative_difference(got["params"], ref["params"]) <= trained_rtol
+    for got_aux, ref_aux in zip(got["aux"], ref["aux"]):  # MoE: losses, expert loads, drops
+        assert got_aux.keys() == ref_aux.keys()
+        np.testing.assert_allclose([got_aux[k] for k in ref_aux], list(ref_aux.values()), rtol=trained_rtol)
 
 
 def test_training_moves_the_loss(results):
@@ -104,6 +123,16 @@ def test_training_moves_the_loss(results):
     losses = results["single"]["losses"]
     assert losses[-1] < losses[0] - 0.05, losses
     assert results["single"]["params"]["blocks"]["mlp"]["w_up"].std() > 0
+
+
+def test_moe_runs_exercise_routing_drops_and_balancing(results):
+    """Guards the MoE rows: experts trained, biases moved, and the capacity run really dropped tokens."""
+    for name in ("single_moe", "single_moecap"):
+        losses, mlp = results[name]["losses"], results[name]["params"]["blocks"]["mlp"]
+        assert losses[-1] < losses[0] - 0.05, (name, losses)
+        assert np.abs(mlp["bias"]).max() > 0 and mlp["experts"]["w_up"].std() > 0
+    assert all(step["moe_dropped_fraction"] > 0.01 for step in results["single_moecap"]["aux"])
+    assert all(step["moe_dropped_fraction"] == 0 for step in results["single_moe"]["aux"])
 
 
 def spec_of(sharding_tree, *path):

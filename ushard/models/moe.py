@@ -45,7 +45,6 @@ from flax import nnx
 from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.layers import SwiGLU, fan_in_init, param
 from ushard.parallel.expert import routed_experts
-from ushard.sharding import gathered
 
 
 class ExpertBias(nnx.Variable):
@@ -55,6 +54,14 @@ class ExpertBias(nnx.Variable):
     (see `load_signal`)."""
 
 
+def top_k(x, k: int):
+    """`jax.lax.top_k` along the last axis (ties to the lower index), as a sort: XLA's SPMD partitioner
+    gathers a batch-sharded top_k's whole input onto every device (JAX 0.10), a sort stays put."""
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    negated, index = jax.lax.sort((-x, index), dimension=x.ndim - 1, num_keys=2)
+    return -negated[..., :k], index[..., :k]
+
+
 def route(logits, bias, moe: MoEConfig):
     """Router logits [..., E] (float32) -> (experts int32 [..., top_k] best first, gates float32
     [..., top_k], routing probabilities float32 [..., E] for the balancing loss)."""
@@ -62,7 +69,7 @@ def route(logits, bias, moe: MoEConfig):
     choice = scores + bias
     if moe.num_groups > 1:
         choice = limit_to_top_groups(choice, moe.num_groups, moe.top_groups)
-    _, experts = jax.lax.top_k(choice, moe.top_k)
+    _, experts = top_k(choice, moe.top_k)
     gates = jnp.take_along_axis(scores, experts, axis=-1)
     if moe.normalize_gates:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
@@ -74,8 +81,8 @@ def limit_to_top_groups(choice, num_groups: int, top_groups: int):
     """`choice` [..., E] with every expert outside the `top_groups` best of `num_groups` equal groups set
     to -inf; a group scores the sum of its two best experts (one, for groups of one)."""
     grouped = choice.reshape(*choice.shape[:-1], num_groups, -1)
-    group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], axis=-1)
-    _, best = jax.lax.top_k(group_scores, top_groups)
+    group_scores = jnp.sum(top_k(grouped, min(2, grouped.shape[-1]))[0], axis=-1)
+    _, best = top_k(group_scores, top_groups)
     allowed = jnp.any(best[..., :, None] == jnp.arange(num_groups), axis=-2)  # [..., num_groups]
     return jnp.where(allowed[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
@@ -148,8 +155,9 @@ class RoutedExperts(nnx.Module):
         self.w_down = param(rngs, (num_experts, d_ff, d_model), self.NAMES["w_down"], out, dtype)
 
     def weights(self, dtype) -> dict:
-        """The weights in the compute dtype, laid out for compute (cast first: a gather moves fewer bytes)."""
-        return {name: gathered(getattr(self, name)[...].astype(dtype), names) for name, names in self.NAMES.items()}
+        """The weights in the compute dtype, still laid out as stored (expert.py gathers them: after
+        the cast, a gather moves fewer bytes)."""
+        return {name: getattr(self, name)[...].astype(dtype) for name in self.NAMES}
 
 
 class MoE(nnx.Module):

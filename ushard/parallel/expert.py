@@ -22,8 +22,10 @@ so every device holds tokens of its own; per device:
   (buffers E / top_k times the assignments); `ragged_all_to_all`, which moves only what is used,
   does not run on CPU.
 
-`expert_fn`'s outputs are partial sums where `expert_mlp` is split (tensor parallel experts: each
-device holds a slice of every hidden layer), so they are summed over those axes.
+The expert weights enter the map as they are stored (ZeRO-3: split over fsdp too) and are gathered
+inside it, in the compute dtype. `expert_fn`'s outputs are partial sums where `expert_mlp` is split
+(tensor parallel experts: each device holds a slice of every hidden layer), so they are summed over
+those axes.
 """
 
 from __future__ import annotations
@@ -55,18 +57,38 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     groups = layout.size("experts")
     reduce = (lambda y: jax.lax.psum(y, hidden_axes)) if hidden_axes else (lambda y: y)  # noqa: E731
 
+    stored_kind = "compute" if layout.keep_gathered else "params"  # the stack may have gathered them already
+    stored = {name: layout.spec(weight_names[name], stored_kind) for name in weights}
+    compute = {name: layout.spec(weight_names[name]) for name in weights}
+
     def per_device(x, experts, gates, keep, weights):
+        weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
         if groups == 1:
             return _local(x, experts, gates, keep, weights, expert_fn, reduce)
         capacity = x.shape[0] * min(row_capacity, x.shape[1])
         return _all_to_all(x, experts, gates, keep, weights, expert_fn, reduce, expert_axes, groups, capacity)
 
     tokens = layout.spec((*TOKEN_NAMES, None))
-    weight_specs = {name: layout.spec(weight_names[name]) for name in weights}
     return jax.shard_map(
-        per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, tokens, weight_specs), out_specs=tokens,
+        per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, tokens, stored), out_specs=tokens,
         axis_names=set(token_axes + expert_axes + hidden_axes),
     )(x, experts, gates, keep, weights)
+
+
+def _axes(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _gather(w, stored, compute):
+    """A weight's local block as stored (e.g. ZeRO-3: split over fsdp) -> its block for compute, by
+    all-gathers inside the map, whose transpose reduce-scatters the gradient into the stored layout
+    (left to XLA, the mapped gradient was all-reduced whole, then sliced)."""
+    for dim, (have, want) in enumerate(zip(stored, compute)):
+        have, want = _axes(have), _axes(want)
+        assert have[:len(want)] == want, (stored, compute)
+        if len(have) > len(want):
+            w = jax.lax.all_gather(w, have[len(want):], axis=dim, tiled=True)
+    return w
 
 
 def _experts_held(weights: dict) -> int:
