@@ -29,8 +29,9 @@ def small_config(config_name="tiny", **overrides):
     return config
 
 
-# configs/tiny_moe.py's experts (8, top-2) at the test sizes, with the loss-free balancing bias moving.
-SMALL_MOE = {"model.moe.expert_d_ff": 32, "model.moe.bias_update_rate": 0.01}
+# configs/tiny_moe.py's experts (8, top-2) at the test sizes, dropless, with the loss-free balancing
+# bias moving.
+SMALL_MOE = {"model.moe.expert_d_ff": 32, "model.moe.capacity_factor": 0.0, "model.moe.bias_update_rate": 0.01}
 
 
 @pytest.fixture(scope="session")

@@ -107,7 +107,7 @@ def test_shipped_configs_are_valid_and_the_size_they_say(name, params):
 
 
 @pytest.mark.parametrize("name, devices, mesh, params, active", [
-    ("tiny_moe", 8, {"fsdp": 8}, 5_316_320, 1_677_312),
+    ("tiny_moe", 8, {"expert": 8}, 5_316_320, 1_677_312),
     ("bench_moe", 8, {"fsdp": 8}, 2_614_429_824, 887_881_728),
     # Mistral AI's published 46.7B (Hugging Face counts 46_702_792_704; + 8 routing biases per layer)
     # and 12.9B active with the input embedding (12_879_659_008 here).

@@ -193,7 +193,7 @@ def moe_model(**moe):
 
 def test_decode_with_a_cache_matches_the_full_forward_pass():
     cfg = ModelConfig.from_config(small_config("tiny_moe", **{
-        "model.n_layers": 5, "model.moe.expert_d_ff": 32, "model.moe.every": 2, "model.moe.first_dense_layers": 1,
+        **SMALL_MOE, "model.n_layers": 3, "model.moe.every": 2, "model.moe.first_dense_layers": 1,
         "model.moe.num_shared_experts": 1}).model)
     model = ModelDef(cfg)
     params = jax.jit(lambda: model.init(0))()
@@ -222,12 +222,12 @@ def test_active_parameters_count_top_k_of_the_routed_experts():
 
 def test_loss_free_bias_lowers_the_expert_load_imbalance(stdlib_batches):
     """A short tiny_moe run without the load-balancing loss: the moving routing bias keeps the busiest
-    expert's load closer to the mean than no balancing does (measured: 1.7 against 3.8 at step 20)."""
+    expert's load closer to the mean than no balancing does (measured: 1.9 against 3.7 at step 20)."""
 
     def max_over_mean(rate):
         config = small_config("tiny_moe", **{**SMALL_MOE, "model.moe.aux_loss_weight": 0.0, "model.moe.bias_update_rate": rate,
-                                             "train.steps": 20, "train.log_every": 10, "mesh.fsdp": 8})
-        records = Trainer(config, batches=stdlib_batches).run(log=lambda *_: None)
+                                             "train.steps": 20, "train.log_every": 10})
+        records = Trainer(config, devices=jax.devices()[:1], batches=stdlib_batches).run(log=lambda *_: None)
         assert records[-1]["aux/moe_dropped_fraction"] == 0.0  # dropless
         return records[-1]["aux/moe_load_max_over_mean"]
 

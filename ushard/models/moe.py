@@ -12,6 +12,7 @@ C = min(T, ceil(capacity_factor * T * top_k / num_experts)) assignments. A seque
 served in order of position, and a token's own choices in order of preference (best first); an
 assignment that finds its expert's C places taken is dropped: its gate counts as zero. The token keeps
 its other experts, the shared experts and the residual connection. `capacity_factor = 0`: dropless.
+(A sequence is what one call sees: decoding token by token with a KV cache drops nothing.)
 
 Balancing. The load-balancing loss (Switch Transformer, GShard) is
     aux_loss_weight * E * sum_e f_e * P_e,

@@ -8,19 +8,19 @@ rows for expert e). Each token's output is the sum over its assignments of gate 
 Under a layout (while a step is traced) it runs in a `jax.shard_map` over the mesh axes that split
 the tokens (`act_batch`, `act_length`), the experts (`experts`) and the experts' hidden dimension
 (`expert_mlp`), each asked of the layout. Outside MoE layers the expert axis is one more batch axis,
-so every device holds tokens of its own; per device:
+so every device holds tokens of its own; per device (and the same with no layout, on one device):
 
-- Experts not split (one expert group): the device's kept assignments, sorted by expert, go through
-  the grouped form (`jax.lax.ragged_dot`): no padding, nothing moved.
-- Experts split over P devices (E / P each): fixed-capacity all-to-all. A device writes each kept
-  assignment's token into slot (expert, rank among that expert's assignments on this device) of a
-  [E, capacity, d] buffer; `all_to_all` over the expert axes sends every expert's rows to the device
-  holding it; that device runs its experts batched over what every device sent, and a second
-  `all_to_all` brings the outputs back to the slots they came from. The capacity is the most one
-  device can hold for one expert under the drop rule (ushard/models/moe.py): local rows x
-  min(row capacity, local row length). Dropless, that is every local token, so the result is exact
-  (buffers E / top_k times the assignments); `ragged_all_to_all`, which moves only what is used,
-  does not run on CPU.
+- Dropless, experts not split: the device's assignments, sorted by expert, go through the grouped
+  form (`jax.lax.ragged_dot`): no padding, nothing moved.
+- Otherwise, fixed-capacity dispatch. A device writes each kept assignment's token into slot
+  (expert, rank among that expert's assignments on this device) of a [E, capacity, d] buffer and
+  runs each expert batched over its rows. With the experts split over P devices (E / P each), an
+  `all_to_all` over the expert axes first sends every expert's rows to the device holding it, which
+  runs them for every sender, and a second brings the outputs back to the slots they came from.
+  The capacity is the most one device can hold for one expert under the drop rule
+  (ushard/models/moe.py): local rows x min(row capacity, local row length). Dropless, that is every
+  local token, so the result is exact (buffers E / top_k times the assignments);
+  `ragged_all_to_all`, which would move only what is used, does not run on CPU (not implemented).
 
 The expert weights enter the map as they are stored (ZeRO-3: split over fsdp too) and are gathered
 inside it, in the compute dtype. `expert_fn`'s outputs are partial sums where `expert_mlp` is split
@@ -45,7 +45,7 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     sequence; the length when dropless). Returns [batch, length, d] in x's dtype."""
     layout = current_layout()
     if layout is None:
-        return _local(x, experts, gates, keep, weights, expert_fn, lambda y: y)
+        return _on_device(x, experts, gates, keep, weights, expert_fn, lambda y: y, row_capacity)
 
     token_axes = tuple(a for name in TOKEN_NAMES for a in layout.axes(name))
     expert_axes, hidden_axes = layout.axes("experts"), layout.axes("expert_mlp")
@@ -63,16 +63,22 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
 
     def per_device(x, experts, gates, keep, weights):
         weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
-        if groups == 1:
-            return _local(x, experts, gates, keep, weights, expert_fn, reduce)
-        capacity = x.shape[0] * min(row_capacity, x.shape[1])
-        return _all_to_all(x, experts, gates, keep, weights, expert_fn, reduce, expert_axes, groups, capacity)
+        return _on_device(x, experts, gates, keep, weights, expert_fn, reduce, row_capacity, expert_axes, groups)
 
     tokens = layout.spec((*TOKEN_NAMES, None))
     return jax.shard_map(
         per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, tokens, stored), out_specs=tokens,
         axis_names=set(token_axes + expert_axes + hidden_axes),
     )(x, experts, gates, keep, weights)
+
+
+def _on_device(x, experts, gates, keep, weights, expert_fn, reduce, row_capacity: int, axes=(), groups: int = 1):
+    """One device's tokens through their experts: grouped if dropless with every expert here, else
+    through fixed-capacity buffers (exchanged over `axes` when the experts are split `groups` ways)."""
+    if groups == 1 and row_capacity >= x.shape[1]:
+        return _grouped(x, experts, gates, keep, weights, expert_fn, reduce)
+    capacity = x.shape[0] * min(row_capacity, x.shape[1])
+    return _buffered(x, experts, gates, keep, weights, expert_fn, reduce, axes, groups, capacity)
 
 
 def _axes(entry) -> tuple:
@@ -118,8 +124,8 @@ def _flat(x, experts, gates, keep, num_experts: int):
     return x.reshape(batch * length, d), key, gates.reshape(batch * length, -1)
 
 
-def _local(x, experts, gates, keep, weights, expert_fn, reduce):
-    """All experts on this device: the kept assignments sorted by expert through the grouped form."""
+def _grouped(x, experts, gates, keep, weights, expert_fn, reduce):
+    """All experts on this device, dropless: the assignments sorted by expert through the grouped form."""
     num_experts, k = _experts_held(weights), experts.shape[-1]
     tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
     order, sizes, _ = _sort_by_expert(key, num_experts)
@@ -129,8 +135,8 @@ def _local(x, experts, gates, keep, weights, expert_fn, reduce):
     return _combine(outputs, gates, x.dtype).reshape(x.shape)
 
 
-def _all_to_all(x, experts, gates, keep, weights, expert_fn, reduce, axes, groups: int, capacity: int):
-    """Experts split over `groups` devices along `axes`: fixed-capacity dispatch (module docstring)."""
+def _buffered(x, experts, gates, keep, weights, expert_fn, reduce, axes, groups: int, capacity: int):
+    """Fixed-capacity dispatch (module docstring); `groups` > 1: the experts are split over `axes`."""
     local_experts, k = _experts_held(weights), experts.shape[-1]
     num_experts, d = local_experts * groups, x.shape[-1]
     tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
@@ -139,7 +145,7 @@ def _all_to_all(x, experts, gates, keep, weights, expert_fn, reduce, axes, group
     send = jnp.zeros((num_experts * capacity, d), x.dtype).at[slot].set(tokens[jnp.arange(key.shape[0]) // k], mode="drop")
 
     def exchange(buffer):  # [groups, ...]: row block g goes to (comes from) device g of the expert group
-        return jax.lax.all_to_all(buffer, axes, 0, 0, tiled=True)
+        return jax.lax.all_to_all(buffer, axes, 0, 0, tiled=True) if groups > 1 else buffer
 
     received = exchange(send.reshape(groups, local_experts, capacity, d))
     batched = received.swapaxes(0, 1).reshape(local_experts, groups * capacity, d)
