@@ -57,24 +57,29 @@ def problem():
     return weights, x, experts, gates, cotangent
 
 
+# name: (mesh axis sizes or None for no layout, dispatch)
 LAYOUTS = {
-    "no layout": None,
-    "fsdp=8 (experts whole, per device)": {"fsdp": 8},
-    "expert=8": {"expert": 8},
-    "expert=4 fsdp=2": {"expert": 4, "fsdp": 2},
-    "expert=2 tensor=2 fsdp=2": {"expert": 2, "tensor": 2, "fsdp": 2},
-    "expert=2 sequence=2 data=2": {"expert": 2, "sequence": 2, "data": 2},
+    "no layout": (None, "padded"),
+    "fsdp=8 (experts whole, per device)": ({"fsdp": 8}, "padded"),
+    "expert=8": ({"expert": 8}, "padded"),
+    "expert=4 fsdp=2": ({"expert": 4, "fsdp": 2}, "padded"),
+    "expert=2 tensor=2 fsdp=2": ({"expert": 2, "tensor": 2, "fsdp": 2}, "padded"),
+    "expert=2 sequence=2 data=2": ({"expert": 2, "sequence": 2, "data": 2}, "padded"),
+    # ragged_all_to_all's documented semantics, built from all-gathers on CPU
+    "expert=8 ragged": ({"expert": 8}, "ragged"),
+    "expert=4 fsdp=2 ragged": ({"expert": 4, "fsdp": 2}, "ragged"),
+    "expert=2 tensor=2 fsdp=2 ragged": ({"expert": 2, "tensor": 2, "fsdp": 2}, "ragged"),
 }
 
 
-def value_and_grads(layout_sizes, capacity, weights, x, experts, gates, cotangent):
+def value_and_grads(layout_sizes, dispatch, capacity, weights, x, experts, gates, cotangent):
     """(output, grads w.r.t. weights, x and gates) of routed_experts under a layout, as one program."""
     keep = within_capacity(experts, E, capacity) if capacity < T else jnp.ones(experts.shape, bool)
     layout = None if layout_sizes is None else layout_for(3, **layout_sizes)
 
     def objective(weights, x, gates):
         gates = jnp.where(keep, gates, 0.0)
-        out = routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, expert_ffn, capacity)
+        out = routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, expert_ffn, capacity, dispatch)
         return jnp.sum(out * cotangent), out
 
     def run(weights, x, gates):
@@ -100,7 +105,7 @@ def reference_value_and_grads(weights, x, experts, gates, keep, cotangent):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_dispatch_compute_combine_matches_the_per_token_reference(problem, layout, capacity):
     weights, x, experts, gates, cotangent = problem
-    out, grads, keep = value_and_grads(LAYOUTS[layout], capacity, weights, x, experts, gates, cotangent)
+    out, grads, keep = value_and_grads(*LAYOUTS[layout], capacity, weights, x, experts, gates, cotangent)
     want_out, want_grads = reference_value_and_grads(weights, x, experts, gates, keep, cotangent)
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):

@@ -16,6 +16,7 @@ from ushard.models.stack import REMAT_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCORE_FUNCS = ("softmax", "sigmoid")
+DISPATCHES = ("padded", "ragged")
 
 
 def _check_at_least(owner, keys, low: int, prefix: str) -> None:
@@ -60,6 +61,9 @@ class MoEConfig:
     # Auxiliary-loss-free balancing: each step, every expert's routing bias moves by this much against
     # its load (up if under-loaded, down if over-loaded). 0: the bias stays zero.
     bias_update_rate: float = 0.0
+    # How assignments reach experts split over devices (mesh.expert > 1; ushard/parallel/expert.py):
+    # "padded" all_to_all of fixed-capacity buffers, or "ragged" (ragged_all_to_all: only the rows used).
+    dispatch: str = "padded"
 
     def __post_init__(self):
         p = "model.moe."
@@ -67,8 +71,9 @@ class MoEConfig:
         _check_at_least(self, ("top_k", "every", "num_groups", "top_groups"), 1, p)
         _check_finite(self, ("capacity_factor", "aux_loss_weight", "z_loss_weight", "bias_update_rate"), p, allow_zero=True)
         _check_finite(self, ("routed_scale",), p, allow_zero=False)
-        if self.score_func not in SCORE_FUNCS:
-            raise UserError(f"{p}score_func={self.score_func!r} is not valid; choose one of: {', '.join(SCORE_FUNCS)}.")
+        for key, valid in (("score_func", SCORE_FUNCS), ("dispatch", DISPATCHES)):
+            if getattr(self, key) not in valid:
+                raise UserError(f"{p}{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}.")
         if not isinstance(self.normalize_gates, bool):
             raise UserError(f"{p}normalize_gates={self.normalize_gates!r} must be true or false.")
         if not self.num_experts:
@@ -116,7 +121,8 @@ class ModelConfig:
     # How the model is computed (or trained), not what it computes: a run may resume with these
     # changed. Every other setting (new ones included, unless added here) defines the model's function.
     IMPLEMENTATION_SETTINGS = ("compute_dtype", "attention_impl", "remat", "scan_unroll", "fused_qkv",
-                               "fused_mlp", "fp8", "moe.aux_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate")
+                               "fused_mlp", "fp8", "moe.aux_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate",
+                               "moe.dispatch")
 
     @classmethod
     def from_config(cls, model_cfg, ignore_unknown: bool = False) -> "ModelConfig":

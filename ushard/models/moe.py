@@ -186,7 +186,7 @@ class MoE(nnx.Module):
         else:
             keep = jnp.ones(experts.shape, bool)
         y = routed_experts(x, experts, gates, keep, self.experts.weights(x.dtype), RoutedExperts.NAMES,
-                           expert_ffn, capacity)
+                           expert_ffn, capacity, moe.dispatch)
         if moe.num_shared_experts:
             y = y + self.shared(x)
         return y, self._aux(logits, probs, experts, keep, bias)

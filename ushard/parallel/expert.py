@@ -38,11 +38,13 @@ from ushard.sharding import current_layout
 TOKEN_NAMES = ("act_batch", "act_length")  # the dimensions of x [batch, length, d] that hold tokens
 
 
-def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int):
+def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int,
+                   dispatch: str = "padded"):
     """Every token through its kept experts, weighted by its gates: x [batch, length, d], experts int /
     gates float32 / keep bool [batch, length, k], weights {name: [experts, ...]} with logical names
     `weight_names`; `row_capacity`: the drop rule's C (the most assignments an expert keeps from one
-    sequence; the length when dropless). Returns [batch, length, d] in x's dtype."""
+    sequence; the length when dropless); `dispatch`: "padded" or "ragged", how assignments travel to
+    experts split over devices. Returns [batch, length, d] in x's dtype."""
     layout = current_layout()
     if layout is None:
         return _on_device(x, experts, gates, keep, weights, expert_fn, lambda y: y, row_capacity)
@@ -61,8 +63,14 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     stored = {name: layout.spec(weight_names[name], stored_kind) for name in weights}
     compute = {name: layout.spec(weight_names[name]) for name in weights}
 
+    ragged = dispatch == "ragged" and groups > 1
+    cpu = layout.mesh.devices.flat[0].platform == "cpu"
+    exchange = _ragged_all_to_all_by_gather if cpu else jax.lax.ragged_all_to_all
+
     def per_device(x, experts, gates, keep, weights):
         weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
+        if ragged:
+            return _ragged(x, experts, gates, keep, weights, expert_fn, reduce, expert_axes, groups, exchange)
         return _on_device(x, experts, gates, keep, weights, expert_fn, reduce, row_capacity, expert_axes, groups)
 
     tokens = layout.spec((*TOKEN_NAMES, None))
@@ -130,8 +138,14 @@ def _grouped(x, experts, gates, keep, weights, expert_fn, reduce):
     tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
     order, sizes, _ = _sort_by_expert(key, num_experts)
     out_sorted = reduce(expert_fn(weights, tokens[order // k], sizes))  # dropped rows (last) give zeros
+    return _unsort_and_combine(out_sorted, order, gates, x)
+
+
+def _unsort_and_combine(out_sorted, order, gates, x):
+    """Each assignment's output, in the `order` that sorted the assignments by expert -> the tokens'
+    outputs [batch, length, d], combined by gates."""
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
-    outputs = out_sorted[inverse].reshape(tokens.shape[0], k, -1)
+    outputs = out_sorted[inverse].reshape(gates.shape[0], gates.shape[1], -1)
     return _combine(outputs, gates, x.dtype).reshape(x.shape)
 
 
@@ -153,3 +167,62 @@ def _buffered(x, experts, gates, keep, weights, expert_fn, reduce, axes, groups:
     returned = exchange(computed).reshape(num_experts * capacity, d)
     outputs = jnp.take(returned, slot, axis=0, mode="fill", fill_value=0).reshape(tokens.shape[0], k, d)
     return _combine(outputs, gates, x.dtype).reshape(x.shape)
+
+
+def _ragged(x, experts, gates, keep, weights, expert_fn, reduce, axes, groups: int, exchange):
+    """Experts split over `groups` devices, moving only the kept assignments: each device sends every
+    expert the rows sorted for it, written where the receiver wants them (grouped by its local expert,
+    senders in order), runs its experts grouped, and sends the outputs back to the rows they came from.
+    `exchange` is `jax.lax.ragged_all_to_all` or its stand-in for CPUs. The receive buffer holds the
+    most any device can be sent: every sender's assignments to experts that device holds."""
+    local_experts, k = _experts_held(weights), experts.shape[-1]
+    num_experts, d = local_experts * groups, x.shape[-1]
+    tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
+    order, sizes, _ = _sort_by_expert(key, num_experts)
+    rows = tokens[order // k]
+    plan = _ragged_plan(jax.lax.all_gather(sizes, axes), jax.lax.axis_index(axes), local_experts)
+    most = groups * tokens.shape[0] * min(k, local_experts)
+    received = exchange(rows, jnp.zeros((most, d), rows.dtype), *plan["there"], axis_name=axes)
+    computed = reduce(expert_fn(weights, received, plan["group_sizes"]))
+    out_sorted = exchange(computed, jnp.zeros_like(rows), *plan["back"], axis_name=axes)
+    return _unsort_and_combine(out_sorted, order, gates, x)
+
+
+def _ragged_plan(counts, me, local_experts: int) -> dict:
+    """Offsets and sizes of both ragged exchanges, from counts [senders, experts] (rows each device
+    sends each expert: the same table on every device) and this device's index `me`. A slice is one
+    (device, expert) pair: on the way there, slice e carries this device's rows for expert e; on the way
+    back, slice (s, j) carries sender s's rows for this device's local expert j."""
+    groups = counts.shape[0]
+    starts = jnp.cumsum(counts, axis=1) - counts  # where each expert's rows start on their sender
+    to = counts.reshape(groups, groups, local_experts)  # [sender, receiver, local expert]
+    totals = jnp.sum(to, axis=0)  # [receiver, local expert]
+    blocks = jnp.cumsum(totals, axis=1) - totals  # where a local expert's rows start on the receiver
+    lands = blocks[None] + jnp.cumsum(to, axis=0) - to  # [sender, receiver, j]: after earlier senders'
+    mine = lambda a: a[:, me].reshape(-1)  # noqa: E731  (slices (sender, my local expert))
+    return {
+        "there": (starts[me], counts[me], lands.reshape(groups, -1)[me], mine(to)),
+        "back": (mine(lands), mine(to), mine(starts.reshape(groups, groups, local_experts)), counts[me]),
+        "group_sizes": totals[me],
+    }
+
+
+def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                 axis_name):
+    """`jax.lax.ragged_all_to_all`'s documented result, built from all-gathers (it has no CPU
+    implementation): every device gathers every operand and offset table and copies the slices sent
+    to it. Exact, and slow: for tests and CPU runs."""
+    del recv_sizes  # implied by the senders' tables
+    groups = jax.lax.axis_size(axis_name)
+    per_device = input_offsets.shape[0] // groups
+    me = jax.lax.axis_index(axis_name)
+    operands = jax.lax.all_gather(operand, axis_name)  # [groups, rows, ...]
+    mine = lambda a: jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(a, axis_name), me * per_device, per_device, axis=1).reshape(-1)  # noqa: E731
+    starts, sizes, lands = mine(input_offsets), mine(send_sizes), mine(output_offsets)  # [groups * per_device]
+    row = jnp.arange(output.shape[0])
+    inside = (lands[:, None] <= row) & (row < lands[:, None] + sizes[:, None])  # [slices, output rows]
+    slice_of_row = jnp.argmax(inside, axis=0)
+    source_row = jnp.clip(starts[slice_of_row] + row - lands[slice_of_row], 0, operand.shape[0] - 1)
+    copied = operands[slice_of_row // per_device, source_row]
+    written = jnp.any(inside, axis=0).reshape(-1, *(1,) * (output.ndim - 1))
+    return jnp.where(written, copied, output)
