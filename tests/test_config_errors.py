@@ -262,6 +262,7 @@ def test_broken_config_file(tmp_path, body, match):
         (["model.moe.num_experts=8", "model.moe.every=2", "model.moe.first_dense_layers=1"],
          r"model\.n_layers=4 minus model\.moe\.first_dense_layers=1 leaves 3 layers, not a positive multiple of model\.moe\.every=2"),
         (["model.moe.capacity_factor=-1"], r"model\.moe\.capacity_factor=-1\.0 must be a finite number >= 0"),
+        (["model.moe.num_experts=8", "model.moe.dispatch=sparse"], r"model\.moe\.dispatch='sparse' is not valid; choose one of: padded, ragged"),
         (["model.moe.num_experts=4", "mesh.expert=8", "mesh.fsdp=1"],
          r"parameter blocks\.mlp\.experts\.w_down has a 'experts' dimension of 4, which does not split over mesh\.expert=8"),
         (["model.moe.num_experts=8", "model.moe.expert_d_ff=100", "mesh.tensor=8", "mesh.fsdp=1", "model.n_heads=8", "model.n_kv_heads=8", "model.d_model=192"],
