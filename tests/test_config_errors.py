@@ -189,6 +189,17 @@ def test_cli_main_in_process_returns_2(capsys):
     assert err.startswith("ushard: error: ") and len(err.splitlines()) == 1 and "train.steps" in err
 
 
+@pytest.mark.parametrize("override, sentence", [
+    ("train.seed=-1", "train.seed=-1 must be between 0 and 2**32-1=4294967295."),
+    ("train.b1=1.0", "train.b1=1.0 must be >= 0 and < 1 (AdamW's decay rate; typical: b1=0.9, b2=0.95)."),
+    ("model.rope_theta=0", "model.rope_theta=0.0 must be a finite number > 0."),
+])
+def test_cli_refuses_a_bad_value_before_any_work(tmp_path, capsys, override, sentence):
+    assert main(["train", "--config", "tiny", f"--config.{override}", "--workdir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"ushard: error: {sentence}"]
+    assert not (tmp_path / "run").exists()  # refused before the workdir (and the data) was touched
+
+
 # --------------------------------------------------------------------------- config files
 
 
@@ -273,14 +284,20 @@ def test_broken_config_file(tmp_path, body, match):
         (["model.d_model=18"], r"head_dim = d_model/n_heads = 3 must be even"),
         # sharded dimensions: one generic check names the parameter (or batch), the dimension and the axes
         (["mesh.tensor=4", "mesh.fsdp=2"],
-         r"parameter blocks\.attn\.wk has a 'kv_heads' dimension of 2, which does not split over mesh\.tensor=4"),
-        (["mesh.tensor=2", "mesh.fsdp=4", "model.n_kv_heads=1"],
-         r"'kv_heads' dimension of 1, which does not split over mesh\.tensor=2"),
+         r"parameter blocks\.attn\.wo has a 'heads' dimension of 6, which does not split over mesh\.tensor=4"),
+        # fewer KV heads than tensor ranks are repeated, but each rank needs whole ones
+        (["mesh.tensor=2", "mesh.fsdp=4", "model.n_kv_heads=3"],
+         r"model\.n_kv_heads=3 and mesh\.tensor=2: each tensor rank needs whole key/value heads"),
         (["mesh.tensor=2", "mesh.fsdp=4", "model.vocab_size=513"],
          r"parameter embedding has a 'vocab' dimension of 513, which does not split over mesh\.tensor=2"),
         (["model.d_model=204", "model.n_heads=6"], r"'embed' dimension of 204, which does not split over mesh\.fsdp=8"),
         (["mesh.sequence=2", "mesh.fsdp=4", "train.seq_len=33"],
          r"train\.seq_len=33\) has a 'act_length' dimension of 33, which does not split over mesh\.sequence=2"),
+        (["mesh.tensor=2", "mesh.fsdp=4", "parallel.sequence_parallel=true", "train.seq_len=33"],
+         r"with parallel\.sequence_parallel, a microbatch .* 'act_residual_length' dimension of 33, which does "
+         r"not split over mesh\.tensor=2"),
+        (["mesh.sequence=4", "mesh.fsdp=2", "train.seq_len=36"],
+         r"train\.seq_len=36 must be a multiple of 8 when the sequence is split 4 ways"),
         # the batch
         (["train.batch_size=12"], r"train\.batch_size=12 .*'act_batch' dimension of 12, .* mesh\.fsdp=8; make 12 a multiple of 8"),
         (["train.batch_size=8", "train.grad_accum=2"],
@@ -293,6 +310,7 @@ def test_broken_config_file(tmp_path, body, match):
         (["train.schedule=exp"], r"train\.schedule='exp' is not valid; choose one of: cosine"),
         (["parallel.zero_stage=4"], r"parallel\.zero_stage=4 is not valid; choose one of: 0, 1, 2, 3"),
         (["parallel.collective_combine_mib=-1"], r"parallel\.collective_combine_mib=-1 is negative"),
+        (["parallel.context_parallel=ulysses"], r"parallel\.context_parallel='ulysses' is not valid; choose one of: ring, all_gather"),
         (["model.attention_impl=flash"], r"model\.attention_impl='flash' is not valid"),
         (["model.compute_dtype=fp8"], r"model\.compute_dtype='fp8' is not valid"),
         (["model.param_dtype=int8"], r"model\.param_dtype='int8' is not valid"),
@@ -308,6 +326,15 @@ def test_broken_config_file(tmp_path, body, match):
         (["data.eval_fraction=0"], r"data\.eval_fraction=0\.0 must be strictly between 0 and 1"),
         (["data.eval_fraction=1"], r"data\.eval_fraction=1\.0 must be strictly between 0 and 1"),
         (["train.min_lr_ratio=1.5"], r"train\.min_lr_ratio=1\.5 must be between 0 and 1"),
+        (["train.seed=-1"], r"train\.seed=-1 must be between 0 and 2\*\*32-1=4294967295"),
+        (["train.seed=4294967296"], r"train\.seed=4294967296 must be between 0 and 2\*\*32-1"),
+        (["train.b1=1.0"], r"train\.b1=1\.0 must be >= 0 and < 1 \(AdamW's decay rate"),
+        (["train.b2=-0.5"], r"train\.b2=-0\.5 must be >= 0 and < 1"),
+        (["train.b2=nan"], r"train\.b2=nan must be >= 0 and < 1"),
+        (["train.eps=0"], r"train\.eps=0\.0 must be a finite number > 0"),
+        (["train.max_nonfinite_steps=0"], r"train\.max_nonfinite_steps=0 must be a number >= 1"),
+        (["model.rope_theta=0"], r"model\.rope_theta=0\.0 must be a finite number > 0"),
+        (["model.rope_theta=-1"], r"model\.rope_theta=-1\.0 must be a finite number > 0"),
         (["model.vocab_size=256"], r"model\.vocab_size=256 is smaller than the 'byte' tokenizer's 257 tokens"),
         # data
         (["data.source=text"], r"data\.source='text' needs data\.paths"),
@@ -321,6 +348,14 @@ def test_invalid_config(overrides, match):
 def test_zero_stage_0_does_not_shard_embed_over_fsdp():
     # d_model=204 does not divide over fsdp=8: only a problem when ZeRO shards over fsdp.
     validate(_tiny("model.d_model=204", "parallel.zero_stage=0"), DEVICES)
+
+
+def test_fewer_kv_heads_than_tensor_ranks_are_valid():
+    """n_kv_heads=1 or 2 on tensor=2: each rank gets a copy of the KV head its query heads use."""
+    for kv in (1, 2):
+        validate(_tiny(f"model.n_kv_heads={kv}", "mesh.tensor=2", "mesh.fsdp=4"), DEVICES)
+    # sequence parallelism with a length that splits over sequence x tensor
+    validate(_tiny("mesh.tensor=2", "mesh.sequence=2", "mesh.fsdp=2", "parallel.sequence_parallel=true"), DEVICES)
 
 
 def test_device_count_is_part_of_the_check():

@@ -1,17 +1,23 @@
 """Checkpoints, exact resume, resharding on restore, preemption and non-finite policies."""
 
+import contextlib
+import errno
+import io
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
 import numpy as np
 import pytest
 
+import ushard
 from conftest import SMALL_MOE, small_config
 from ushard.errors import UserError
 from ushard.training.loop import Trainer
@@ -29,6 +35,13 @@ def train_cmd(workdir, *extra):
 
 def env(devices=8):
     return {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices)}
+
+
+def cached_env(cache_dir):
+    """env() with JAX's persistent compilation cache in `cache_dir`: the first run compiles, the runs
+    after it load the executables (seconds instead of a compilation)."""
+    return {**env(), "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def losses_by_step(workdir) -> dict[int, float]:
@@ -49,10 +62,16 @@ def wait_for_step(workdir, step, proc, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def finished_run(tmp_path_factory):
+    """The workdir of an uninterrupted 12-step run: checkpoints 6, 9 and 12 (keep=3)."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
     subprocess.run(train_cmd(workdir, "--config.train.steps=12"), env=env(), check=True, capture_output=True)
-    return losses_by_step(workdir)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(finished_run):
+    return losses_by_step(finished_run)
 
 
 def test_sigkill_then_same_command_resumes_bitwise(tmp_path, uninterrupted):
@@ -116,6 +135,318 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path, uninterrupted):
     resumed = subprocess.run(train_cmd(tmp_path, "--config.train.steps=12"), env=env(), capture_output=True, text=True)
     assert f"resumed from the checkpoint at step {stopped_at}" in resumed.stdout
     assert losses_by_step(tmp_path) == uninterrupted
+
+
+# ----------------------------------------------------------------------------- signals at any moment
+
+# `ushard train` whose data loading announces itself, then takes two minutes.
+SLOW_DATA = """
+import sys, time
+import ushard.training.loop as loop
+from ushard.cli import main
+
+load = loop.make_batches
+
+def slow_load(*args, **kwargs):
+    print("loading the data", flush=True)
+    time.sleep(120)
+    return load(*args, **kwargs)
+
+loop.make_batches = slow_load
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def signal_after_line(cmd, line: str, signum: int, environ=None) -> tuple[int, str]:
+    """Runs `cmd`, sends `signum` as soon as it prints `line`; returns (exit status, stderr)."""
+    proc = subprocess.Popen(cmd, env={**(environ or env()), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert any(line in out for out in proc.stdout), f"the run never printed {line!r}"
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    return proc.returncode, stderr
+
+
+def test_sigterm_while_loading_the_data_stops_at_once(tmp_path):
+    from ushard.workdir_lock import WorkdirLock
+
+    cmd = [sys.executable, "-c", SLOW_DATA, *train_cmd(tmp_path)[3:]]  # the arguments after `-m ushard`
+    status, stderr = signal_after_line(cmd, "loading the data", signal.SIGTERM)
+    assert status == 128 + signal.SIGTERM, stderr[-2000:]
+    assert stderr.splitlines() == ["ushard: stopped by SIGTERM while setting up the model and data, before "
+                                   "training started (nothing to save)."]
+    assert not (tmp_path / "checkpoints").exists()
+    WorkdirLock(str(tmp_path)).acquire().release()  # free again
+
+
+def test_sigint_while_compiling_waits_for_the_compiler_then_stops(tmp_path, finished_run, uninterrupted):
+    saved_dir, reference = finished_run, uninterrupted
+    shutil.copytree(saved_dir / "checkpoints" / "6", tmp_path / "checkpoints" / "6")
+    cmd, environ = train_cmd(tmp_path, "--config.train.steps=12"), cached_env(tmp_path / "jax-cache")
+    status, stderr = signal_after_line(cmd, "compiling the train step", signal.SIGINT, environ)  # a cold cache
+    # Interrupting XLA's compiler used to print "interrupted" and then crash (a segmentation fault).
+    assert status == 128 + signal.SIGINT, stderr[-2000:]
+    assert stderr.splitlines() == ["ushard: stopped by SIGINT before step 7 (nothing new to save: the state was just "
+                                   "restored from the checkpoint at step 6; run the same command to resume)."]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["6"]
+    resumed = subprocess.run(cmd, env=environ, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from the checkpoint at step 6" in resumed.stdout
+    assert losses_by_step(tmp_path) == {s: reference[s] for s in range(7, 13)}
+
+
+# ----------------------------------------------------------------------------- repeated SIGKILLs
+
+
+class Watched:
+    """A run whose stdout is read line by line in the background, so that it can be killed at a moment."""
+
+    def __init__(self, cmd, environ):
+        self.proc = subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.lines = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def last_step(self) -> int:
+        steps = [int(line.split()[1]) for line in list(self.lines) if line.startswith("step ")]
+        return max(steps, default=0)
+
+
+def saving(checkpoints, step: int) -> bool:
+    """Whether the save of `step` is under way: orbax writes it into a temporary directory first."""
+    return checkpoints.is_dir() and any(p.name.startswith(f"{step}.orbax-checkpoint-tmp") for p in checkpoints.iterdir())
+
+
+@pytest.mark.slow  # seven runs: about 100 s on two busy cores
+def test_repeated_random_sigkills_lose_nothing(tmp_path):
+    environ = {**cached_env(tmp_path / "jax-cache"), "PYTHONUNBUFFERED": "1"}  # the reference run compiles
+    settings = ("--config.train.steps=40", "--config.checkpoint.every=5")
+    subprocess.run(train_cmd(tmp_path / "reference", *settings), env=environ, check=True, capture_output=True)
+    reference = losses_by_step(tmp_path / "reference")
+    workdir, rng = tmp_path / "killed", random.Random(9)
+    cmd, checkpoints = train_cmd(workdir, *settings), workdir / "checkpoints"
+    during_saves = set(rng.sample(range(5), 3))
+    kills_in_saves = 0
+    for i in range(5):
+        # Kill i lands in steps 5i+1 .. 5i+5: during the save of step 5i+5, or after a random step.
+        # Each kill is past the checkpoint the run resumed from, so every rerun makes progress.
+        save_step, at_step = 5 * i + 5, 5 * i + rng.randint(1, 5)
+        run = Watched(cmd, environ)
+        deadline = time.time() + 120
+        while True:
+            assert run.proc.poll() is None and time.time() < deadline, f"run {i} ended before it was killed"
+            if i in during_saves and saving(checkpoints, save_step):
+                kills_in_saves += 1
+                break
+            if run.last_step() >= (save_step + 1 if i in during_saves else at_step):  # a save missed goes on
+                break
+            time.sleep(0.002)
+        run.proc.send_signal(signal.SIGKILL)
+        run.proc.wait()
+    assert kills_in_saves >= 1
+    finished = subprocess.run(cmd, env=environ, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))  # each step exactly once
+    assert {r["step"]: r["loss"] for r in records} == reference  # bitwise
+# ----------------------------------------------------------------------------- damaged checkpoints, failed saves
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Fails a test that hangs instead of blocking the suite (the waits that hung were Python waits)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_in_process(workdir, *extra) -> tuple[int, str, str]:
+    """`ushard train` with the 12-step command of `finished_run`, in this process (so a fault can be
+    injected and no interpreter start or import is paid): (exit status, stdout, stderr). Also asserts
+    that no thread the run started is left running: one would block the interpreter's exit."""
+    from ushard.cli import main
+
+    before = set(threading.enumerate())
+    out, err = io.StringIO(), io.StringIO()
+    with time_limit(180), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(train_cmd(workdir, "--config.train.steps=12", *extra)[3:])
+    for thread in set(threading.enumerate()) - before:
+        if not thread.daemon:
+            thread.join(timeout=10)
+            assert not thread.is_alive(), f"thread {thread.name} still runs: exiting would wait for it"
+    return status, out.getvalue(), err.getvalue()
+
+
+def warnings_in(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "warning" in line or "Traceback" in line or "Error" in line]
+
+
+def _array_file(step_dir):
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+               key=lambda p: p.stat().st_size)
+
+
+def _garble(path):
+    path.write_bytes(random.Random(0).randbytes(path.stat().st_size))
+
+
+# name: (damage done to checkpoints/<step>, which orbax still lists; how the one-line warning's reason starts)
+DAMAGE = {
+    "array file garbled": (lambda d: _garble(_array_file(d)), "Exception: Encountered error while reading array"),
+    "state/_METADATA deleted": (lambda d: (d / "state" / "_METADATA").unlink(), "the metadata of its state cannot be read"),
+    "manifest.ocdbt emptied": (lambda d: (d / "state" / "manifest.ocdbt").write_bytes(b""), "ValueError: DATA_LOSS"),
+    "data/metadata emptied": (lambda d: (d / "data" / "metadata").write_bytes(b""), "JSONDecodeError"),
+    "data/metadata is {}": (lambda d: (d / "data" / "metadata").write_text("{}"), "its data state {} holds no position"),
+    "config/metadata emptied": (lambda d: (d / "config" / "metadata").write_bytes(b""), "JSONDecodeError"),
+    "an empty directory": (lambda d: (shutil.rmtree(d), d.mkdir()), "KeyError"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_moved_aside_and_the_rerun_finishes_bitwise(tmp_path, finished_run, uninterrupted, damage):
+    shutil.copytree(finished_run, tmp_path, dirs_exist_ok=True)
+    damage_fn, reason = DAMAGE[damage]
+    damage_fn(tmp_path / "checkpoints" / "12")
+    status, out, err = run_in_process(tmp_path)  # the same command again: resumes at 9, saves step 12 anew
+    assert status == 0, err[-2000:]
+    [warning] = warnings_in(out + err)  # one line, however long orbax's message
+    moved = list((tmp_path / "checkpoints-damaged").iterdir())
+    assert [p.name.split("-")[0] for p in moved] == ["12"]
+    assert warning.startswith(f"ushard: warning: checkpoint 12 is damaged ({reason}")
+    assert warning.endswith(f"; moved it to {moved[0]} and trying an older one.") and len(warning) < 400
+    assert "resumed from the checkpoint at step 9" in out
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["12", "6", "9"]
+    assert losses_by_step(tmp_path) == uninterrupted  # bitwise, every step
+
+
+def test_every_damaged_step_after_the_restored_one_is_moved(tmp_path, finished_run):
+    shutil.copytree(finished_run, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "checkpoints" / "12" / "data" / "metadata").write_text("[]")
+    shutil.rmtree(tmp_path / "checkpoints" / "9")
+    (tmp_path / "checkpoints" / "9").mkdir()
+    config = ushard.load_config("tiny", [*RUN, "--config.train.steps=12"])
+    trainer, lines = Trainer(config, str(tmp_path)), []
+    _, data_state = trainer.initial_state(log=lines.append)  # restoring is all it takes: no compilation
+    trainer.checkpoints.close()
+    assert [line.split(" is damaged")[0] for line in lines[:2]] == [
+        "ushard: warning: checkpoint 12", "ushard: warning: checkpoint 9"]
+    assert lines[2:] == ["resumed from the checkpoint at step 6"] and data_state["position"] == 6 * 8 * 33  # 6 steps of 8 rows of 33 tokens
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "checkpoints-damaged").iterdir()) == ["12", "9"]
+    # Neither is listed any more, so saving steps 9 and 12 again cannot collide with them.
+    assert trainer.checkpoints.manager.all_steps() == [6] and os.listdir(tmp_path / "checkpoints") == ["6"]
+
+
+def test_load_model_skips_a_damaged_checkpoint_without_moving_it(tmp_path, finished_run):
+    shutil.copytree(finished_run / "checkpoints", tmp_path / "checkpoints")
+    (tmp_path / "checkpoints" / "12" / "state" / "manifest.ocdbt").write_bytes(b"")
+    lines = []
+    model = ushard.load_model(str(tmp_path), log=lines.append)
+    assert model.step == 9
+    [line] = lines
+    assert line.startswith("ushard: warning: checkpoint 12 is damaged (ValueError: DATA_LOSS")
+    assert line.endswith("; trying an older one.") and len(line) < 300
+    # A reader holds no lock on the workdir: a training run may own it, so nothing is moved.
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "6", "9"]
+    assert not (tmp_path / "checkpoints-damaged").exists()
+
+
+class _FullDisk:
+    """A write of a checkpoint's arrays failing as TensorStore's fails on a full disk."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def result(self, timeout=None):
+        raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "params.embedding/0.0" in OCDBT database at local file '
+                         f'"{self.path}": Failed to write 674767 bytes to file 9: No space left on device '
+                         f"[os_error_code='28']")
+
+    def cancel(self):
+        pass
+
+
+def _step_of(path, checkpoints) -> int | None:
+    """The step a path under DIR/checkpoints belongs to (`9.orbax-checkpoint-tmp/state` -> 9)."""
+    relative = os.path.relpath(path, checkpoints)
+    head = relative.split(os.sep)[0].split(".")[0]
+    return int(head) if not relative.startswith("..") and head.isdigit() else None
+
+
+def full_disk_from(monkeypatch, checkpoints, step):
+    """The array writes of every save from `step` on fail in the background, as on a full disk."""
+    import orbax.checkpoint as ocp
+
+    write = ocp.PyTreeCheckpointHandler.async_save
+
+    async def async_save(self, directory, *args, **kwargs):
+        commits = await write(self, directory, *args, **kwargs)
+        if (_step_of(directory, checkpoints) or 0) >= step:
+            return [_FullDisk(directory), *(commits or [])]
+        return commits
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", async_save)
+
+
+def read_only_from(monkeypatch, checkpoints, step):
+    """Creating the directory of any save from `step` on fails, as in a read-only directory (root ignores
+    permission bits, so chmod cannot make one)."""
+    mkdir = os.mkdir
+
+    def read_only_mkdir(path, *args, **kwargs):
+        if (_step_of(os.fspath(path), checkpoints) or 0) >= step:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", read_only_mkdir)
+
+
+def stop_by_fault(workdir, monkeypatch, fault, *extra) -> str:
+    """Runs the 12-step command with `fault` from step 6 on; checks that it stopped before step 9 with
+    one sentence and exit status 2, leaving checkpoint 3 complete; returns the sentence."""
+    checkpoints = workdir / "checkpoints"
+    with monkeypatch.context() as patch:
+        fault(patch, str(checkpoints), step=6)
+        status, out, err = run_in_process(workdir, *extra)
+    assert status == 2
+    assert warnings_in(out) == [] and len(err.splitlines()) == 1, err[-3000:]
+    logged = max(losses_by_step(workdir))
+    assert 6 <= logged < 9, logged  # stopped before the next save, which is where it used to be noticed
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["3"]
+    return err.strip()
+
+
+def sentence(workdir, cause) -> str:
+    return (f"ushard: error: saving the checkpoint of step 6 to {workdir / 'checkpoints' / '6'} failed ({cause}); "
+            f"training stopped and the newest complete checkpoint is step 3: fix the cause, then run the same "
+            f"command to resume.")
+
+
+@pytest.mark.parametrize("fault, cause", [
+    (full_disk_from, "[Errno 28] No space left on device"),  # found in the background, after the save returned
+    (read_only_from, "[Errno 30] Read-only file system"),  # found by the save itself
+])
+def test_a_failed_save_stops_the_run_and_the_rerun_resumes_bitwise(tmp_path, monkeypatch, uninterrupted, fault, cause):
+    assert stop_by_fault(tmp_path, monkeypatch, fault) == sentence(tmp_path, cause)
+    status, out, err = run_in_process(tmp_path)  # the cause fixed
+    assert status == 0, err[-2000:]
+    assert "resumed from the checkpoint at step 3" in out
+    assert losses_by_step(tmp_path) == uninterrupted
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["12", "6", "9"]
+
+
+def test_a_failed_synchronous_save_stops_the_run_the_same_way(tmp_path, monkeypatch):
+    stopped = stop_by_fault(tmp_path, monkeypatch, full_disk_from, "--config.checkpoint.async_save=false")
+    assert stopped == sentence(tmp_path, "[Errno 28] No space left on device")
 
 
 # ----------------------------------------------------------------------------- resharding, in process
@@ -216,6 +547,9 @@ def test_incompatible_checkpoint_names_the_difference(zero3_run, stdlib_batches,
     saved_dir, _ = zero3_run
     with pytest.raises(UserError, match=match):
         Trainer(ckpt_config(**{"mesh.fsdp": 8, **override}), str(saved_dir), batches=stdlib_batches).run(log=quiet)
+    # Not damaged: left where it is, for the run of the right model.
+    assert sorted(os.listdir(saved_dir / "checkpoints")) == ["3", "6"]
+    assert not (saved_dir / "checkpoints-damaged").exists()
 
 
 def test_a_saved_config_without_newer_keys_reads_them_as_defaults():
@@ -231,18 +565,19 @@ def test_a_saved_config_without_newer_keys_reads_them_as_defaults():
 
 
 class PoisonedBatches:
-    """The real batches, except that batch number `bad` (counted from 0) carries an out-of-range token:
-    its embedding is NaN."""
+    """The real batches, except that the batches numbered in `bad` (from 0, at the run's fixed batch size)
+    carry an out-of-range token: its embedding is NaN."""
 
-    def __init__(self, batches, bad: int):
-        self._batches, self.bad = batches, bad
+    def __init__(self, batches, bad):
+        self._batches, self.bad, self.batch_size = batches, bad, None
 
     def position(self, batch_number: int) -> int:
-        return batch_number * small_config().train.batch_size * self._batches.window
+        return batch_number * self.batch_size * self._batches.window
 
     def train_batch(self, state, batch_size, rows=None):
         batch, next_state = self._batches.train_batch(state, batch_size, rows)
-        if state["position"] == self.position(self.bad):
+        self.batch_size = batch_size
+        if state["position"] // self.position(1) in self.bad:
             batch["inputs"] = batch["inputs"].copy()
             batch["inputs"][:, 3] = 10_000
         return batch, next_state
@@ -253,7 +588,7 @@ class PoisonedBatches:
 
 def test_nonfinite_skip_counts_and_keeps_the_state(stdlib_batches):
     trainer = Trainer(ckpt_config(**{"mesh.fsdp": 8, "train.on_nonfinite": "skip"}),
-                      batches=PoisonedBatches(stdlib_batches, bad=3))
+                      batches=PoisonedBatches(stdlib_batches, bad={3}))
     records = trainer.run(log=quiet)
     by_step = {r["step"]: r for r in records}
     assert not np.isfinite(by_step[4]["loss"])  # step 4 trains on batch 3
@@ -265,7 +600,7 @@ def test_nonfinite_skip_counts_and_keeps_the_state(stdlib_batches):
 def test_nonfinite_rollback_restores_and_moves_past_the_batch(tmp_path, stdlib_batches):
     lines = []
     config = ckpt_config(**{"mesh.fsdp": 8, "train.on_nonfinite": "rollback", "checkpoint.every": 2})
-    trainer = Trainer(config, str(tmp_path), batches=PoisonedBatches(stdlib_batches, bad=4))
+    trainer = Trainer(config, str(tmp_path), batches=PoisonedBatches(stdlib_batches, bad={4}))
     records = trainer.run(log=lines.append)
     assert any("rolled back to step 4, skipping that batch" in l for l in lines), lines
     final = {r["step"]: r for r in records}  # the last record of each step: after the rollback
@@ -280,9 +615,88 @@ def test_nonfinite_rollback_restores_and_moves_past_the_batch(tmp_path, stdlib_b
 
 def test_nonfinite_stop_says_where(stdlib_batches):
     trainer = Trainer(ckpt_config(**{"mesh.fsdp": 8, "train.on_nonfinite": "stop"}),
-                      batches=PoisonedBatches(stdlib_batches, bad=1))
+                      batches=PoisonedBatches(stdlib_batches, bad={1}))
     with pytest.raises(UserError, match=r"training stopped: step 2 \(the batch at data position 528\) gave loss nan"):
         trainer.run(log=quiet)
+
+
+FOREVER = range(2, 10**9)  # every batch from batch 2 on: a NaN that does not go away
+
+
+def single_device_config(**overrides):
+    """One device and one layer: the non-finite policies do not depend on the layout."""
+    return ckpt_config(**{"mesh.fsdp": 1, "model.n_layers": 1, "train.batch_size": 8, **overrides})
+
+
+def test_nonfinite_rollback_gives_up_when_the_trouble_stays(tmp_path, stdlib_batches):
+    lines = []
+    config = single_device_config(**{"train.on_nonfinite": "rollback", "checkpoint.every": 2,
+                                     "train.max_nonfinite_steps": 3})
+    trainer = Trainer(config, str(tmp_path), devices=jax.devices()[:1], batches=PoisonedBatches(stdlib_batches, FOREVER))
+    with pytest.raises(UserError) as excinfo:
+        trainer.run(log=lines.append)
+    assert str(excinfo.value) == (
+        "training stopped: 3 steps in a row gave a non-finite loss or gradient norm (the last, step 3 on the batch at data "
+        "position 1,056: "
+        "loss nan, gradient norm nan), the limit train.max_nonfinite_steps=3 for train.on_nonfinite='rollback'; "
+        "lower train.lr or check the data (checkpoints hold only finite states)."
+    )
+    # Step 3 failed on batches 2 and 3 (each time rolled back to step 2), then on batch 4: the limit.
+    assert [l for l in lines if "rolled back" in l] == [
+        f"ushard: step 3 (the batch at data position {p}) gave loss nan, gradient norm nan; rolled back to step 2, "
+        f"skipping that batch." for p in ("528", "792")  # batches 2 and 3 of 8 rows of 33 tokens
+    ]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
+@pytest.fixture(scope="module")
+def skipping_trainer(stdlib_batches):
+    """A 3-step run with train.on_nonfinite='skip', no workdir, compiled once; tests set its batches and
+    limit, and `saved` lists the steps it would have saved."""
+    config = single_device_config(**{"train.steps": 3, "train.on_nonfinite": "skip", "checkpoint.every": 0})
+    trainer = Trainer(config, devices=jax.devices()[:1], batches=stdlib_batches)
+    trainer.saved = []
+    trainer._save = lambda state, data_state, step: trainer.saved.append(step)
+    return trainer
+
+
+def run_skipping(trainer, stdlib_batches, bad, limit):
+    trainer.batches, trainer.saved[:] = PoisonedBatches(stdlib_batches, bad), []
+    trainer.config.train.max_nonfinite_steps = limit
+    return trainer.run(log=quiet)
+
+
+@pytest.mark.parametrize("limit, expected", [
+    (5, "training stopped: every step of this run up to step 3 gave a non-finite loss or gradient norm (the last, "
+        "on the batch at data position 528: loss nan, gradient norm nan), so it trained nothing; lower train.lr "
+        "or check the data."),
+    (2, "training stopped: 2 steps in a row gave a non-finite loss or gradient norm (the last, step 2 on the batch at data "
+        "position 264: "
+        "loss nan, gradient norm nan), the limit train.max_nonfinite_steps=2 for train.on_nonfinite='skip'; "
+        "lower train.lr or check the data (checkpoints hold only finite states)."),
+])
+def test_nonfinite_skip_of_every_step_stops_without_saving(skipping_trainer, stdlib_batches, limit, expected):
+    with pytest.raises(UserError) as excinfo:
+        run_skipping(skipping_trainer, stdlib_batches, bad=range(10**9), limit=limit)
+    assert str(excinfo.value) == expected
+    assert skipping_trainer.saved == []
+
+
+def test_nonfinite_within_the_limit_trains_through(skipping_trainer, stdlib_batches):
+    records = run_skipping(skipping_trainer, stdlib_batches, bad={0, 1}, limit=3)
+    assert [np.isfinite(r["loss"]) for r in records] == [False, False, True]
+    assert [r["skipped_steps"] for r in records] == [1, 2, 2]
+    assert skipping_trainer.saved == [3]
+
+
+def test_nonfinite_row_needs_progress_past_the_trouble_to_end():
+    from ushard.training.loop import NonfiniteRow
+
+    row = NonfiniteRow(limit=3)
+    assert [row.add(s, f) for s, f in [(1, True), (2, False), (1, True), (2, False), (2, True), (3, False)]] == [
+        False, False, False, False, False, False]
+    assert row.count == 1  # step 2 became finite on another batch: progress, the row started again at 3
+    assert [row.add(s, f) for s, f in [(2, True), (3, False), (3, False)]] == [False, False, True]
 
 
 # ----------------------------------------------------------------------------- several processes

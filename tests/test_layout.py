@@ -49,6 +49,24 @@ def test_layout_answers_axes_and_specs(stage, sizes, embed_by_kind):
     assert layout.sharding(("embed",), "opt_state").spec == P("fsdp" if embed_by_kind["opt_state"] else None)
 
 
+@pytest.mark.parametrize("sequence_parallel, residual", [(False, ("sequence",)), (True, ("sequence", "tensor"))])
+def test_sequence_parallelism_splits_only_the_residual_stream_over_tensor(sequence_parallel, residual):
+    shape = {axis: 1 for axis in MESH_AXES} | {"tensor": 2, "sequence": 2, "fsdp": 2}
+    layout = Layout.create(build_mesh(shape, devices=jax.devices()[:8]), sequence_parallel=sequence_parallel)
+    assert layout.axes("act_residual_length") == residual
+    assert layout.axes("act_length") == ("sequence",)  # inside attention and the MLP
+    assert layout.spec(("act_batch", "act_residual_length", "act_embed")) == P(BATCH, residual, None)
+
+
+@pytest.mark.parametrize("n_kv_heads, split", [(8, True), (4, True), (2, False), (1, False)])
+def test_kv_weights_split_over_tensor_only_by_whole_heads(n_kv_heads, split):
+    """tensor=4: 8 or 4 KV heads split; 2 or 1 stay whole on every rank (each rank uses one copy)."""
+    shape = {axis: 1 for axis in MESH_AXES} | {"tensor": 4, "fsdp": 2}
+    layout = Layout.create(build_mesh(shape, devices=jax.devices()[:8]), n_kv_heads=n_kv_heads)
+    assert layout.axes("kv_heads", "params") == (("tensor",) if split else ())
+    assert layout.axes("heads", "params") == ("tensor",) and layout.axes("act_kv_heads") == ("tensor",)
+
+
 def test_an_unknown_logical_name_is_refused():
     with pytest.raises(KeyError, match="'embedding_dim' has no sharding rule"):
         layout_for().spec(("embedding_dim",))

@@ -82,6 +82,45 @@ def test_sample_without_checkpoints_is_one_error_line(tmp_path):
     assert "checkpoints" in lines[0]
 
 
+def test_a_generation_too_big_for_memory_is_one_error_line(trained_workdir):
+    result = run_cli("--workdir", str(trained_workdir), "--prompt", "def ", "--max_new_tokens", "1000000000")
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("ushard: error: --max_new_tokens=1000000000 would need about ")
+    assert "GB of host memory; the largest --max_new_tokens that fits is " in lines[-1]
+    assert "Traceback" not in result.stderr and not result.stdout  # refused before generating anything
+
+
+class FakeDevice:
+    def __init__(self, limit, in_use):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+    def __str__(self):
+        return "cuda:0"
+
+
+def test_memory_check_names_the_largest_generation_that_fits():
+    from ushard.sample import check_memory, generation_bytes
+
+    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, compute_dtype="bfloat16")
+    per_position = 3 * 2 * 2 * 2 * 16 * 2 + 2 * 5 * 4 * 4  # the cache three times, the prefill's scores
+    assert generation_bytes(cfg, 5, 1) == per_position
+    device = FakeDevice(limit=2_000_000_000 + 100_000, in_use=2_000_000_000)  # 100 kB free
+    largest = 100_000 // per_position - 5
+    check_memory(cfg, 5, largest, device)
+    with pytest.raises(UserError) as excinfo:
+        check_memory(cfg, 5, largest + 1, device)
+    assert str(excinfo.value) == (
+        f"--max_new_tokens={largest + 1} would need about 0.1 MB for the KV cache of {largest + 6} positions, more "
+        f"than the 0.1 MB free on cuda:0; the largest --max_new_tokens that fits is {largest}."
+    )
+    with pytest.raises(UserError, match="even one new token does not fit after this prompt; shorten it"):
+        check_memory(cfg, 200, 1, device)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -154,6 +154,32 @@ def test_a_full_disk_is_one_sentence_and_leaves_the_lock_free(tmp_path, monkeypa
         assert _holder_in_file(tmp_path)["pid"] == os.getpid()
 
 
+def test_a_read_only_filesystem_is_one_sentence(tmp_path, monkeypatch):
+    def read_only(path, flags, mode=0o777):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    with monkeypatch.context() as patch:  # root can write through chmod, not through a read-only mount
+        patch.setattr(workdir_lock.os, "open", read_only)
+        with pytest.raises(UserError) as excinfo:
+            WorkdirLock(str(tmp_path)).acquire()
+    assert _one_sentence(excinfo) == (f"cannot create the lock file {tmp_path / '.lock'}: Read-only file system; "
+                                      f"give a writable directory for --workdir.")
+
+
+@pytest.mark.parametrize("workdir, sentence", [
+    ("file", "workdir {d}/file exists and is not a directory; give a directory for --workdir."),
+    ("file/run", "cannot create the lock file {d}/file/run/.lock: Not a directory; give a writable directory for --workdir."),
+])
+def test_cli_refuses_an_unusable_workdir_before_loading_data(tmp_path, capsys, monkeypatch, workdir, sentence):
+    from ushard.cli import main
+    from ushard.training import loop
+
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setattr(loop, "make_batches", lambda *args, **kwargs: pytest.fail("the data loaded first"))
+    assert main(["train", "--config", "tiny", "--workdir", str(tmp_path / workdir)]) == 2
+    assert capsys.readouterr().err.splitlines() == ["ushard: error: " + sentence.format(d=tmp_path)]
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
 def test_read_only_workdir_is_one_sentence(tmp_path):
     tmp_path.chmod(0o500)

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from ushard import config as _config
 from ushard import xla_flags
 from ushard.workdir_lock import hold_workdir
@@ -26,11 +28,17 @@ def load_config(name_or_path: str, overrides=None):
 def train(config, workdir: str | None = None, log=print) -> list[dict]:
     """Trains `config` as `ushard train` does: DIR/metrics.jsonl, checkpoints and resume in `workdir`
     (None: nothing is written). Returns the logged metrics rows. XLA flags the config implies take
-    effect only if JAX's backend has not started yet in this process."""
-    from ushard.training.loop import Trainer
+    effect only if JAX's backend has not started yet in this process. SIGTERM / SIGINT (from the main
+    thread) stop it with `Preempted` at the next safe point, after saving where there is something new."""
+    import jax
+
+    from ushard.training.loop import StopSignals, Trainer
 
     xla_flags.apply(config)
-    if workdir is None:
-        return Trainer(config).run(log)
-    with hold_workdir(workdir, log):  # one run per workdir, before anything in it is touched
-        return Trainer(config, workdir).run(log)
+    with StopSignals() as signals:
+        jax.devices()  # the backend starts outside `at_once`: its C++ is no place for an exception
+        with hold_workdir(workdir, log) if workdir else contextlib.nullcontext():  # one run per workdir
+            # Python work that holds nothing yet (above all loading the data) may stop on the spot.
+            with signals.at_once("while setting up the model and data, before training started (nothing to save)"):
+                trainer = Trainer(config, workdir)
+            return trainer.run(log, signals)

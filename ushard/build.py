@@ -63,7 +63,9 @@ def build(config, devices=None) -> Setup:
     model_cfg = ModelConfig.from_config(config.model)
     model = model_definition(model_cfg)
     p, t = config.parallel, config.train
-    layout = Layout.create(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), p.zero_stage, p.reshard_after_forward)
+    mesh = build_mesh(mesh_shape, dict(config.mesh.dcn), devices)
+    layout = Layout.create(mesh, p.zero_stage, p.reshard_after_forward, p.sequence_parallel, model_cfg.n_kv_heads)
     tx, schedule = make_optimizer(t, model.logical)
-    steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip")
+    steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip",
+                  context_parallel=p.context_parallel)
     return Setup(config, model_cfg, mesh_shape, layout, model, tx, schedule, steps)

@@ -7,85 +7,272 @@ is never mistaken for a checkpoint; ushard warns about it. Restoring takes the *
 run resumes on any mesh and any number of devices. One restore path (`Checkpoints.restore_newest`)
 serves training (the whole state) and `ushard sample` / `ushard.load_model` (the parameters alone);
 whether a checkpoint fits is decided by comparing its parameter tree on disk with the one expected.
+
+Faults: a checkpoint that cannot be read (any file of it missing, truncated or garbled) is damaged;
+training moves it to DIR/checkpoints-damaged/ (never deletes it) and resumes from the newest good one.
+A save that fails (a full disk, a read-only directory) raises `SaveFailed` as soon as it is known; the
+checkpoints before it stay complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
+import sys
+import time
 import warnings
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from ushard.errors import UserError
 from ushard.models.config import ModelConfig
 from ushard.models.definition import tree_paths
 
+DAMAGED_DIR = "checkpoints-damaged"  # beside checkpoints/, so that orbax's listing of steps never sees it
+
+
+class SaveFailed(UserError):
+    """A checkpoint could not be written (a full disk, a read-only directory): the run stops with one
+    sentence and exit status 2; the checkpoints before it are complete, and the same command resumes."""
+
+
+class Damaged(Exception):
+    """A checkpoint whose files can be read but do not hold what a checkpoint holds."""
+
+
+class _OrbaxLogFilter(logging.Filter):
+    """Drops what orbax logs about the failures ushard reports itself in one line: orbax logs each failed
+    save from several threads with tracebacks (2,579 lines for one full disk, and asyncio adds its own
+    'Task exception was never retrieved'), and warns about every missing file of a damaged checkpoint."""
+
+    reading = False  # set while checkpoints that may be damaged are read
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from_orbax = "/orbax/" in record.pathname or (record.name == "asyncio" and "/orbax/" in record.getMessage())
+        if not from_orbax or record.levelno >= logging.CRITICAL:
+            return True
+        return record.levelno < (logging.WARNING if self.reading else logging.ERROR)
+
+
+_orbax_log = _OrbaxLogFilter()
 logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
+logging.getLogger("absl").addFilter(_orbax_log)
+logging.getLogger("asyncio").addFilter(_orbax_log)
+
+
+@contextlib.contextmanager
+def _reading_checkpoints():
+    """orbax's warnings are not shown while checkpoints that may be damaged are read."""
+    _orbax_log.reading = True
+    try:
+        yield
+    finally:
+        _orbax_log.reading = False
+
+
+def _hide_stray_tensorstore_errors(previous_hook):
+    """A sys.unraisablehook: when one read or write of a checkpoint fails, orbax closes its event loop
+    while TensorStore still completes the others, whose callbacks then fail with 'Event loop is closed'
+    or drop a future holding their error; Python would print each as an 'Exception ignored' traceback
+    (dozens for one damaged file). ushard reports the failure itself; anything else goes to `previous_hook`."""
+
+    def hook(unraisable):
+        error = unraisable.exc_value
+        stray = (isinstance(error, RuntimeError) and str(error) == "Event loop is closed") or "TensorStore" in str(error)
+        if not stray:
+            previous_hook(unraisable)
+
+    return hook
+
+
+sys.unraisablehook = _hide_stray_tensorstore_errors(sys.unraisablehook)
 
 
 class Checkpoints:
-    """DIR/checkpoints of one workdir; `create=False` opens an existing one for reading only."""
+    """DIR/checkpoints of one workdir; `create=False` opens an existing one for reading only: then a
+    damaged checkpoint is skipped but not moved (a reader holds no lock on the workdir)."""
 
     def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, create: bool = True):
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.damaged_directory = os.path.join(os.path.dirname(self.directory), DAMAGED_DIR)
+        self.move_damaged = create
         if not create and not os.path.isdir(self.directory):
             raise UserError(f"{self.directory} does not exist; train a model first with `ushard train --workdir {workdir}`.")
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=create)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=create,
+            # Directories made by save() itself: a read-only directory fails there and then. Made in the
+            # background, the failure left the array writers waiting 5 minutes for a directory that never came.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+        )
         # The state as a PyTree: its metadata can be read, and it can be restored in part.
         handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
                     "config": ocp.JsonCheckpointHandler()}
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        with _reading_checkpoints():  # it reads the metadata of every step
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._in_flight = None  # the step of a save that may still be running
 
     def save(self, step: int, state: dict, data_state: dict, config) -> None:
-        """Starts saving; returns once the device arrays are safe to overwrite (donate) again."""
+        """Starts saving; returns once the device arrays are safe to overwrite (donate) again. Raises
+        SaveFailed if this save, or the one before it, failed."""
+        self.wait()  # orbax would wait for the save before anyway, and blame its failure on this one
         items = ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
                                    config=ocp.args.JsonSave(json.loads(config.to_json())))
-        self.manager.save(step, args=items, force=True)
+        try:
+            self.manager.save(step, args=items, force=True)
+        except Exception as e:  # a synchronous save, or the directories of an asynchronous one
+            raise self._save_failed(step, e) from e
+        self._in_flight = step
+
+    def check(self) -> None:
+        """Raises SaveFailed if the save in flight has failed; never waits for one still being written.
+        In a run of several processes every process must call it at the same step: they stop together,
+        as one that stopped alone would leave the others waiting in the next collective."""
+        failure = None
+        if self._in_flight is not None and not self.manager.is_saving_in_progress():
+            try:
+                self.wait()  # it has ended: this returns at once, or raises its error
+            except SaveFailed as e:
+                failure = e
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            failed = multihost_utils.process_allgather(np.int32(failure is not None))
+            if failure is None and failed.any():
+                failure = SaveFailed(f"saving a checkpoint to {self.directory} failed on process "
+                                     f"{int(np.argmax(failed))}; its message says why.")
+        if failure is not None:
+            raise failure
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits until the save in flight is written; raises SaveFailed if it failed."""
+        step, self._in_flight = self._in_flight, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_failed(step, e) from e
+
+    def _save_failed(self, step, error: Exception) -> SaveFailed:
+        kept = [s for s in self.manager.all_steps() if s != step]
+        newest = f"the newest complete checkpoint is step {max(kept)}" if kept else "no checkpoint was completed"
+        return SaveFailed(
+            f"saving the checkpoint of step {step} to {os.path.join(self.directory, str(step))} failed "
+            f"({_cause(error)}); training stopped and {newest}: fix the cause, then run the same command to resume."
+        )
 
     def restore_newest(self, target, log=print):
         """(step, state, data_state, saved config) from the newest checkpoint that can be read, or None
         when there is none. `target(saved_config)` gives (abstract state, ModelConfig) to restore into:
-        a dict with at least "params", leaves ShapeDtypeStructs carrying the shardings wanted. An
-        unreadable checkpoint is reported and the one before it tried; a checkpoint of another model
-        stops at once with a UserError."""
+        a dict with at least "params", leaves ShapeDtypeStructs carrying the shardings wanted. A damaged
+        checkpoint is reported in one line, moved aside (when opened for training) and the one before it
+        tried, so that no step that is listed on disk lies ahead of the restored one; a checkpoint of
+        another model stops at once with a UserError and is left where it is.
+
+        Several processes: each reads the same files, so all judge the same steps damaged and restore
+        the same one (a filesystem that shows processes different files breaks this); process 0 moves."""
         for name in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else ():
             if "orbax-checkpoint-tmp" in name:
                 log(f"ushard: warning: skipping {os.path.join(self.directory, name)}, a save that never finished.")
-        self.manager.reload()
-        steps = sorted(self.manager.all_steps())
-        for step in reversed(steps):
+        restored, damaged = None, []
+        with _reading_checkpoints():
+            self.manager.reload()
+            for step in sorted(self.manager.all_steps(), reverse=True):
+                try:
+                    restored = (step, *self._restore(step, target))
+                    break
+                except (UserError, MemoryError, jax.errors.JaxRuntimeError):
+                    raise  # another model, or the devices (out of memory): not the files' fault
+                except Exception as e:  # a file missing, truncated, garbled
+                    damaged.append(step)
+                    self._set_aside(step, e, log)
+        if damaged and self.move_damaged:
+            if jax.process_count() > 1:  # nobody lists the steps again before process 0 has moved them
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("ushard: damaged checkpoints moved")
+            self.manager.reload()  # a damaged step is no longer listed, so saving it again cannot collide
+        elif damaged and restored is None:
+            raise UserError(f"no checkpoint in {self.directory} can be read; train again to write a new one.")
+        return restored
+
+    def _set_aside(self, step: int, error: Exception, log) -> None:
+        """Reports a damaged checkpoint in one line and, when training, moves it out of checkpoints/."""
+        what = f"ushard: warning: checkpoint {step} is damaged ({_first_line(error)})"
+        if not self.move_damaged:
+            log(f"{what}; trying an older one.")
+            return
+        source = os.path.join(self.directory, str(step))
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        destination = os.path.join(self.damaged_directory, f"{step}-{stamp}")
+        if jax.process_index() == 0:
             try:
-                return (step, *self._restore(step, target))
-            except UserError:
-                raise
-            except Exception as e:  # unreadable or missing files
-                log(f"ushard: warning: checkpoint {step} cannot be read ({type(e).__name__}: {e}); trying an older one.")
-        if steps:
-            raise UserError(f"no checkpoint in {self.directory} can be read; move the directory away to start afresh.")
-        return None
+                os.makedirs(self.damaged_directory, exist_ok=True)
+                destination = _unused(destination)
+                os.rename(source, destination)
+            except OSError as e:
+                raise UserError(f"{what} and cannot be moved to {destination} ({e.strerror}); move {source} "
+                                f"out of {self.directory} yourself, then run again.") from e
+        log(f"{what}; moved it to {destination} and trying an older one.")
 
     def _restore(self, step: int, target):
         saved_config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        if not isinstance(saved_config, dict) or not isinstance(saved_config.get("model"), dict):
+            raise Damaged("its saved config holds no model settings")
         abstract, model_cfg = target(saved_config)
-        on_disk = self.manager.item_metadata(step)["state"].tree["params"]
-        check_compatible(on_disk, abstract["params"], saved_config, model_cfg, step)
+        metadata = self.manager.item_metadata(step)["state"]
+        if metadata is None:
+            raise Damaged("the metadata of its state cannot be read")
+        check_compatible(metadata.tree["params"], abstract["params"], saved_config, model_cfg, step)
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
         items = ocp.args.Composite(
             state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True),
             data=ocp.args.JsonRestore(),
         )
         restored = self.manager.restore(step, args=items)
-        return restored["state"], restored["data"], saved_config
+        data = restored["data"]
+        # The data code checks what the position means; here only that there is one.
+        if not isinstance(data, dict) or not ("next_batch" in data or "position" in data):
+            raise Damaged(f"its data state {json.dumps(data)[:80]} holds no position")
+        return restored["state"], data, saved_config
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for the save in flight (SaveFailed if it failed), then stops orbax's threads."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+
+def _first_line(error: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message`, cut to `limit` characters: TensorStore's messages run to 465 KB."""
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else ""
+    text = first if isinstance(error, Damaged) else f"{type(error).__name__}: {first}"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _cause(error: BaseException) -> str:
+    """Why a write failed, in a few words: an OS error's number and text (TensorStore wraps it in a
+    ValueError as os_error_code='N'), else the exception's first line."""
+    if isinstance(error, OSError) and error.errno:
+        return f"[Errno {error.errno}] {error.strerror}"
+    code = re.search(r"os_error_code='?(\d+)", str(error))
+    if code:
+        return f"[Errno {code.group(1)}] {os.strerror(int(code.group(1)))}"
+    return _first_line(error)
+
+
+def _unused(path: str) -> str:
+    """`path`, or `path-2`, `path-3`, ... if it exists (a step damaged twice within one second)."""
+    candidate, n = path, 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}-{n}"
+    return candidate
 
 
 def saved_model_config(saved_config: dict) -> ModelConfig:

@@ -121,9 +121,13 @@ def main(argv=None) -> int:
     except Preempted as e:
         print(f"ushard: {e}", file=sys.stderr)
         return 128 + e.signum
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C (the first stops at a safe point), or one before the run
         print("ushard: interrupted.", file=sys.stderr)
-        return 130
+        # It may have cut into XLA's C++ (a compilation), whose threads then crash the interpreter's
+        # teardown: leave without one. What the run had written was closed while the exception unwound.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":

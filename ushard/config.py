@@ -21,6 +21,7 @@ import ml_collections
 from ushard.data.tokenizer import TOKENIZERS
 from ushard.errors import UserError
 from ushard.models.config import ModelConfig
+from ushard.parallel import context
 
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 # Axes whose implementation has not landed yet: a size other than 1 is refused with a clear sentence.
@@ -59,6 +60,9 @@ def default_config() -> ml_collections.ConfigDict:
     # A step whose loss or gradient is NaN/inf: "skip" its update (and count it), "rollback" to the
     # last checkpoint and move past the offending batch, or "stop" with a message.
     c.train.on_nonfinite = "skip"
+    # "skip" and "rollback" give up (one sentence, exit 2) after this many non-finite steps in a row:
+    # a NaN that does not go away is a diverged run, not a bad batch.
+    c.train.max_nonfinite_steps = 5
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0  # steps between checkpoints in DIR/checkpoints; 0: only at the end and on SIGTERM
@@ -80,6 +84,12 @@ def default_config() -> ml_collections.ConfigDict:
     # ZeRO-3: gather each layer's weights again for the backward pass (true), or keep the forward's
     # gathered copy in the compute dtype until then (false: half the all-gathers, one more weight copy).
     c.parallel.reshard_after_forward = True
+    # Megatron sequence parallelism over `tensor`: the residual stream and norms between the blocks are
+    # split along the sequence too, so activations shrink with the tensor size (same communication).
+    c.parallel.sequence_parallel = False
+    # How attention splits the sequence when mesh.sequence > 1 (ushard/parallel/context.py): "ring"
+    # passes keys and values around the devices, "all_gather" gathers them all on every device.
+    c.parallel.context_parallel = "ring"
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"  # stdlib | text | jsonl
@@ -269,6 +279,17 @@ def _positive(value, key, allow_zero=False):
         raise UserError(f"{key}={value!r} must be a number >= {low}.")
 
 
+def _check_optimizer(t) -> None:
+    """AdamW's moment decays live in [0, 1): at 1 a moment never forgets its start and the bias
+    correction divides by zero. eps > 0 keeps m / (sqrt(v) + eps) finite where a gradient is exactly 0
+    (rows of the embedding that the data never uses)."""
+    for key in ("b1", "b2"):
+        if not 0.0 <= t[key] < 1.0:
+            raise UserError(f"train.{key}={t[key]!r} must be >= 0 and < 1 (AdamW's decay rate; typical: b1=0.9, b2=0.95).")
+    if not (math.isfinite(t.eps) and t.eps > 0):
+        raise UserError(f"train.eps={t.eps!r} must be a finite number > 0 (AdamW's denominator term; typical: 1e-8).")
+
+
 def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
     """Axis sizes with the one -1 filled in; the product must equal the device count."""
     sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
@@ -300,7 +321,7 @@ def check_settings(config) -> ModelConfig:
     """Checks every setting that needs no devices; returns the model's settings, validated."""
     t, d = config.train, config.data
     model_cfg = ModelConfig.from_config(config.model)
-    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
+    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "max_nonfinite_steps"):
         _positive(t[key], f"train.{key}")
     for key in ("warmup_steps", "eval_every", "eval_batches", "weight_decay", "grad_clip", "lr"):
         _positive(t[key], f"train.{key}", allow_zero=True)
@@ -308,13 +329,16 @@ def check_settings(config) -> ModelConfig:
     _positive(config.checkpoint.keep, "checkpoint.keep")
     for key, valid in (("train.schedule", SCHEDULES), ("train.on_nonfinite", NONFINITE_POLICIES),
                        ("data.source", DATA_SOURCES), ("data.tokenizer", tuple(TOKENIZERS)),
-                       ("parallel.zero_stage", (0, 1, 2, 3))):
+                       ("parallel.zero_stage", (0, 1, 2, 3)), ("parallel.context_parallel", context.MODES)):
         group, name = key.split(".")
         _choice(config[group][name], valid, key)
     if config.parallel.collective_combine_mib < 0:
         raise UserError(f"parallel.collective_combine_mib={config.parallel.collective_combine_mib} is negative; use 0 for XLA's default or a size in MiB.")
     if not 0.0 < d.eval_fraction < 1.0:
         raise UserError(f"data.eval_fraction={d.eval_fraction!r} must be strictly between 0 and 1.")
+    _check_optimizer(t)
+    if not 0 <= t.seed < 2**32:  # JAX would wrap a negative seed silently; 32 bits is plenty and fits every PRNG impl
+        raise UserError(f"train.seed={t.seed!r} must be between 0 and 2**32-1={2**32 - 1}.")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UserError(f"train.min_lr_ratio={t.min_lr_ratio!r} must be between 0 and 1.")
     tokens = TOKENIZERS[d.tokenizer].vocab_size
@@ -351,13 +375,32 @@ def validate(config, num_devices: int) -> dict[str, int]:
     logical name maps to. The activations' other dimensions (heads, mlp, vocab) are the parameters'.
     """
     from ushard.models.definition import model_definition
-    from ushard.sharding import BATCH_NAMES, ZeroRules, check_divisible
+    from ushard.sharding import BATCH_NAMES, RESIDUAL_NAMES, ZeroRules, check_divisible, mesh_axes
 
-    model_cfg, mesh, t = check_settings(config), check_mesh(config, num_devices), config.train
-    zero = ZeroRules.for_stage(config.parallel.zero_stage)
+    model_cfg, mesh, t, p = check_settings(config), check_mesh(config, num_devices), config.train, config.parallel
+    split_kv = check_kv_heads(model_cfg.n_kv_heads, mesh["tensor"])
+    zero = ZeroRules.for_stage(p.zero_stage, sequence_parallel=p.sequence_parallel, split_kv_heads=split_kv)
     parameters = model_definition(model_cfg).named_shapes()
     for rules in (zero.params, zero.grads, zero.opt_state):
         check_divisible(parameters, rules, mesh)
     what = f"a microbatch (train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum} sequences of train.seq_len={t.seq_len})"
-    check_divisible({what: (BATCH_NAMES, (t.batch_size // t.grad_accum, t.seq_len))}, zero.compute, mesh)
+    micro = (t.batch_size // t.grad_accum, t.seq_len)
+    check_divisible({what: (BATCH_NAMES, micro)}, zero.compute, mesh)
+    if p.sequence_parallel:
+        check_divisible({f"with parallel.sequence_parallel, {what}": (RESIDUAL_NAMES, micro)}, zero.compute, mesh)
+    context.check_length(t.seq_len, math.prod(mesh[a] for a in mesh_axes("act_length", zero.compute)))
     return mesh
+
+
+def check_kv_heads(n_kv_heads: int, tensor: int) -> bool:
+    """Whether the K/V heads split over mesh.tensor (else each is repeated on tensor/n_kv_heads ranks)."""
+    from ushard.sharding import kv_heads_split
+
+    if kv_heads_split(n_kv_heads, tensor):
+        return True
+    if tensor % n_kv_heads:
+        raise UserError(
+            f"model.n_kv_heads={n_kv_heads} and mesh.tensor={tensor}: each tensor rank needs whole key/value "
+            f"heads, so one must be a multiple of the other; choose mesh.tensor among the divisors or multiples of {n_kv_heads}."
+        )
+    return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import math
+import os
 import sys
 
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 
 from ushard.data.tokenizer import get_tokenizer
 from ushard.errors import UserError
+from ushard.models.config import ModelConfig
 from ushard.models.definition import ModelDef
 from ushard.trained import load_model
 
@@ -81,6 +83,48 @@ def check_arguments(prompt: str, max_new_tokens: int, temperature: float, top_k:
         raise UserError(f"--top_k={top_k} must be >= 0 (0 samples from the whole vocabulary).")
 
 
+# Peak memory of a generation step per cache position, in units of the cache itself: the cache in,
+# the cache out (the scan over layers writes a new stack) and temporaries; 2.4 measured on CPU.
+CACHE_COPIES = 3
+
+
+def generation_bytes(cfg: ModelConfig, prompt_len: int, positions: int) -> int:
+    """Estimated peak bytes of generating up to `positions` tokens after a `prompt_len`-token prompt: the
+    KV cache (CACHE_COPIES times) and the prefill's float32 attention scores and probabilities, which
+    span every cache slot."""
+    cache = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * np.dtype(cfg.compute_dtype).itemsize
+    scores = 2 * prompt_len * cfg.n_heads * 4
+    return positions * (CACHE_COPIES * cache + scores)
+
+
+def available_bytes(device) -> tuple[int, str]:
+    """(bytes, what they are): the device's free memory where JAX reports it (GPU, TPU), else the
+    host's physical memory (CPU), a generous bound."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"free on {device}"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of host memory"
+
+
+def check_memory(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, device) -> None:
+    """Refuses, before allocating, a generation whose KV cache cannot fit, naming the largest that can."""
+    needed = generation_bytes(cfg, prompt_len, prompt_len + max_new_tokens)
+    available, what = available_bytes(device)
+    if needed <= available:
+        return
+    largest = available // generation_bytes(cfg, prompt_len, 1) - prompt_len
+    advice = (f"the largest --max_new_tokens that fits is {largest}" if largest >= 1
+              else "even one new token does not fit after this prompt; shorten it")
+    raise UserError(
+        f"--max_new_tokens={max_new_tokens} would need about {_size(needed)} for the KV cache of "
+        f"{prompt_len + max_new_tokens} positions, more than the {_size(available)} {what}; {advice}."
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
 def sample(workdir: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
            seed: int = 0, out=None, log=None) -> str:
     """Prints the prompt and its continuation to `out` as they come; returns the continuation."""
@@ -92,6 +136,7 @@ def sample(workdir: str, prompt: str, max_new_tokens: int = 200, temperature: fl
     tokenizer = get_tokenizer(trained.tokenizer)
     prompt_tokens = tokenizer.encode(prompt)
     device = next(iter(jax.tree.leaves(params)[0].devices()))
+    check_memory(model.cfg, len(prompt_tokens), max_new_tokens, device)
     log(f"ushard: sampling from the checkpoint at step {trained.step} ({model.num_params() / 1e6:.1f}M params, "
         f"{model.cfg.compute_dtype}) on {device}")
     total = len(prompt_tokens) + max_new_tokens

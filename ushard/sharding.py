@@ -5,6 +5,13 @@ expressed here and nowhere else: a stage decides which kinds of training state m
 `fsdp` axis (stage 1: optimizer state; 2: + gradients; 3: + parameters). The `data` axis never shards
 state, so data x fsdp is HSDP.
 
+Tensor parallelism is Megatron's layout written as rules: q/k/v and the MLP's input projections split
+by columns (`heads`, `kv_heads`, `mlp` -> tensor), the attention and MLP output projections by rows (the
+same names on their input dimension), the embedding table and LM head by `vocab`. With sequence
+parallelism the residual stream between the blocks (`act_residual_length`) is also split along its
+length over `tensor`, so each block's all-reduce becomes a reduce-scatter into the residual stream and
+an all-gather out of it, and the norms and residual adds run on 1/tensor of the tokens.
+
 A `Layout` is a mesh plus those tables. Model code calls `constrain(x, names)` and `gathered(w, names)`
 with logical names only; they resolve against the layout active while a step is traced (`use_layout`)
 and are no-ops outside one (plain eager use). Parallel code (shard_map) asks the layout which mesh axes
@@ -25,10 +32,13 @@ from ushard.errors import UserError
 
 WEIGHT_NAMES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts", "expert_mlp", "norm")
 ACTIVATION_NAMES = (
-    "act_batch", "act_length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim", "act_mlp", "act_vocab",
+    "act_batch", "act_length", "act_residual_length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim",
+    "act_mlp", "act_vocab",
 )
 # The logical names of a global batch of token ids [batch, length]: its sharding follows their rules.
 BATCH_NAMES = ("act_batch", "act_length")
+# The same [batch, length] as the residual stream between the blocks lays it out (sequence parallelism).
+RESIDUAL_NAMES = ("act_batch", "act_residual_length")
 # The kinds of arrays a layout places. "compute": weights as the matmuls use them (gathered: no ZeRO
 # split over fsdp, tensor-parallel splits kept) and every activation.
 KINDS = ("params", "grads", "opt_state", "compute")
@@ -36,13 +46,15 @@ KINDS = ("params", "grads", "opt_state", "compute")
 Rules = tuple  # tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 
-def logical_rules(shard_state_over_fsdp: bool) -> Rules:
-    """The full table. `shard_state_over_fsdp` is the ZeRO switch for one kind of training state."""
+def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, split_kv_heads: bool = True) -> Rules:
+    """The full table. `shard_state_over_fsdp` is the ZeRO switch for one kind of training state;
+    `sequence_parallel` splits the residual stream's length over `tensor` too; `split_kv_heads` is false
+    when there are fewer KV heads than tensor ranks (see `kv_heads_split`)."""
     return (
         # weights
         ("embed", "fsdp" if shard_state_over_fsdp else None),
         ("heads", "tensor"),
-        ("kv_heads", "tensor"),
+        ("kv_heads", "tensor" if split_kv_heads else None),
         ("head_dim", None),
         ("mlp", "tensor"),
         ("vocab", "tensor"),
@@ -52,7 +64,8 @@ def logical_rules(shard_state_over_fsdp: bool) -> Rules:
         ("norm", None),
         # activations; `expert` acts as a batch axis outside the MoE layers
         ("act_batch", ("data", "fsdp", "expert")),
-        ("act_length", "sequence"),
+        ("act_length", "sequence"),  # inside attention and the MLP
+        ("act_residual_length", ("sequence", "tensor") if sequence_parallel else "sequence"),  # between them
         ("act_embed", None),
         ("act_heads", "tensor"),
         ("act_kv_heads", "tensor"),
@@ -78,12 +91,16 @@ class ZeroRules:
     keep_gathered: bool = False
 
     @classmethod
-    def for_stage(cls, stage: int, reshard_after_forward: bool = True, fsdp_size: int = 1) -> "ZeroRules":
+    def for_stage(cls, stage: int, reshard_after_forward: bool = True, fsdp_size: int = 1,
+                  sequence_parallel: bool = False, split_kv_heads: bool = True) -> "ZeroRules":
+        def rules(shard_state_over_fsdp):
+            return logical_rules(shard_state_over_fsdp, sequence_parallel, split_kv_heads)
+
         return cls(
-            params=logical_rules(stage >= 3),
-            grads=logical_rules(stage >= 2),
-            opt_state=logical_rules(stage >= 1),
-            compute=logical_rules(False),
+            params=rules(stage >= 3),
+            grads=rules(stage >= 2),
+            opt_state=rules(stage >= 1),
+            compute=rules(False),
             # With one fsdp device nothing is gathered, so there is nothing to keep either.
             keep_gathered=stage >= 3 and not reshard_after_forward and fsdp_size > 1,
         )
@@ -128,8 +145,12 @@ class Layout:
     zero: ZeroRules
 
     @classmethod
-    def create(cls, mesh: Mesh, zero_stage: int = 3, reshard_after_forward: bool = True) -> "Layout":
-        return cls(mesh, ZeroRules.for_stage(zero_stage, reshard_after_forward, mesh.shape["fsdp"]))
+    def create(cls, mesh: Mesh, zero_stage: int = 3, reshard_after_forward: bool = True,
+               sequence_parallel: bool = False, n_kv_heads: int | None = None) -> "Layout":
+        """`n_kv_heads`: the model's, to decide whether its K/V weights split over `tensor` (None: they do)."""
+        split_kv = n_kv_heads is None or kv_heads_split(n_kv_heads, mesh.shape["tensor"])
+        return cls(mesh, ZeroRules.for_stage(zero_stage, reshard_after_forward, mesh.shape["fsdp"],
+                                             sequence_parallel, split_kv))
 
     @property
     def keep_gathered(self) -> bool:
@@ -163,6 +184,18 @@ class Layout:
         return self.sharding(BATCH_NAMES)
 
 
+def kv_heads_split(n_kv_heads: int, tensor_size: int) -> bool:
+    """Whether K/V weights split over the tensor axis by head: only when every rank gets whole KV heads.
+
+    With fewer KV heads than tensor ranks (grouped-query attention, e.g. 8 KV heads on 16 ranks) the
+    K/V weights stay whole on every rank and attention repeats each KV head for the tensor/n_kv_heads
+    ranks whose query heads use it (`kv_head_copies`), so each rank computes only its own copy's
+    projection and nothing is gathered. That needs tensor_size to be a multiple of n_kv_heads
+    (checked in `ushard.config.validate`).
+    """
+    return n_kv_heads % tensor_size == 0
+
+
 def with_shardings(shapes, shardings):
     """Abstract arrays (ShapeDtypeStructs) that carry the shardings to create or restore them with."""
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
@@ -186,6 +219,12 @@ def use_layout(layout: Layout):
 def current_layout() -> Layout | None:
     """The layout of the step being traced; None in plain eager use (one device, nothing to place)."""
     return _ACTIVE.get()
+
+
+def split_ways(logical_name: str) -> int:
+    """How many ways the active layout splits the dimension called `logical_name` (1 outside a layout)."""
+    layout = current_layout()
+    return 1 if layout is None else layout.size(logical_name)
 
 
 def constrain(x: jax.Array, logical_names) -> jax.Array:

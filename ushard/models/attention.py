@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ushard.models.layers import BTD, fan_in_init, param, project, rotary
-from ushard.sharding import constrain
+from ushard.parallel import context
+from ushard.sharding import constrain, gathered, split_ways
 
 Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
 KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
@@ -21,7 +24,13 @@ def causal_attention(q, k, v, segment_ids, impl: str):
     `segment_ids` ([B, T]) is None when documents may see each other. `impl` "auto" means cuDNN flash
     attention on GPUs in 16-bit compute, XLA otherwise (JAX's own default is always XLA, which
     materialises the [T, T] scores and runs out of memory at real sizes).
+
+    When the active layout splits the sequence, context parallelism (ushard/parallel/context.py) runs
+    `attention_block` on each device's blocks instead, whatever `impl` says: JAX's fused kernels give
+    no differentiable log-sum-exp to combine blocks with (docs/dev-notes.md).
     """
+    if context.is_split():
+        return context.attention(q, k, v, segment_ids, attention_block)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
@@ -29,6 +38,36 @@ def causal_attention(q, k, v, segment_ids, impl: str):
         cudnn_ok = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
         impl = "cudnn" if cudnn_ok else "xla"
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+
+
+def attention_block(q, k, v, q_index, k_index, q_segments, k_segments):
+    """Queries q [B, Tq, heads, hd] over keys and values [B, Tk, kv_heads, hd] from anywhere in the
+    sequence: (out [B, Tq, heads, hd], lse [B, Tq, heads]), both float32, lse the log-sum-exp of each
+    query's visible scores.
+
+    A query sees a key whose index in the unsplit row (`q_index` [1, Tq], `k_index` [1, Tk]) is not
+    after its own and, unless the segments are None, whose segment id ([B, Tq], [B, Tk]) is its own. A
+    query that sees no key here gets out = 0 and lse = -inf, so combining blocks ignores it.
+    """
+    b, tq, h, hd = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.reshape(b, tq, kv_heads, h // kv_heads, hd)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    visible = q_index[:, :, None] >= k_index[:, None, :]
+    if q_segments is not None:
+        visible = visible & (q_segments[:, :, None] == k_segments[:, None, :])
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    # The max only keeps exp() in range; it cancels out of lse, so no gradient flows through it.
+    peak = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.exp(scores - peak)
+    total = jnp.sum(weights, axis=-1)
+    seen = total > 0
+    total = jnp.where(seen, total, 1.0)  # rows that see nothing: out 0, and no log(0) in the gradient
+    out = jnp.einsum("bkgqs,bskd->bqkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / jnp.moveaxis(total, -1, 1)[..., None]
+    lse = jnp.where(seen, peak[..., 0] + jnp.log(total), -jnp.inf)
+    return out.reshape(b, tq, h, hd), jnp.moveaxis(lse, -1, 1).reshape(b, tq, h)
 
 
 def cached_attention(q, k_cache, v_cache, length):
@@ -43,6 +82,49 @@ def cached_attention(q, k_cache, v_cache, length):
     query_slot = length + jnp.arange(t)
     mask = jnp.arange(s)[None, :] <= query_slot[:, None]  # [T, S]
     return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None], implementation="xla")
+
+
+def kv_head_copies(n_kv_heads: int) -> int:
+    """How many tensor ranks share each KV head: tensor / n_kv_heads where the tensor axis has more ranks
+    than the model has KV heads (grouped-query attention), else 1.
+
+    Those K/V weights are not split over `tensor` (ushard.sharding.kv_heads_split): every rank holds
+    them whole and uses only the copy of the one KV head its query heads attend with, so each rank
+    computes one head's projection, the attention kernel sees ordinary GQA, and nothing is gathered.
+    """
+    return max(1, split_ways("act_kv_heads") // n_kv_heads)
+
+
+def spread_kv_heads(w):
+    """A K or V weight [embed, kv_heads, head_dim] with each head repeated for the ranks that share it.
+
+    The copies are split over the tensor axis exactly like the query heads they serve (`heads`), so
+    rank r computes the keys of KV head r // copies; their gradients add up in the repeat's transpose.
+    """
+    copies = kv_head_copies(w.shape[1])
+    if copies == 1:
+        return w
+    return gathered(jnp.repeat(w, copies, axis=1), ("embed", "heads", "head_dim"))
+
+
+def spread_qkv_groups(w):
+    """The fused weight [embed, kv_heads, q_per_kv + 2, head_dim] regrouped into one group per rank
+    that shares a KV head: q_per_kv / copies of that head's query heads, then its key and its value.
+
+    Query heads keep their order (group c holds heads c * q_per_kv/copies onwards), so the projection
+    computes the same q, k and v as the weight it came from, with the K/V heads repeated.
+    """
+    d, kv, groups, hd = w.shape
+    copies = kv_head_copies(kv)
+    if copies == 1:
+        return w
+    q_per_kv = groups - 2
+    # Both parts pinned whole on every rank (as stored): left to propagation, XLA split them along
+    # kv_heads before the repeat and moved the pieces between ranks (collective-permutes).
+    whole = ("embed", "kv_heads", None, "head_dim")
+    queries = gathered(w[:, :, :q_per_kv], whole).reshape(d, kv * copies, q_per_kv // copies, hd)
+    keys_values = jnp.repeat(gathered(w[:, :, q_per_kv:], whole), copies, axis=1)
+    return gathered(jnp.concatenate([queries, keys_values], axis=2), ("embed", "heads", None, "head_dim"))
 
 
 class Attention(nnx.Module):
@@ -66,15 +148,16 @@ class Attention(nnx.Module):
     def _project(self, x, positions):
         """Queries, keys and values of x, rotated to their positions."""
         if self.fused_qkv:
-            qkv = project("btd,dkgh->btkgh", x, self.wqkv[...], self.fp8)
+            qkv = project("btd,dkgh->btkgh", x, spread_qkv_groups(self.wqkv[...]), self.fp8)
+            qkv = constrain(qkv, ("act_batch", "act_length", "act_kv_heads", None, "act_head_dim"))
             b, t, kv, groups, hd = qkv.shape
             q = constrain(qkv[:, :, :, : groups - 2].reshape(b, t, kv * (groups - 2), hd), Q_NAMES)
             k = constrain(qkv[:, :, :, groups - 2], KV_NAMES)
             v = constrain(qkv[:, :, :, groups - 1], KV_NAMES)
         else:
             q = constrain(project("btd,dhk->bthk", x, self.wq[...], self.fp8), Q_NAMES)
-            k = constrain(project("btd,dhk->bthk", x, self.wk[...], self.fp8), KV_NAMES)
-            v = constrain(project("btd,dhk->bthk", x, self.wv[...], self.fp8), KV_NAMES)
+            k = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wk[...]), self.fp8), KV_NAMES)
+            v = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wv[...]), self.fp8), KV_NAMES)
         q = rotary(q, positions, self.rope_theta)
         k = rotary(k, positions, self.rope_theta)
         return q, k, v

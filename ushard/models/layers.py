@@ -10,7 +10,10 @@ from jax.ad_checkpoint import checkpoint_name
 from ushard.models.fp8 import fp8_einsum
 from ushard.sharding import constrain
 
-BTD = ("act_batch", "act_length", "act_embed")
+# The residual stream between (and out of) attention and the MLP: with sequence parallelism its length
+# is split over the tensor axis as well (ushard/sharding.py).
+BTD = ("act_batch", "act_residual_length", "act_embed")
+MLP_NAMES = ("act_batch", "act_length", "act_mlp")  # the MLP's hidden activations
 
 
 def project(spec: str, x, w, fp8: bool = False):
@@ -127,12 +130,16 @@ class SwiGLU(nnx.Module):
         self.fused, self.fp8 = fused, fp8
 
     def __call__(self, x):
+        # Each column-parallel output pinned split over `mlp` at full length: left to XLA under
+        # sequence parallelism, the fused gate/up GEMM ran on the local tokens with the weight
+        # gathered over `tensor`, then moved the result with an all-to-all.
         if self.fused:
-            hidden = gated_silu_pair(project("btd,dcf->btcf", x, self.w_gate_up[...], self.fp8))
+            gate_up = project("btd,dcf->btcf", x, self.w_gate_up[...], self.fp8)
+            hidden = gated_silu_pair(constrain(gate_up, ("act_batch", "act_length", None, "act_mlp")))
         else:
-            gate = project("btd,df->btf", x, self.w_gate[...], self.fp8)
-            up = project("btd,df->btf", x, self.w_up[...], self.fp8)
+            gate = constrain(project("btd,df->btf", x, self.w_gate[...], self.fp8), MLP_NAMES)
+            up = constrain(project("btd,df->btf", x, self.w_up[...], self.fp8), MLP_NAMES)
             hidden = jax.nn.silu(gate) * up
-        hidden = constrain(hidden, ("act_batch", "act_length", "act_mlp"))
+        hidden = constrain(hidden, MLP_NAMES)
         hidden = checkpoint_name(hidden, "mlp_hidden")
         return constrain(project("btf,fd->btd", hidden, self.w_down[...], self.fp8), BTD)

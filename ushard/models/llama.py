@@ -20,7 +20,7 @@ from ushard.models.config import ModelConfig
 from ushard.models.layers import BTD, RMSNorm, SwiGLU, embed_lookup, fan_in_init, param
 from ushard.models.moe import MoE
 from ushard.models.stack import run_layers
-from ushard.sharding import constrain
+from ushard.sharding import constrain, gathered
 
 
 class Block(nnx.Module):
@@ -134,12 +134,19 @@ class Llama(nnx.Module):
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), fan_in_init(cfg.d_model), dtype)
 
     def _embed(self, tokens):
-        return constrain(embed_lookup(self.embedding[...].astype(self.compute_dtype), tokens), BTD)
+        # Vocab-parallel: each tensor rank looks up the tokens in its rows of the table (zeros for the
+        # rest) and the partial rows are summed, at full length and then into the residual stream's
+        # layout (a reduce-scatter with sequence parallelism). Constrained straight to the residual
+        # layout, XLA would gather the whole table instead.
+        table = gathered(self.embedding[...].astype(self.compute_dtype), ("vocab", "embed"))
+        rows = constrain(embed_lookup(table, tokens), ("act_batch", "act_length", "act_embed"))
+        return constrain(rows, BTD)
 
     def _logits(self, x):
         x = self.final_norm(x)
         head = self.embedding[...].T if self.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(self.compute_dtype))
+        head = gathered(head.astype(self.compute_dtype), ("embed", "vocab"))
+        logits = jnp.einsum("btd,dv->btv", x, head)
         return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
     def _stacks(self) -> list[tuple[nnx.Module, int, int]]:

@@ -1,13 +1,16 @@
 """The training loop: build the layout, feed global batches, log, evaluate, checkpoint and resume.
 
 Fault handling lives here: a run started on a workdir with checkpoints resumes from the newest
-complete one; SIGTERM / SIGINT save a checkpoint before exiting; a non-finite loss or gradient is
-handled by `train.on_nonfinite`. The host only waits for the device at sync points (logging, eval,
-checkpoints, signals), so dispatch stays ahead of the device in between.
+complete one; SIGTERM / SIGINT save a checkpoint before exiting; a save that failed in the background
+stops the run at the next step (at the next log or save with several processes, which must agree);
+a non-finite loss or gradient is handled by `train.on_nonfinite`. The host only waits for the device
+at sync points (logging, eval, checkpoints, signals), so dispatch stays ahead of the device in between.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import signal
 import sys
@@ -25,28 +28,52 @@ from ushard.training.state import TrainState
 
 
 class Preempted(Exception):
-    """Training stopped by a signal after saving a checkpoint; the exit status is 128 + signal number."""
+    """Training stopped by a signal; the exit status is 128 + signal number. `where` ends the sentence:
+    when it stopped and what was saved."""
 
-    def __init__(self, signum: int, step: int, saved: bool):
-        self.signum, self.step, self.saved = signum, step, saved
-        name = signal.Signals(signum).name
-        where = "checkpoint saved; run the same command to resume" if saved else "no workdir, nothing saved"
-        super().__init__(f"stopped by {name} at step {step} ({where}).")
+    def __init__(self, signum: int, where: str):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name} {where}.")
 
 
 class StopSignals:
-    """While active, SIGTERM and SIGINT only set `received`; a second one of either acts at once."""
+    """While active, SIGTERM and SIGINT only set `received`; the run stops at its next safe point (after
+    a step, a restore or a compilation) through `check`. Never inside a compilation: XLA's compiler
+    polls for signals, and an exception raised in the middle of one crashed the interpreter at exit.
+    Inside `at_once(where)`, around pure-Python work that holds nothing (loading the data), the first
+    signal raises Preempted right away. A second signal of either kind acts at once."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.received = None
         self._previous = {}
+        self._at_once = None  # the `where` of Preempted while a signal stops the run on arrival
 
     def _handle(self, signum, frame):
         self.received = signum
         for sig, handler in self._previous.items():  # the next signal is not caught
             signal.signal(sig, handler)
+        if self._at_once is not None:
+            raise Preempted(signum, self._at_once)
+
+    @contextlib.contextmanager
+    def at_once(self, where: str):
+        self.check(where)
+        self._at_once = where
+        collecting = gc.isenabled()
+        gc.disable()  # raised inside a gc callback (JAX has one), Preempted would be printed and dropped
+        try:
+            yield
+        finally:
+            self._at_once = None
+            if collecting:
+                gc.enable()
+
+    def check(self, where: str) -> None:
+        """Raises Preempted if a signal came."""
+        if self.received is not None:
+            raise Preempted(self.received, where)
 
     def __enter__(self):
         try:
@@ -58,6 +85,26 @@ class StopSignals:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class NonfiniteRow:
+    """Counts non-finite steps in a row (train.max_nonfinite_steps). A finite step ends the row only at
+    or past the last non-finite step: the steps replayed after a rollback were finite before and are no
+    progress, so a rollback that meets the same trouble again counts on."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count, self.last_bad, self.any_finite = limit, 0, 0, False
+
+    def add(self, step: int, finite: bool) -> bool:
+        """Records one step; True once `limit` non-finite steps came in a row."""
+        if finite:
+            self.any_finite = True
+            if step >= self.last_bad:
+                self.count = 0
+            return False
+        self.count += 1
+        self.last_bad = step
+        return self.count >= self.limit
 
 
 class Trainer:
@@ -123,87 +170,135 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
 
-    def run(self, log=print) -> list[dict]:
-        """Trains up to train.steps; returns the logged records (also written to DIR/metrics.jsonl)."""
+    def run(self, log=print, signals: StopSignals | None = None) -> list[dict]:
+        """Trains up to train.steps; returns the logged records (also written to DIR/metrics.jsonl).
+        SIGTERM / SIGINT at any moment end it with Preempted at the next safe point (`signals`, if
+        given, is the caller's, already catching them)."""
+        if signals is None:
+            with StopSignals() as signals:
+                return self.run(log, signals)
         t = self.config.train
         log(self.setup.describe())
         state, data_state = self.initial_state(log)
         step = int(jax.device_get(state.step))
+        signals.check(self._nothing_new(step))
         writer = MetricsWriter(self.workdir, resume_step=step)  # drops what an earlier run logged after it
         records = []
         try:
             if step < t.steps:
-                records = self._train(state, data_state, step, writer, log)
+                records = self._train(state, data_state, step, writer, log, signals)
             else:
                 log(f"already trained to step {step} (train.steps={t.steps}); nothing to do.")
         finally:
             writer.close()
             if self.checkpoints:
                 self.checkpoints.close()
+        signals.check(f"as the run ended at step {t.steps} ({'checkpoint saved' if self.checkpoints else 'no workdir'})")
         return records
 
-    def _train(self, state, data_state, step, writer, log) -> list[dict]:
+    def _nothing_new(self, step: int) -> str:
+        """Preempted's `where` before the first step of a run: nothing trained, nothing to save."""
+        if not self.checkpoints:
+            return f"before step {step + 1} (no workdir, nothing saved)"
+        if step:
+            return (f"before step {step + 1} (nothing new to save: the state was just restored from the "
+                    f"checkpoint at step {step}; run the same command to resume)")
+        return "before step 1 (nothing to save: the state was freshly initialised; run the same command to start)"
+
+    def _train(self, state, data_state, step, writer, log, signals) -> list[dict]:
         t, every = self.config.train, self.config.checkpoint.every
+        log("compiling the train step")
         start = time.perf_counter()
         step_fn = self.steps.train_step.lower(state, self.global_batch(data_state)[0]).compile()
         log(f"compiled the train step in {time.perf_counter() - start:.1f}s")
+        signals.check(self._nothing_new(step))  # a signal that came while compiling
         bar = _progress_bar(t.steps, step)
+        nonfinite = NonfiniteRow(t.max_nonfinite_steps)
         records, pending = [], []  # pending: (step, data position, device metrics) since the last sync
         last_time, last_step = time.perf_counter(), step
-        with StopSignals() as signals:
-            while step < t.steps:
-                while data_state["position"] in self.skip_positions:
-                    data_state = self.batches.advance(data_state, t.batch_size)
-                position = data_state["position"]
-                batch, data_state = self.global_batch(data_state)
-                state, metrics = step_fn(state, batch)
-                step += 1
-                pending.append((step, position, metrics))
-                if bar:
-                    bar.update(1)
-                stop = signals.received  # read once: a signal may land at any moment
-                log_now = step % t.log_every == 0 or step == t.steps
-                save_now = (every and step % every == 0) or step == t.steps or stop
-                if not (log_now or save_now):
-                    continue
-                values = jax.device_get([m for _, _, m in pending])  # one transfer; waits for the device
-                fetched = [(s, i, m) for (s, i, _), m in zip(pending, values)]
-                pending = []
-                bad = next(((s, i, m) for s, i, m in fetched if not m["finite"]), None)
-                if bad and t.on_nonfinite != "skip":
-                    state, data_state, step = self._handle_nonfinite(bad, log)
-                    writer.rewind(step)
-                    records = [r for r in records if r["step"] <= step]
-                    last_time, last_step = time.perf_counter(), step
-                    if bar:
-                        bar.reset(total=t.steps)
-                        bar.update(step)
-                    continue
-                if log_now:
-                    now = time.perf_counter()
-                    record = self._record(step, fetched[-1][2], (now - last_time) / (step - last_step))
-                    if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-                        record["eval_loss"] = self.eval_loss(state.params)
-                    records.append(record)
-                    writer.write(record)
-                    line = _format(record)
-                    bar.write(line) if bar else log(line)
-                if save_now:
-                    self._save(state, data_state, step)
-                if stop:
-                    if self.checkpoints:
-                        self.checkpoints.wait()
-                    raise Preempted(stop, step, saved=self.checkpoints is not None)
+        while step < t.steps:
+            while data_state["position"] in self.skip_positions:
+                data_state = self.batches.advance(data_state, t.batch_size)
+            position = data_state["position"]
+            batch, data_state = self.global_batch(data_state)
+            state, metrics = step_fn(state, batch)
+            step += 1
+            pending.append((step, position, metrics))
+            if bar:
+                bar.update(1)
+            stop = signals.received  # read once: a signal may land at any moment
+            log_now = step % t.log_every == 0 or step == t.steps
+            save_now = (every and step % every == 0) or step == t.steps or stop
+            if self.checkpoints and (log_now or save_now or jax.process_count() == 1):
+                self.checkpoints.check()  # a failed background save stops the run now, not at the next save
+            if not (log_now or save_now):
+                continue
+            values = jax.device_get([m for _, _, m in pending])  # one transfer; waits for the device
+            fetched = [(s, i, m) for (s, i, _), m in zip(pending, values)]
+            pending = []
+            self._count_nonfinite(fetched, nonfinite, last=step == t.steps)
+            bad = next(((s, i, m) for s, i, m in fetched if not m["finite"]), None)
+            if bad and t.on_nonfinite != "skip":
+                state, data_state, step = self._handle_nonfinite(bad, log)
+                writer.rewind(step)
+                records = [r for r in records if r["step"] <= step]
                 last_time, last_step = time.perf_counter(), step
+                if bar:
+                    bar.reset(total=t.steps)
+                    bar.update(step)
+                continue
+            if log_now:
+                now = time.perf_counter()
+                record = self._record(step, fetched[-1][2], (now - last_time) / (step - last_step))
+                if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                    record["eval_loss"] = self.eval_loss(state.params)
+                records.append(record)
+                writer.write(record)
+                line = _format(record)
+                bar.write(line) if bar else log(line)
+            if save_now:
+                self._save(state, data_state, step)
+            if stop:
+                if self.checkpoints:
+                    self.checkpoints.wait()
+                where = "checkpoint saved; run the same command to resume" if self.checkpoints else "no workdir, nothing saved"
+                raise Preempted(stop, f"at step {step} ({where})")
+            last_time, last_step = time.perf_counter(), step
         if bar:
             bar.close()
         self.state = state
         return records
 
+    def _count_nonfinite(self, fetched, row: NonfiniteRow, last: bool) -> None:
+        """Stops the run (UserError) once train.max_nonfinite_steps non-finite steps came in a row under
+        `skip` or `rollback`, or when the last step is reached and not one step of this run was finite
+        (a run that skipped everything must not end as if it had trained)."""
+        policy, limit = self.config.train.on_nonfinite, self.config.train.max_nonfinite_steps
+        if policy == "stop":
+            return  # the first one stops (_handle_nonfinite)
+        for step, position, metrics in fetched:
+            if row.add(step, bool(metrics["finite"])):
+                raise UserError(
+                    f"training stopped: {row.count} steps in a row gave a non-finite loss or gradient norm (the "
+                    f"last, step {step} on the batch at data position {position:,}: {_nonfinite_values(metrics)}), the limit "
+                    f"train.max_nonfinite_steps={limit} for train.on_nonfinite={policy!r}; lower train.lr or check "
+                    f"the data (checkpoints hold only finite states)."
+                )
+            if not metrics["finite"] and policy == "rollback":
+                return  # the steps after it are rolled back: they never happened
+        if last and not row.any_finite:
+            step, position, metrics = fetched[-1]
+            raise UserError(
+                f"training stopped: every step of this run up to step {step} gave a non-finite loss or gradient "
+                f"norm (the last, on the batch at data position {position:,}: {_nonfinite_values(metrics)}), so it trained "
+                f"nothing; lower "
+                f"train.lr or check the data."
+            )
+
     def _handle_nonfinite(self, bad, log):
         """The rollback and stop policies, once a step's loss or gradient norm was not finite."""
         step, position, metrics = bad
-        what = f"loss {float(metrics['loss'])}, gradient norm {float(metrics['grad_norm'])}"
+        what = _nonfinite_values(metrics)
         where = f"step {step} (the batch at data position {position:,})"
         if self.config.train.on_nonfinite == "stop":
             raise UserError(
@@ -232,6 +327,10 @@ class Trainer:
             "mfu": tflops * 1e12 / self.peak if self.peak else None,
             "skipped_steps": int(metrics["skipped"]),
         }
+
+
+def _nonfinite_values(metrics) -> str:
+    return f"loss {float(metrics['loss'])}, gradient norm {float(metrics['grad_norm'])}"
 
 
 def _format(record: dict) -> str:

@@ -4,12 +4,22 @@ Autodiff of `logsumexp - take_along_axis` in float32 writes a float32 gradient o
 ([batch, length, vocab], 4 bytes per entry), scatters the target's -1 into it and only then rounds it
 to the logits' 16-bit dtype: three passes over the largest tensor of the step. The backward below
 computes softmax - one_hot and rounds it in one pass, from the 16-bit logits kept for it anyway.
+
+Under tensor parallelism the logits arrive split over `vocab` (the LM head is column-parallel), and no
+device ever holds a [batch, length, vocab] slab: the max, the sum of exponentials and the target's
+logit are each a reduction over the vocabulary axis (the target is picked by comparing with a vocab
+iota, not by indexing), which XLA partitions into a local reduction and a [batch, length] all-reduce;
+the backward pass is elementwise on each device's vocab shard.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from ushard.sharding import constrain
+
+LOGITS_NAMES = ("act_batch", "act_length", "act_vocab")
 
 
 @jax.custom_vjp
@@ -18,10 +28,16 @@ def token_cross_entropy(logits, targets):
     return _forward(logits, targets)[0]
 
 
+def _is_target(logits, targets):
+    """[..., vocab] booleans, true at each token's target: elementwise, so it stays on the vocab shards."""
+    return jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
+
+
 def _forward(logits, targets):
+    logits = constrain(logits, LOGITS_NAMES)
     logits32 = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits32, axis=-1)
-    target_logit = jnp.take_along_axis(logits32, targets[..., None], axis=-1)[..., 0]
+    target_logit = jnp.sum(jnp.where(_is_target(logits, targets), logits32, 0.0), axis=-1)
     return log_z - target_logit, log_z
 
 
@@ -33,8 +49,8 @@ def _token_cross_entropy_fwd(logits, targets):
 def _token_cross_entropy_bwd(residuals, grad):
     logits, targets, log_z = residuals
     probs = jnp.exp(logits.astype(jnp.float32) - log_z[..., None])
-    one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == targets[..., None]
-    return ((probs - one_hot) * grad[..., None]).astype(logits.dtype), None
+    d_logits = ((probs - _is_target(logits, targets)) * grad[..., None]).astype(logits.dtype)
+    return constrain(d_logits, LOGITS_NAMES), None
 
 
 token_cross_entropy.defvjp(_token_cross_entropy_fwd, _token_cross_entropy_bwd)

@@ -22,6 +22,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from ushard.models.definition import ModelDef
+from ushard.parallel import context
 from ushard.sharding import BATCH_NAMES, Layout, use_layout, with_shardings
 from ushard.training.loss import cross_entropy_sums
 from ushard.training.state import TrainState
@@ -61,8 +62,10 @@ def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: L
 class Steps:
     """The compiled functions of one (model, optimizer, layout). Build one per layout."""
 
-    def __init__(self, model: ModelDef, tx, schedule, layout: Layout, grad_accum: int, skip_nonfinite: bool):
+    def __init__(self, model: ModelDef, tx, schedule, layout: Layout, grad_accum: int, skip_nonfinite: bool,
+                 context_parallel: str = "ring"):
         self.model, self.tx, self.schedule, self.layout = model, tx, schedule, layout
+        self.context_parallel = context_parallel
         self.grad_accum = grad_accum
         self.skip_nonfinite = skip_nonfinite
         self.shardings = sh = state_shardings(model, tx, layout)
@@ -96,7 +99,7 @@ class Steps:
         return loss + sum(weighted_aux.values(), 0.0), (loss, count, weighted_aux)
 
     def _eval_sums(self, params, batch):
-        with use_layout(self.layout):
+        with use_layout(self.layout), context.context_parallel(batch, self.context_parallel) as batch:
             _, (loss, count, _) = self._objective(params, batch)
             return jnp.stack([loss, count])
 
@@ -132,7 +135,8 @@ class Steps:
 
     def _mean_loss_and_grads(self, params, batch):
         """(mean loss, mean aux terms, mean gradients) over the global batch's target tokens."""
-        with use_layout(self.layout):
+        # A split sequence is reordered here, once per step, for context parallelism's load balance.
+        with use_layout(self.layout), context.context_parallel(batch, self.context_parallel) as batch:
             (loss, count, weighted_aux), grads = self._grad_sums(params, batch)
             count = jnp.maximum(count, 1.0)
             aux = {name: term / count for name, term in weighted_aux.items()}

@@ -1,0 +1,287 @@
+"""Context parallelism: causal attention over a sequence split across devices, as explicit `shard_map` code.
+
+The sequence is split over the mesh axes the layout maps `act_length` to (the `sequence` axis), `n`
+ways. Attention is the only layer that mixes tokens, so it is the only place that communicates; it
+wraps the model's per-chunk kernel `kernel(q, k, v, q_index, k_index, q_segments, k_segments) ->
+(out, lse)`, which attends any block of queries to any block of keys given each token's index in the
+unsplit row (causality) and its document (`segment_ids`, packed data), and returns the softmax's
+log-sum-exp beside the output so that blocks can be combined.
+
+`parallel.context_parallel`:
+- "all_gather": every device gathers all keys and values (and segment ids) and attends its own
+  queries to them in one kernel call. Simple; K/V memory and attention work grow with `n`.
+- "ring": keys and values travel around the ring of `n` devices (`ppermute`), one block per step;
+  each step's transfer is issued before the current block is used, so it can overlap the compute.
+  Blocks are combined by an online softmax (running log-sum-exp). The backward pass is a custom VJP
+  that runs the ring again: it recomputes each block, and the keys' and values' gradients travel
+  with them, arriving home after the last step, so memory does not grow with `n`.
+
+Load balance. With a causal mask, the device holding the end of the sequence has the most work. The
+batch is therefore reordered once per step, before the model (`context_parallel` below): the length
+is cut into 2n chunks and device i holds chunks i and 2n-1-i ("zig-zag"), a permutation of the length
+axis that changes no loss. Attention computes each token's original index from its device and half,
+so the masks follow the original order. With zig-zag, every ring step after the first needs exactly
+two of the four quarter blocks (which two depends on whether the visiting block comes from an earlier
+device), and both are computed branch-free; the first step skips the fully masked quarter.
+
+Packed data: a query sees a key when the key's original index is not after the query's and both
+carry the same segment id; the segment ids travel with the keys. A block in which a query sees no
+key gives that query lse = -inf and adds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ushard.errors import UserError
+from ushard.sharding import current_layout
+
+MODES = ("ring", "all_gather")
+Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
+KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
+TOKEN_NAMES = ("act_batch", "act_length")
+
+
+@dataclass(frozen=True)
+class _Split:
+    mode: str  # MODES
+    zigzag: bool  # whether the length axis is in zig-zag order (see `context_parallel`)
+
+
+# Attention under a layout that splits the sequence, without `context_parallel` around it (a model
+# applied directly): the tokens are in their original order.
+_UNBALANCED = _Split("ring", zigzag=False)
+_ACTIVE = contextvars.ContextVar("ushard_context_parallel", default=_UNBALANCED)
+
+
+def ways() -> int:
+    """How many ways the active layout splits the sequence (1 outside a layout)."""
+    layout = current_layout()
+    return 1 if layout is None else layout.size("act_length")
+
+
+def is_split() -> bool:
+    """Whether attention must run as context-parallel code: the active layout splits `act_length`."""
+    return ways() > 1
+
+
+def check_length(seq_len: int, n: int) -> None:
+    """UserError unless a sequence of `seq_len` tokens cuts into the 2n chunks of the zig-zag order."""
+    if n > 1 and seq_len % (2 * n):
+        raise UserError(
+            f"train.seq_len={seq_len} must be a multiple of {2 * n} when the sequence is split {n} ways: "
+            f"context parallelism gives each device two chunks (one early, one late) to balance causal attention."
+        )
+
+
+@contextlib.contextmanager
+def context_parallel(batch, mode: str):
+    """The batch with its length axis in zig-zag order while the block runs, and attention told so.
+
+    Wraps the tracing of a step: everything in `batch` ([batch, length, ...] arrays) is permuted the
+    same way, once, so per-token losses are unchanged and only their order differs. A no-op when the
+    active layout does not split the sequence.
+    """
+    n = ways()
+    token = _ACTIVE.set(_Split(mode, zigzag=n > 1))
+    try:
+        yield jax.tree.map(lambda x: zigzag(x, n), batch) if n > 1 else batch
+    finally:
+        _ACTIVE.reset(token)
+
+
+def zigzag_chunks(n: int) -> np.ndarray:
+    """The order of the 2n chunks of a row after reordering: device i's two are i and 2n-1-i."""
+    return np.array([c for i in range(n) for c in (i, 2 * n - 1 - i)])
+
+
+def zigzag(x, n: int, inverse: bool = False):
+    """x [batch, length, ...] with its length axis in zig-zag order for `n` devices (`inverse`: back)."""
+    b, t = x.shape[:2]
+    chunks = x.reshape(b, 2 * n, t // (2 * n), *x.shape[2:])
+    order = zigzag_chunks(n)
+    return chunks[:, np.argsort(order) if inverse else order].reshape(x.shape)
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """The devices that split the sequence, and the order their tokens are in."""
+
+    axes: tuple[str, ...]
+    size: int
+    zigzag: bool
+
+    def index(self):
+        return jax.lax.axis_index(self.axes)
+
+    def token_index(self, device, length: int):
+        """[1, length]: the original index in the row of each of `device`'s `length` local tokens."""
+        t = jnp.arange(length)
+        if not self.zigzag:
+            return (device * length + t)[None]
+        half = length // 2
+        chunk = jnp.where(t < half, device, 2 * self.size - 1 - device)
+        return (chunk * half + t % half)[None]
+
+    def shift(self, tree):
+        """Every array of `tree` sent one device on around the ring."""
+        perm = [(j, (j + 1) % self.size) for j in range(self.size)]
+        return jax.tree.map(lambda x: jax.lax.ppermute(x, self.axes, perm), tree)
+
+
+def attention(q, k, v, segment_ids, kernel):
+    """Causal attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd], the sequence split over
+    the active layout's `act_length` axes, each device running `kernel` on its blocks.
+
+    `segment_ids` [B, T] (or None: no document masking). The other dimensions keep the layout's
+    shardings (batch over data/fsdp, heads over tensor), so this composes with those axes.
+    """
+    layout = current_layout()
+    split = _ACTIVE.get()
+    ring = _Ring(layout.axes("act_length"), layout.size("act_length"), split.zigzag)
+    body = _ring_attention if split.mode == "ring" else _gathered_attention
+    q_spec, kv_spec = layout.spec(Q_NAMES), layout.spec(KV_NAMES)
+    operands, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
+    if segment_ids is not None:
+        operands, specs = operands + (segment_ids,), specs + (layout.spec(TOKEN_NAMES),)
+
+    def local(q, k, v, segments=None):
+        return body(kernel, ring, q, k, v, segments)
+
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=q_spec)(*operands)
+
+
+# --------------------------------------------------------------------------- all-gather
+
+
+def _gathered_attention(kernel, ring, q, k, v, segments):
+    """Local queries over every device's keys and values, gathered; autodiff reduce-scatters dK, dV."""
+    gather = lambda x: None if x is None else jax.lax.all_gather(x, ring.axes, axis=1, tiled=True)  # noqa: E731
+    t = q.shape[1]
+    k_index = jnp.concatenate([ring.token_index(j, t) for j in range(ring.size)], axis=1)
+    out, _ = kernel(q, gather(k), gather(v), ring.token_index(ring.index(), t), k_index, segments, gather(segments))
+    return out.astype(q.dtype)
+
+
+# --------------------------------------------------------------------------- ring
+
+
+def _rows(x, start, stop):
+    return None if x is None else x[:, start:stop]
+
+
+def _blocks(kernel, ring, diagonal, q, segments, kv, src):
+    """The local queries against the key/value block `kv` = (k, v, segments) of device `src`.
+
+    A list of partial results (out [B, T, heads, hd], lse [B, T, heads], float32) over all local
+    query rows, lse = -inf on rows a block does not reach; `_merge` combines them.
+    """
+    k, v, k_segments = kv
+    me, t = ring.index(), q.shape[1]
+    q_index, k_index = ring.token_index(me, t), ring.token_index(src, t)
+    if not ring.zigzag:
+        return [kernel(q, k, v, q_index, k_index, segments, k_segments)]
+    h = t // 2
+    lo = lambda x: _rows(x, 0, h)  # noqa: E731  (this device's early chunk)
+    hi = lambda x: _rows(x, h, t)  # noqa: E731  (its late chunk)
+    if diagonal:
+        # early x early is causal, late x (early, late) is too; early x late is masked: skipped.
+        early = kernel(lo(q), lo(k), lo(v), lo(q_index), lo(k_index), lo(segments), lo(k_segments))
+        late = kernel(hi(q), k, v, hi(q_index), k_index, hi(segments), k_segments)
+        return [jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), early, late)]
+    # Another device's chunks: my late chunk sees its early chunk whole. If it comes before me, my
+    # early chunk sees its early chunk too; otherwise my late chunk sees its late chunk. The rest is
+    # masked. Both cases are one block of the same shape, chosen by selects (no branch).
+    before = src < me
+    pick = lambda a, b: None if a is None else jnp.where(before, a, b)  # noqa: E731
+    always = kernel(hi(q), lo(k), lo(v), hi(q_index), lo(k_index), hi(segments), lo(k_segments))
+    either = kernel(pick(lo(q), hi(q)), pick(lo(k), hi(k)), pick(lo(v), hi(v)), pick(lo(q_index), hi(q_index)),
+                    pick(lo(k_index), hi(k_index)), pick(lo(segments), hi(segments)), pick(lo(k_segments), hi(k_segments)))
+    nothing = jax.tree.map(jnp.zeros_like, always[0]), jnp.full_like(always[1], -jnp.inf)
+    join = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
+    return [
+        jax.tree.map(join, nothing, always),
+        jax.tree.map(lambda e, n: jnp.where(before, join(e, n), join(n, e)), either, nothing),
+    ]
+
+
+def _merge(acc, partials):
+    """Online softmax: (out, lse) so far combined with more partial results over the same rows."""
+    for part in partials:
+        if acc is None:
+            acc = part
+            continue
+        (out_a, lse_a), (out_b, lse_b) = acc, part
+        lse = jnp.logaddexp(lse_a, lse_b)
+        base = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows no block has reached yet stay empty
+        out = out_a * jnp.exp(lse_a - base)[..., None] + out_b * jnp.exp(lse_b - base)[..., None]
+        acc = (out, lse)
+    return acc
+
+
+def _around_ring(ring, kv, visit, carry=None):
+    """carry = visit(kv, src, diagonal, carry) for every device's key/value block, the local one first.
+
+    The blocks travel one device on per step; the transfer of the next block is issued before the
+    current one is used, so they can overlap. Steps 1 .. n-2 run in a `lax.scan` (program size flat
+    in n); the last is outside it, so no block is sent further than needed.
+    """
+    me, n = ring.index(), ring.size
+    carry = visit(kv, me, True, carry)
+    kv = ring.shift(kv)
+
+    def step(state, s):
+        kv, carry = state
+        return (ring.shift(kv), visit(kv, (me - s) % n, False, carry)), None
+
+    (kv, carry), _ = jax.lax.scan(step, (kv, carry), jnp.arange(1, n - 1))
+    return visit(kv, (me - (n - 1)) % n, False, carry)
+
+
+def _ring_attention(kernel, ring, q, k, v, segments):
+    @jax.custom_vjp
+    def attend(q, k, v, segments):
+        return forward(q, k, v, segments)[0]
+
+    def forward(q, k, v, segments):
+        def visit(kv, src, diagonal, acc):
+            return _merge(acc, _blocks(kernel, ring, diagonal, q, segments, kv, src))
+
+        out, lse = _around_ring(ring, (k, v, segments), visit)
+        out = out.astype(q.dtype)
+        return out, (q, k, v, segments, out, lse)
+
+    def backward(residuals, d_out):
+        q, k, v, segments, out, lse = residuals
+        d_out = d_out.astype(jnp.float32)
+        # The softmax backward's row term: sum over head_dim of dO * O, with the final output.
+        d_lse_total = jnp.sum(d_out * out.astype(jnp.float32), axis=-1)
+
+        def visit(kv, src, diagonal, grads):
+            """Recomputes this block's partials and pulls back the final output's gradient: a partial
+            (o_p, lse_p) enters the output with weight w = exp(lse_p - lse), so its cotangents are
+            w * dO and w * (rowsum(dO * o_p) - rowsum(dO * O))."""
+            k, v, k_segments = kv
+            partials, pull_back = jax.vjp(lambda q, k, v: _blocks(kernel, ring, diagonal, q, segments, (k, v, k_segments), src), q, k, v)
+            cotangents = []
+            for o_p, lse_p in partials:
+                w = jnp.exp(lse_p - lse)
+                cotangents.append((w[..., None] * d_out, w * (jnp.sum(d_out * o_p, axis=-1) - d_lse_total)))
+            dq, dk, dv = pull_back(cotangents)
+            if grads is not None:
+                dq, dk, dv = dq + grads[0], dk + grads[1], dv + grads[2]
+            # dK, dV of this block travel on with it and reach their own device after the last step.
+            return (dq, *ring.shift((dk, dv)))
+
+        # The gradients travel with the blocks, so they ride the same ring: `visit` shifts them itself.
+        dq, dk, dv = _around_ring(ring, (k, v, segments), visit)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+    attend.defvjp(forward, backward)
+    return attend(q, k, v, segments)
