@@ -24,8 +24,8 @@ so every device holds tokens of its own; per device (and the same with no layout
 
 The expert weights enter the map as they are stored (ZeRO-3: split over fsdp too) and are gathered
 inside it, in the compute dtype. `expert_fn`'s outputs are partial sums where `expert_mlp` is split
-(tensor parallel experts: each device holds a slice of every hidden layer), so they are summed over
-those axes.
+(tensor parallel experts: each device holds a slice of every hidden layer), so the tokens' outputs
+are summed over those axes.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     experts split over devices. Returns [batch, length, d] in x's dtype."""
     layout = current_layout()
     if layout is None:
-        return _on_device(x, experts, gates, keep, weights, expert_fn, lambda y: y, row_capacity)
+        return _on_device(x, experts, gates, keep, weights, expert_fn, row_capacity)
 
     token_axes = tuple(a for name in TOKEN_NAMES for a in layout.axes(name))
     expert_axes, hidden_axes = layout.axes("experts"), layout.axes("expert_mlp")
@@ -57,7 +57,6 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
             f"the expert_mlp axes {hidden_axes} outside them"
         )
     groups = layout.size("experts")
-    reduce = (lambda y: jax.lax.psum(y, hidden_axes)) if hidden_axes else (lambda y: y)  # noqa: E731
 
     stored_kind = "compute" if layout.keep_gathered else "params"  # the stack may have gathered them already
     stored = {name: layout.spec(weight_names[name], stored_kind) for name in weights}
@@ -70,8 +69,12 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     def per_device(x, experts, gates, keep, weights):
         weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
         if ragged:
-            return _ragged(x, experts, gates, keep, weights, expert_fn, reduce, expert_axes, groups, exchange)
-        return _on_device(x, experts, gates, keep, weights, expert_fn, reduce, row_capacity, expert_axes, groups)
+            y = _ragged(x, experts, gates, keep, weights, expert_fn, expert_axes, groups, exchange)
+        else:
+            y = _on_device(x, experts, gates, keep, weights, expert_fn, row_capacity, expert_axes, groups)
+        # Partial sums where the experts' hidden dimension is split; summed once per token, after the
+        # gates (linear), where there are fewer rows than in the expert buffers.
+        return jax.lax.psum(y, hidden_axes) if hidden_axes else y
 
     tokens = layout.spec((*TOKEN_NAMES, None))
     return jax.shard_map(
@@ -80,13 +83,13 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     )(x, experts, gates, keep, weights)
 
 
-def _on_device(x, experts, gates, keep, weights, expert_fn, reduce, row_capacity: int, axes=(), groups: int = 1):
+def _on_device(x, experts, gates, keep, weights, expert_fn, row_capacity: int, axes=(), groups: int = 1):
     """One device's tokens through their experts: grouped if dropless with every expert here, else
     through fixed-capacity buffers (exchanged over `axes` when the experts are split `groups` ways)."""
     if groups == 1 and row_capacity >= x.shape[1]:
-        return _grouped(x, experts, gates, keep, weights, expert_fn, reduce)
+        return _grouped(x, experts, gates, keep, weights, expert_fn)
     capacity = x.shape[0] * min(row_capacity, x.shape[1])
-    return _buffered(x, experts, gates, keep, weights, expert_fn, reduce, axes, groups, capacity)
+    return _buffered(x, experts, gates, keep, weights, expert_fn, axes, groups, capacity)
 
 
 def _axes(entry) -> tuple:
@@ -132,12 +135,12 @@ def _flat(x, experts, gates, keep, num_experts: int):
     return x.reshape(batch * length, d), key, gates.reshape(batch * length, -1)
 
 
-def _grouped(x, experts, gates, keep, weights, expert_fn, reduce):
+def _grouped(x, experts, gates, keep, weights, expert_fn):
     """All experts on this device, dropless: the assignments sorted by expert through the grouped form."""
     num_experts, k = _experts_held(weights), experts.shape[-1]
     tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
     order, sizes, _ = _sort_by_expert(key, num_experts)
-    out_sorted = reduce(expert_fn(weights, tokens[order // k], sizes))  # dropped rows (last) give zeros
+    out_sorted = expert_fn(weights, tokens[order // k], sizes)  # dropped rows (last) give zeros
     return _unsort_and_combine(out_sorted, order, gates, x)
 
 
@@ -149,7 +152,7 @@ def _unsort_and_combine(out_sorted, order, gates, x):
     return _combine(outputs, gates, x.dtype).reshape(x.shape)
 
 
-def _buffered(x, experts, gates, keep, weights, expert_fn, reduce, axes, groups: int, capacity: int):
+def _buffered(x, experts, gates, keep, weights, expert_fn, axes, groups: int, capacity: int):
     """Fixed-capacity dispatch (module docstring); `groups` > 1: the experts are split over `axes`."""
     local_experts, k = _experts_held(weights), experts.shape[-1]
     num_experts, d = local_experts * groups, x.shape[-1]
@@ -163,13 +166,13 @@ def _buffered(x, experts, gates, keep, weights, expert_fn, reduce, axes, groups:
 
     received = exchange(send.reshape(groups, local_experts, capacity, d))
     batched = received.swapaxes(0, 1).reshape(local_experts, groups * capacity, d)
-    computed = reduce(expert_fn(weights, batched)).reshape(local_experts, groups, capacity, d).swapaxes(0, 1)
+    computed = expert_fn(weights, batched).reshape(local_experts, groups, capacity, d).swapaxes(0, 1)
     returned = exchange(computed).reshape(num_experts * capacity, d)
     outputs = jnp.take(returned, slot, axis=0, mode="fill", fill_value=0).reshape(tokens.shape[0], k, d)
     return _combine(outputs, gates, x.dtype).reshape(x.shape)
 
 
-def _ragged(x, experts, gates, keep, weights, expert_fn, reduce, axes, groups: int, exchange):
+def _ragged(x, experts, gates, keep, weights, expert_fn, axes, groups: int, exchange):
     """Experts split over `groups` devices, moving only the kept assignments: each device sends every
     expert the rows sorted for it, written where the receiver wants them (grouped by its local expert,
     senders in order), runs its experts grouped, and sends the outputs back to the rows they came from.
@@ -183,7 +186,7 @@ def _ragged(x, experts, gates, keep, weights, expert_fn, reduce, axes, groups: i
     plan = _ragged_plan(jax.lax.all_gather(sizes, axes), jax.lax.axis_index(axes), local_experts)
     most = groups * tokens.shape[0] * min(k, local_experts)
     received = exchange(rows, jnp.zeros((most, d), rows.dtype), *plan["there"], axis_name=axes)
-    computed = reduce(expert_fn(weights, received, plan["group_sizes"]))
+    computed = expert_fn(weights, received, plan["group_sizes"])
     out_sorted = exchange(computed, jnp.zeros_like(rows), *plan["back"], axis_name=axes)
     return _unsort_and_combine(out_sorted, order, gates, x)
 
