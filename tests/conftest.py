@@ -12,9 +12,10 @@ from ushard.config import load_config  # noqa: E402
 from ushard.data import make_batches  # noqa: E402
 
 
-def small_config(**overrides):
-    """configs/tiny.py shrunk so a layout compiles in a second or two; float32 for exact comparisons."""
-    config = load_config("tiny")
+def small_config(config_name="tiny", **overrides):
+    """configs/tiny.py (or another shipped config) shrunk so a layout compiles in a second or two;
+    float32 for exact comparisons."""
+    config = load_config(config_name)
     settings = {
         "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 128,
         "model.compute_dtype": "float32", "train.seq_len": 32, "train.batch_size": 16, "train.steps": 3,
@@ -26,6 +27,11 @@ def small_config(**overrides):
 
     apply_overrides(config, [f"{k}={v}" for k, v in settings.items()])
     return config
+
+
+# configs/tiny_moe.py's experts (8, top-2) at the test sizes, dropless, with the loss-free balancing
+# bias moving.
+SMALL_MOE = {"model.moe.expert_d_ff": 32, "model.moe.capacity_factor": 0.0, "model.moe.bias_update_rate": 0.01}
 
 
 @pytest.fixture(scope="session")

@@ -67,9 +67,9 @@ CLI_CASES = {
         ["--config", "tiny", "--config.data.source=text", "--config.data.paths=/nonexistent/*.txt"],
         ["data.paths", "/nonexistent/*.txt"],
     ),
-    "unsupported_axis": (
+    "expert_axis_without_experts": (
         ["--config", "tiny", "--config.mesh.expert=2", "--config.mesh.fsdp=4"],
-        ["mesh.expert=2", "valid: 1"],
+        ["mesh.expert=2", "model.moe.num_experts=0"],
     ),
     "pipeline_layers": (
         ["--config", "tiny", "--config.mesh.pipeline=8", "--config.mesh.fsdp=1"],
@@ -108,6 +108,24 @@ def test_shipped_configs_are_valid_and_the_size_they_say(name, params):
     config = load_config(name)
     assert validate(config, DEVICES)["fsdp"] == 8
     assert ModelDef(ModelConfig.from_config(config.model)).num_params() == params  # for Llama 3, Meta's published counts
+
+
+@pytest.mark.parametrize("name, devices, mesh, params, active", [
+    ("tiny_moe", 8, {"expert": 8}, 5_316_320, 1_677_312),
+    ("bench_moe", 8, {"fsdp": 8}, 2_614_429_824, 887_881_728),
+    # Mistral AI's published 46.7B (Hugging Face counts 46_702_792_704; + 8 routing biases per layer)
+    # and 12.9B active with the input embedding (12_879_659_008 here).
+    ("mixtral_8x7b", 64, {"expert": 8, "fsdp": 8}, 46_702_792_704 + 32 * 8, 12_748_587_008),
+    ("deepseek_v3_like", 512, {"expert": 64, "fsdp": 8}, 666_776_743_424, 32_375_046_144),
+])
+def test_shipped_moe_configs_are_valid_and_the_size_they_say(name, devices, mesh, params, active):
+    from ushard.models.config import ModelConfig
+    from ushard.models.definition import ModelDef
+
+    config = load_config(name)
+    assert {a: s for a, s in validate(config, devices).items() if s > 1} == mesh
+    model = ModelDef(ModelConfig.from_config(config.model))
+    assert (model.num_params(), model.num_matmul_params()) == (params, active)
 
 
 def test_default_config_is_valid():
@@ -247,8 +265,6 @@ def test_broken_config_file(tmp_path, body, match):
         (["mesh.tensor=-2"], r"mesh\.tensor=-2 is not valid"),
         (["mesh.dcn.fsdp=3"], r"mesh\.dcn\.fsdp=3 must be a positive divisor of mesh\.fsdp=8"),
         (["mesh.dcn.data=0"], r"mesh\.dcn\.data=0"),
-        # axes that are not implemented yet
-        (["mesh.expert=2", "mesh.fsdp=4"], r"mesh\.expert=2 is not supported yet"),
         # the pipeline (tiny: 4 layers, 32 sequences a step, fsdp=-1)
         (["mesh.pipeline=2", "parallel.pipeline_schedule=zigzag"],
          r"parallel\.pipeline_schedule='zigzag' is not valid; choose one of: gpipe, circular, 1f1b"),
@@ -266,6 +282,22 @@ def test_broken_config_file(tmp_path, body, match):
         (["parallel.pipeline_microbatches=0"], r"parallel\.pipeline_microbatches=0 must be a number >= 1"),
         (["mesh.pipeline=2", "mesh.sequence=2", "mesh.fsdp=2"],
          r"mesh\.pipeline=2 with mesh\.sequence=2 is not supported yet"),
+        # mixture of experts
+        (["mesh.expert=2", "mesh.fsdp=4"], r"mesh\.expert=2 splits the experts of an MoE model, but this model has none"),
+        (["model.moe.num_experts=8", "model.moe.top_k=9"], r"model\.moe\.top_k=9 is more than model\.moe\.num_experts=8"),
+        (["model.moe.num_experts=8", "model.moe.score_func=relu"], r"model\.moe\.score_func='relu' is not valid; choose one of: softmax, sigmoid"),
+        (["model.moe.num_experts=8", "model.moe.num_groups=3"], r"model\.moe\.num_experts=8 does not split into model\.moe\.num_groups=3 equal groups"),
+        (["model.moe.num_experts=8", "model.moe.num_groups=4", "model.moe.top_groups=1", "model.moe.top_k=3"],
+         r"model\.moe\.top_k=3 is more than the 2 experts in model\.moe\.top_groups=1 groups"),
+        (["model.moe.num_experts=8", "model.moe.every=2", "model.moe.first_dense_layers=1"],
+         r"model\.n_layers=4 minus model\.moe\.first_dense_layers=1 leaves 3 layers, not a positive multiple of model\.moe\.every=2"),
+        (["model.moe.capacity_factor=-1"], r"model\.moe\.capacity_factor=-1\.0 must be a finite number >= 0"),
+        (["model.moe.num_experts=8", "model.moe.dispatch=sparse"], r"model\.moe\.dispatch='sparse' is not valid; choose one of: padded, ragged"),
+        (["model.moe.num_experts=4", "mesh.expert=8", "mesh.fsdp=1"],
+         r"parameter blocks\.mlp\.experts\.w_down has a 'experts' dimension of 4, which does not split over mesh\.expert=8"),
+        (["model.moe.num_experts=8", "model.moe.expert_d_ff=100", "mesh.tensor=8", "mesh.fsdp=1", "model.n_heads=8", "model.n_kv_heads=8", "model.d_model=192"],
+         r"'expert_mlp' dimension of 100, which does not split over mesh\.tensor=8"),
+        (["mesh.pipeline=2", "model.moe.num_experts=8"], r"mesh\.pipeline=2 with an MoE model \(model\.moe\.num_experts=8\) is not supported yet"),
         # heads
         (["model.n_kv_heads=4"], r"model\.n_heads=6 is not divisible by model\.n_kv_heads=4"),
         (["model.d_model=100"], r"model\.d_model=100 is not divisible by model\.n_heads=6"),

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import ushard
-from conftest import small_config
+from conftest import SMALL_MOE, small_config
 from ushard.errors import UserError
 from ushard.training.loop import Trainer
 
@@ -456,10 +456,10 @@ def quiet(*_):
     pass
 
 
-def ckpt_config(**overrides):
+def ckpt_config(config_name="tiny", **overrides):
     settings = {"train.steps": 6, "checkpoint.every": 3, "train.log_every": 1, "parallel.zero_stage": 3}
     settings.update(overrides)
-    return small_config(**settings)
+    return small_config(config_name, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -482,35 +482,51 @@ def pipelined_run(tmp_path_factory, stdlib_batches):
     return workdir, {r["step"]: r["loss"] for r in records}
 
 
-def resumed_losses(saved_dir, workdir, layout, devices, batches) -> list[float]:
-    """The losses of steps 4-6 of a run resumed on `layout` from `saved_dir`'s checkpoint at step 3."""
-    shutil.copytree(saved_dir / "checkpoints" / "3", workdir / "checkpoints" / "3")
-    lines = []
-    trainer = Trainer(ckpt_config(**layout), str(workdir), devices=jax.devices()[:devices], batches=batches)
-    records = trainer.run(log=lines.append)
-    assert "resumed from the checkpoint at step 3" in lines
-    resumed = {r["step"]: r["loss"] for r in records}
-    assert sorted(resumed) == [4, 5, 6]
-    return [resumed[s] for s in (4, 5, 6)]
-
-
 @pytest.mark.parametrize("layout,devices", [
     ({"mesh.data": 2, "mesh.fsdp": 4, "parallel.zero_stage": 1}, 8),
     ({"mesh.fsdp": 4}, 4),
     (PIPELINED, 8),
 ])
 def test_resume_on_another_mesh_and_device_count(tmp_path, zero3_run, stdlib_batches, layout, devices):
-    saved_dir, reference = zero3_run
-    losses = resumed_losses(saved_dir, tmp_path, layout, devices, stdlib_batches)
-    np.testing.assert_allclose(losses, [reference[s] for s in (4, 5, 6)], rtol=1e-5)
+    resume_from_step_3_and_compare(zero3_run, ckpt_config(**layout), tmp_path, stdlib_batches, devices)
 
 
 def test_a_pipelined_run_resumes_without_a_pipeline(tmp_path, pipelined_run, zero3_run, stdlib_batches):
-    saved_dir, pipelined = pipelined_run
+    _, pipelined = pipelined_run
     _, reference = zero3_run
     np.testing.assert_allclose([pipelined[s] for s in range(1, 7)], [reference[s] for s in range(1, 7)], rtol=1e-5)
-    losses = resumed_losses(saved_dir, tmp_path, {"mesh.fsdp": 8}, 8, stdlib_batches)
-    np.testing.assert_allclose(losses, [pipelined[s] for s in (4, 5, 6)], rtol=1e-5)
+    resume_from_step_3_and_compare(pipelined_run, ckpt_config(**{"mesh.fsdp": 8}), tmp_path, stdlib_batches)
+
+
+def resume_from_step_3_and_compare(saved_run, config, tmp_path, batches, devices=8):
+    """Resumes `config` from the saved run's checkpoint at step 3: steps 4-6 log what the saved run logged."""
+    saved_dir, reference = saved_run
+    shutil.copytree(saved_dir / "checkpoints" / "3", tmp_path / "checkpoints" / "3")
+    lines = []
+    trainer = Trainer(config, str(tmp_path), devices=jax.devices()[:devices], batches=batches)
+    records = trainer.run(log=lines.append)
+    assert "resumed from the checkpoint at step 3" in lines
+    resumed = {r["step"]: r for r in records}
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        want = reference[step] if isinstance(reference[step], dict) else {"loss": reference[step]}
+        np.testing.assert_allclose([resumed[step][k] for k in want], list(want.values()), rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def expert8_run(tmp_path_factory, stdlib_batches):
+    """An MoE run with the experts split over 8 devices (loss-free balancing on), checkpoints at 3 and 6."""
+    workdir = tmp_path_factory.mktemp("expert8")
+    config = ckpt_config("tiny_moe", **SMALL_MOE, **{"mesh.expert": 8, "mesh.fsdp": 1})
+    records = Trainer(config, str(workdir), batches=stdlib_batches).run(log=quiet)
+    return workdir, {r["step"]: {k: v for k, v in r.items() if k == "loss" or k.startswith("aux/")} for r in records}
+
+
+def test_moe_resumes_across_expert_layouts(tmp_path, expert8_run, stdlib_batches):
+    """Saved with the experts over 8 devices, resumed with them over 2 (and fsdp=4): the same losses,
+    auxiliary terms and expert loads (so the routing biases were restored too)."""
+    config = ckpt_config("tiny_moe", **SMALL_MOE, **{"mesh.expert": 2, "mesh.fsdp": 4})
+    resume_from_step_3_and_compare(expert8_run, config, tmp_path, stdlib_batches)
 
 
 def test_resume_with_another_batch_size_goes_on_at_the_next_token(tmp_path, zero3_run, stdlib_batches):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import small_config
+from conftest import SMALL_MOE, small_config
 from ushard import build
 from ushard.data.corpus import Corpus
 from ushard.data.pipeline import Batches
@@ -34,8 +34,10 @@ FP8_STEP0_RTOL = 3e-5
 
 FUSED = {"model.fused_qkv": True, "model.fused_mlp": True}
 SP = {"parallel.sequence_parallel": True}
+MOE_CAPACITY = {**SMALL_MOE, "model.moe.capacity_factor": 1.0}  # drops by a per-sequence rule: layout-independent
 
-# name: (mesh and parallel overrides, number of devices)
+# name: (mesh and parallel overrides, number of devices). A name's last part names its reference
+# ("_fused" -> "single_fused"; none of these: "single") and, for "_moe" / "_moecap", the tiny_moe config.
 LAYOUTS = {
     "single": ({}, 1),
     "ddp": ({"mesh.data": 8, "parallel.zero_stage": 0}, 8),
@@ -74,8 +76,24 @@ LAYOUTS = {
     # FP8 matmuls: per-tensor scales are global maxima, so every layout quantises the same values.
     "single_fp8": ({"model.fp8": True}, 1),
     "tensor_fsdp_fp8": ({"model.fp8": True, "mesh.tensor": 2, "mesh.fsdp": 4, "parallel.zero_stage": 3}, 8),
+    # Mixture of experts, dropless: expert parallelism (all-to-all), alone and with fsdp and tensor.
+    "single_moe": (SMALL_MOE, 1),
+    "expert2_fsdp4_moe": ({**SMALL_MOE, "mesh.expert": 2, "mesh.fsdp": 4}, 8),
+    "expert4_fsdp2_keep_gathered_moe": (
+        {**SMALL_MOE, "mesh.expert": 4, "mesh.fsdp": 2, "parallel.reshard_after_forward": False}, 8),
+    "expert8_moe": ({**SMALL_MOE, "mesh.expert": 8}, 8),
+    "expert2_tensor2_fsdp2_moe": ({**SMALL_MOE, "mesh.expert": 2, "mesh.tensor": 2, "mesh.fsdp": 2}, 8),
+    "expert2_tensor2_fsdp2_sp_moe": ({**SMALL_MOE, "mesh.expert": 2, "mesh.tensor": 2, "mesh.fsdp": 2, **SP}, 8),
+    "expert2_sequence2_fsdp2_ring_moe": (
+        {**SMALL_MOE, "mesh.expert": 2, "mesh.sequence": 2, "mesh.fsdp": 2, "parallel.context_parallel": "ring"}, 8),
+    # ...and with a capacity: the same tokens are dropped on every layout.
+    "single_moecap": (MOE_CAPACITY, 1),
+    "expert4_fsdp2_moecap": ({**MOE_CAPACITY, "mesh.expert": 4, "mesh.fsdp": 2}, 8),
 }
-TENSOR_LAYOUTS = [n for n, (overrides, _) in LAYOUTS.items() if overrides.get("mesh.tensor", 1) > 1]
+REFERENCES = {"fused": "single_fused", "fp8": "single_fp8", "moe": "single_moe", "moecap": "single_moecap"}
+MOE_LAYOUTS = [n for n in LAYOUTS if n.endswith(("_moe", "_moecap"))]
+# The dense tensor layouts, whose collectives the tests below read.
+TENSOR_LAYOUTS = [n for n, (overrides, _) in LAYOUTS.items() if overrides.get("mesh.tensor", 1) > 1 and n not in MOE_LAYOUTS]
 
 
 @contextlib.contextmanager
@@ -96,7 +114,8 @@ def compiler_log():
 
 def run_layout(name, batches):
     overrides, devices = LAYOUTS[name]
-    return run_config(small_config(**overrides), jax.devices()[:devices], batches)
+    config = small_config("tiny_moe" if name in MOE_LAYOUTS else "tiny", **overrides)
+    return run_config(config, jax.devices()[:devices], batches)
 
 
 def run_config(config, devices, batches):
@@ -120,10 +139,12 @@ def run_config(config, devices, batches):
         "hlo": compiled.as_text(),
         "compiler_log": log,
         "losses": [],
+        "aux": [],
     }
     for batch in batches:
         state, metrics = compiled(state, batch)
         result["losses"].append(float(metrics["loss"]))
+        result["aux"].append({k: float(v) for k, v in metrics["aux"].items()})
     result["params"] = jax.device_get(state.params)
     return result
 
@@ -159,7 +180,7 @@ def tree_relative_difference(a, b) -> float:
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("single")])
 def test_layout_matches_single_device(results, name):
-    reference = {"fused": "single_fused", "fp8": "single_fp8"}.get(name.rsplit("_", 1)[-1], "single")
+    reference = REFERENCES.get(name.rsplit("_", 1)[-1], "single")
     fp8 = name.endswith("_fp8")
     # FP8: a last-bit difference of a float32 sum can move a value across an FP8 rounding boundary
     # (one e4m3 step is 6%), and Adam's normalised updates carry that into the next steps.
@@ -173,6 +194,9 @@ def assert_same_training(got, ref, step0_rtol=RTOL, trained_rtol=RTOL):
     assert tree_relative_difference(got["grads0"], ref["grads0"]) <= step0_rtol
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=trained_rtol)
     assert tree_relative_difference(got["params"], ref["params"]) <= trained_rtol
+    for got_aux, ref_aux in zip(got["aux"], ref["aux"]):  # MoE: losses, expert loads, drops
+        assert got_aux.keys() == ref_aux.keys()
+        np.testing.assert_allclose([got_aux[k] for k in ref_aux], list(ref_aux.values()), rtol=trained_rtol)
 
 
 def test_training_moves_the_loss(results):
@@ -180,6 +204,25 @@ def test_training_moves_the_loss(results):
     losses = results["single"]["losses"]
     assert losses[-1] < losses[0] - 0.05, losses
     assert results["single"]["params"]["blocks"]["mlp"]["w_up"].std() > 0
+
+
+def test_moe_runs_exercise_routing_drops_and_balancing(results):
+    """Guards the MoE rows: experts trained, biases moved, and the capacity run really dropped tokens."""
+    for name in ("single_moe", "single_moecap"):
+        losses, mlp = results[name]["losses"], results[name]["params"]["blocks"]["mlp"]
+        assert losses[-1] < losses[0] - 0.05, (name, losses)
+        assert np.abs(mlp["bias"]).max() > 0 and mlp["experts"]["w_up"].std() > 0
+    assert all(step["moe_dropped_fraction"] > 0.01 for step in results["single_moecap"]["aux"])
+    assert all(step["moe_dropped_fraction"] == 0 for step in results["single_moe"]["aux"])
+
+
+@pytest.mark.parametrize("name", [n for n in MOE_LAYOUTS if not n.startswith("single")])
+def test_moe_layouts_send_tokens_to_their_experts_without_replicating(results, name):
+    """Split experts are reached by all-to-all (not by gathering every token everywhere), and XLA
+    never falls back to replicating a tensor to reshard it."""
+    got = results[name]
+    assert not [line for line in got["compiler_log"] if "Involuntary full rematerialization" in line]
+    assert any(kind == "all-to-all" for _, kind, _ in collectives(got["hlo"]))
 
 
 def spec_of(sharding_tree, *path):

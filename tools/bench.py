@@ -5,7 +5,7 @@
 
 Each ushard variant and each peer (tools/peer_jax.py, tools/peer_torch.py) runs in its own process, so
 one cannot inherit another's memory. The last thing printed is one table: tokens/s, TFLOP/s per device,
-MFU against the chip's datasheet bf16 dense peak, and peak device memory. FLOPs are counted as in
+MFU against the chip's datasheet bf16 dense peak, and peak memory of the busiest device. FLOPs are counted as in
 ushard/metrics.py (6*N + causal attention), the same formula the peers use.
 """
 
@@ -57,8 +57,9 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     step_time = (time.perf_counter() - start) / steps
     tokens_per_s = config.train.batch_size * config.train.seq_len / step_time
     tflops = trainer.setup.flops_per_token * tokens_per_s / trainer.setup.mesh.size / 1e12
-    stats = jax.devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
+    # The busiest device's peak: pipeline stages (and expert groups) do not hold the same.
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    peak = max((p for p in peaks if p is not None), default=None)
     extra = {}
     if breakdown:
         grads_fn = trainer.steps.loss_and_grads.lower(state.params, batches[0]).compile()

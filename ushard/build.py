@@ -47,8 +47,11 @@ class Setup:
     def describe(self) -> str:
         shape = " x ".join(f"{a}={s}" for a, s in self.mesh_shape.items() if s > 1) or "one device"
         platform = self.mesh.devices.flat[0].platform
+        size = f"{self.model.num_params() / 1e6:.1f}M params"
+        if self.model_config.moe.num_experts:  # what FLOPs and MFU count: a token's share of the experts
+            size += f" ({self.model.num_matmul_params() / 1e6:.1f}M active in a token's matmuls)"
         return (
-            f"ushard: {self.model.num_params() / 1e6:.1f}M params on {self.mesh.size} {platform} "
+            f"ushard: {size} on {self.mesh.size} {platform} "
             f"device(s), mesh {shape}, ZeRO-{self.config.parallel.zero_stage}\n{self._describe_pipeline()}"
             f"parameter layout (logical axis -> mesh axes):\n{format_rules(self.layout.zero.params)}"
         )

@@ -278,8 +278,7 @@ def _unused(path: str) -> str:
 def saved_model_config(saved_config: dict) -> ModelConfig:
     """The model settings of a checkpoint's saved config (JSON): defaults fill keys the checkpoint
     predates; keys this version does not know are ignored."""
-    known = ModelConfig.__dataclass_fields__
-    return ModelConfig(**{k: v for k, v in saved_config.get("model", {}).items() if k in known})
+    return ModelConfig.from_config(saved_config.get("model", {}), ignore_unknown=True)
 
 
 def check_compatible(on_disk, expected, saved_config: dict, model_cfg: ModelConfig, step: int) -> None:

@@ -25,8 +25,6 @@ from ushard.parallel import context
 from ushard.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
-# Axes whose implementation has not landed yet: a size other than 1 is refused with a clear sentence.
-UNSUPPORTED_MESH_AXES = ("expert",)
 SCHEDULES = ("cosine", "linear", "constant")
 NONFINITE_POLICIES = ("skip", "rollback", "stop")
 DATA_SOURCES = ("stdlib", "text", "jsonl")
@@ -36,8 +34,9 @@ def default_config() -> ml_collections.ConfigDict:
     """Every key ushard understands, with its default. Shipped configs start from this."""
     c = ml_collections.ConfigDict()
 
-    # The model's keys, defaults and their meaning: ushard/models/config.py (ModelConfig).
-    c.model = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(ModelConfig)})
+    # The model's keys, defaults and their meaning: ushard/models/config.py (ModelConfig; its nested
+    # groups, such as `model.moe`, are nested here too).
+    c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000
@@ -363,9 +362,9 @@ def check_settings(config) -> ModelConfig:
 def check_mesh(config, num_devices: int) -> dict[str, int]:
     """The mesh's axis sizes for `num_devices`, checked against what is implemented and the dcn split."""
     mesh = resolve_mesh_shape(config.mesh, num_devices)
-    for axis in UNSUPPORTED_MESH_AXES:
-        if mesh[axis] != 1:
-            raise UserError(f"mesh.{axis}={mesh[axis]} is not supported yet; valid: 1 (use pipeline, data, fsdp, sequence or tensor).")
+    if mesh["expert"] > 1 and not config.model.moe.num_experts:
+        raise UserError(f"mesh.expert={mesh['expert']} splits the experts of an MoE model, but this model has none "
+                        f"(model.moe.num_experts=0); use mesh.data or mesh.fsdp for data parallelism.")
     for axis in MESH_AXES:
         dcn = config.mesh.dcn[axis]
         if not isinstance(dcn, int) or dcn < 1 or mesh[axis] % dcn:
@@ -390,6 +389,12 @@ def check_pipeline(config, mesh: dict[str, int]) -> None:
         raise UserError(
             f"mesh.pipeline={stages} with mesh.sequence={mesh['sequence']} is not supported yet; split the "
             f"sequence without a pipeline, or the batch (data, fsdp) and tensor within the pipeline's stages."
+        )
+    if config.model.moe.num_experts:
+        # The routed experts are a shard_map of their own too (ushard/parallel/expert.py).
+        raise UserError(
+            f"mesh.pipeline={stages} with an MoE model (model.moe.num_experts={config.model.moe.num_experts}) is not "
+            f"supported yet; split the experts with mesh.expert and the batch with mesh.fsdp or mesh.data."
         )
     if layers % (stages * repeats):
         raise UserError(

@@ -2,8 +2,10 @@
 
 FLOPs per token (the convention of the Chinchilla and PaLM papers, and of MaxText and torchtitan):
     6 * N  +  6 * n_layers * seq_len * d_model
-N counts every parameter that takes part in a matmul: all except the input embedding table (a
-lookup) and norm scales, while the output projection counts (a tied table counts once). 6 = 2 FLOPs per multiply-add
+N counts every parameter that takes part in a token's matmuls: all except the input embedding table
+(a lookup), norm scales and MoE routing biases, while the output projection counts (a tied table
+counts once); of an MoE layer's routed experts only the top_k of num_experts a token is sent to
+count (active parameters). 6 = 2 FLOPs per multiply-add
 x (forward + 2 x backward). The second term is attention's two [T x T] matmuls: 4*T*d per token and
 layer forward, x3 with the backward = 12*T*d, halved because causal attention needs only the lower
 triangle. Remat recomputation is not counted: MFU measures useful work.

@@ -1,7 +1,7 @@
 """The model's settings as a typed, frozen value, built once from `config.model` and validated there.
 
 Model code reads `ModelConfig` fields only (never the ConfigDict), so a setting has one spelling, one
-type and one check.
+type and one check. The mixture-of-experts settings are a nested group, `model.moe.*` (`MoEConfig`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,78 @@ from ushard.models.attention import ATTENTION_IMPLS
 from ushard.models.stack import REMAT_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
+SCORE_FUNCS = ("softmax", "sigmoid")
+DISPATCHES = ("padded", "ragged")
+
+
+def _check_at_least(owner, keys, low: int, prefix: str) -> None:
+    for key in keys:
+        value = getattr(owner, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise UserError(f"{prefix}{key}={value!r} must be a number >= {low}.")
+
+
+def _check_finite(owner, keys, prefix: str, allow_zero: bool) -> None:
+    for key in keys:
+        value = getattr(owner, key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < 0 or (value == 0 and not allow_zero):
+            raise UserError(f"{prefix}{key}={value!r} must be a finite number {'>=' if allow_zero else '>'} 0.")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward layers (ushard/models/moe.py); `num_experts=0`: a dense model."""
+
+    num_experts: int = 0
+    top_k: int = 2  # routed experts per token
+    # Each expert takes at most ceil(capacity_factor * T * top_k / num_experts) of a sequence's T tokens
+    # (the drop rule: ushard/models/moe.py). 0: dropless, every token reaches its top_k experts.
+    capacity_factor: float = 0.0
+    num_shared_experts: int = 0  # experts every token goes through, beside its routed ones
+    expert_d_ff: int = 0  # hidden size of one expert (routed or shared); 0: model.d_ff
+    # Layer i is an MoE layer if i >= first_dense_layers and (i - first_dense_layers) % every == 0;
+    # the others are dense. (n_layers - first_dense_layers) must be a multiple of `every`.
+    every: int = 1
+    first_dense_layers: int = 0
+    score_func: str = "softmax"  # softmax | sigmoid: router scores from the router logits
+    normalize_gates: bool = True  # divide a token's top_k scores by their sum
+    routed_scale: float = 1.0  # the routed experts' gates are multiplied by this
+    # Group-limited routing: experts in num_groups equal groups; a token picks its experts from its
+    # top_groups best groups (a group scores the sum of its two best scores). 1 and 1: no limit.
+    num_groups: int = 1
+    top_groups: int = 1
+    aux_loss_weight: float = 0.01  # the load-balancing loss's weight in the objective
+    z_loss_weight: float = 0.001  # the router z-loss's weight
+    # Auxiliary-loss-free balancing: each step, every expert's routing bias moves by this much against
+    # its load (up if under-loaded, down if over-loaded). 0: the bias stays zero.
+    bias_update_rate: float = 0.0
+    # How assignments reach experts split over devices (mesh.expert > 1; ushard/parallel/expert.py):
+    # "padded" all_to_all of fixed-capacity buffers, or "ragged" (ragged_all_to_all: only the rows used).
+    dispatch: str = "padded"
+
+    def __post_init__(self):
+        p = "model.moe."
+        _check_at_least(self, ("num_experts", "num_shared_experts", "expert_d_ff", "first_dense_layers"), 0, p)
+        _check_at_least(self, ("top_k", "every", "num_groups", "top_groups"), 1, p)
+        _check_finite(self, ("capacity_factor", "aux_loss_weight", "z_loss_weight", "bias_update_rate"), p, allow_zero=True)
+        _check_finite(self, ("routed_scale",), p, allow_zero=False)
+        for key, valid in (("score_func", SCORE_FUNCS), ("dispatch", DISPATCHES)):
+            if getattr(self, key) not in valid:
+                raise UserError(f"{p}{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}.")
+        if not isinstance(self.normalize_gates, bool):
+            raise UserError(f"{p}normalize_gates={self.normalize_gates!r} must be true or false.")
+        if not self.num_experts:
+            return
+        if self.top_k > self.num_experts:
+            raise UserError(f"{p}top_k={self.top_k} is more than {p}num_experts={self.num_experts}; a token picks distinct experts.")
+        if self.num_experts % self.num_groups:
+            raise UserError(f"{p}num_experts={self.num_experts} does not split into {p}num_groups={self.num_groups} equal groups; use a divisor.")
+        if self.top_groups > self.num_groups:
+            raise UserError(f"{p}top_groups={self.top_groups} is more than {p}num_groups={self.num_groups}.")
+        if self.top_k > self.top_groups * (self.num_experts // self.num_groups):
+            raise UserError(f"{p}top_k={self.top_k} is more than the {self.top_groups * (self.num_experts // self.num_groups)} "
+                            f"experts in {p}top_groups={self.top_groups} groups; raise top_groups.")
 
 
 @dataclass(frozen=True)
@@ -44,30 +116,54 @@ class ModelConfig:
     # The transformer blocks' matmuls in FP8 (ushard/models/fp8.py; Hopper GPUs or newer). The LM head
     # and attention's softmax stay in the compute dtype.
     fp8: bool = False
+    moe: MoEConfig = MoEConfig()
 
-    # How the model is computed, not what it computes: a run may resume with these changed. Every
-    # other setting (new ones included, unless added here) defines the model's function.
+    # How the model is computed (or trained), not what it computes: a run may resume with these
+    # changed. Every other setting (new ones included, unless added here) defines the model's function.
     IMPLEMENTATION_SETTINGS = ("compute_dtype", "attention_impl", "remat", "scan_unroll", "fused_qkv",
-                               "fused_mlp", "fp8")
+                               "fused_mlp", "fp8", "moe.aux_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate",
+                               "moe.dispatch")
 
     @classmethod
-    def from_config(cls, model_cfg) -> "ModelConfig":
-        """From the `model` group of a config (a ConfigDict or a plain dict); raises UserError if invalid."""
-        return cls(**dict(model_cfg.items()))
+    def from_config(cls, model_cfg, ignore_unknown: bool = False) -> "ModelConfig":
+        """From the `model` group of a config (a ConfigDict or a plain nested dict, such as a checkpoint's
+        saved JSON); raises UserError if invalid. `ignore_unknown` drops keys this version does not
+        know; missing keys take their defaults."""
+        values = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else dict(model_cfg)
+        moe = dict(values.pop("moe", {}))
+        if ignore_unknown:
+            values = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
+            moe = {k: v for k, v in moe.items() if k in MoEConfig.__dataclass_fields__}
+        return cls(**values, moe=MoEConfig(**moe))
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def expert_d_ff(self) -> int:
+        return self.moe.expert_d_ff or self.d_ff
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are MoE layers (0 for a dense model)."""
+        if not self.moe.num_experts:
+            return 0
+        return (self.n_layers - self.moe.first_dense_layers) // self.moe.every
+
+    def settings(self) -> dict:
+        """{"rope_theta": 10000.0, ..., "moe.top_k": 2, ...}: every setting by its dotted name under `model.`."""
+        flat = {}
+        for key, value in dataclasses.asdict(self).items():
+            if isinstance(value, dict):  # a nested group (moe)
+                flat.update({f"{key}.{k}": v for k, v in value.items()})
+            else:
+                flat[key] = value
+        return flat
+
     def __post_init__(self):
-        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "scan_unroll"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UserError(f"model.{key}={value!r} must be a number >= 1.")
-        for key in ("rope_theta", "norm_eps"):
-            value = getattr(self, key)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise UserError(f"model.{key}={value!r} must be a finite number > 0.")
+        _check_at_least(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "scan_unroll"), 1, "model.")
+        _check_finite(self, ("rope_theta", "norm_eps"), "model.", allow_zero=False)
         for key, valid in (("remat", tuple(REMAT_POLICIES)), ("attention_impl", ATTENTION_IMPLS),
                            ("compute_dtype", DTYPES), ("param_dtype", DTYPES)):
             if getattr(self, key) not in valid:
@@ -78,13 +174,23 @@ class ModelConfig:
             raise UserError(f"head_dim = d_model/n_heads = {self.head_dim} must be even for rotary embeddings.")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; grouped-query attention needs whole groups.")
+        moe = self.moe
+        if moe.num_experts:
+            rest = self.n_layers - moe.first_dense_layers
+            if rest < moe.every or rest % moe.every:
+                raise UserError(
+                    f"model.n_layers={self.n_layers} minus model.moe.first_dense_layers={moe.first_dense_layers} "
+                    f"leaves {rest} layers, not a positive multiple of model.moe.every={moe.every}; the layers "
+                    f"after the dense ones repeat a pattern of `every` layers."
+                )
 
     def differences(self, other: "ModelConfig", function_only: bool = False) -> list[str]:
         """The settings that differ ("model.k=<self's> there but <other's> here"); with `function_only`,
         only those that define the model's function."""
         skip = self.IMPLEMENTATION_SETTINGS if function_only else ()
-        return [f"model.{k}={getattr(self, k)!r} there but {getattr(other, k)!r} here"
-                for k in self.__dataclass_fields__ if k not in skip and getattr(self, k) != getattr(other, k)]
+        mine, theirs = self.settings(), other.settings()
+        return [f"model.{k}={mine[k]!r} there but {theirs[k]!r} here"
+                for k in mine if k not in skip and mine[k] != theirs[k]]
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

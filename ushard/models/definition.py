@@ -9,10 +9,12 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from ushard.models.config import ModelConfig
 from ushard.models.llama import Llama, init_cache
+from ushard.models.moe import ExpertBias
 
 
 def _build(cfg: ModelConfig, seed: int) -> Llama:
@@ -40,6 +42,9 @@ class ModelDef:
         is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         self.logical = jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), variables, is_leaf=is_var)
         self.shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), variables, is_leaf=is_var)
+        # Which leaves are trained by the optimizer, and which are MoE routing biases (moved by load).
+        self.trained = jax.tree.map(lambda v: isinstance(v, nnx.Param), variables, is_leaf=is_var)
+        self.expert_biases = jax.tree.map(lambda v: isinstance(v, ExpertBias), variables, is_leaf=is_var)
 
     def named_shapes(self) -> dict[str, tuple]:
         """{"parameter <path>": (logical names, shape)}: what the divisibility check takes."""
@@ -91,11 +96,32 @@ class ModelDef:
         return sum(x.size for x in jax.tree.leaves(self.shapes))
 
     def num_matmul_params(self) -> int:
-        """Parameters that multiply activations in a matmul: not norm scales, not an untied input table."""
+        """Parameters that multiply one token's activations in a matmul: not norm scales, not an untied
+        input table, not routing biases, and of the routed experts' weights (logical axis `experts`)
+        only the top_k of num_experts experts a token is sent to. FLOPs and MFU count these
+        (ushard/metrics.py)."""
         names = jax.tree.leaves(self.logical, is_leaf=lambda x: isinstance(x, tuple))
-        sizes = jax.tree.leaves(self.shapes)
-        total = sum(s.size for n, s in zip(names, sizes) if n[-1] != "norm")
+        sizes, trained = jax.tree.leaves(self.shapes), jax.tree.leaves(self.trained)
+        moe = self.cfg.moe
+        active = lambda n, size: size // moe.num_experts * moe.top_k if "experts" in n else size  # noqa: E731
+        total = sum(active(n, s.size) for n, s, t in zip(names, sizes, trained) if t and n[-1] != "norm")
         return total if self.cfg.tie_embeddings else total - self.shapes["embedding"].size
+
+    def without_expert_loads(self, grads):
+        """`grads` with the MoE routing biases' entries zeroed: what they hold is each expert's observed
+        load (ushard/models/moe.py, `load_signal`), not a gradient to clip or descend."""
+        return jax.tree.map(lambda is_bias, g: jnp.zeros_like(g) if is_bias else g, self.expert_biases, grads)
+
+    def balance_experts(self, params, before, grads):
+        """`params` after an optimizer update, with every MoE routing bias set to its value `before` the
+        update moved by model.moe.bias_update_rate against the sign of its entry in `grads` (its
+        experts' load above the mean): auxiliary-loss-free balancing. Unchanged for a dense model."""
+        rate = self.cfg.moe.bias_update_rate
+
+        def update(is_bias, new, old, load):
+            return old - rate * jnp.sign(load) if is_bias else new
+
+        return jax.tree.map(update, self.expert_biases, params, before, grads)
 
 
 @functools.lru_cache(maxsize=8)

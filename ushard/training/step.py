@@ -4,7 +4,10 @@ The loss is a *sum* over target tokens and the gradient is divided by the token 
 global batch at the end, so one microbatch or many, one device or many, compute the same number.
 The model's auxiliary terms (`aux`, scalars such as an MoE load-balancing loss) are added to the
 objective weighted by each microbatch's token count, so they too average over the global batch, and
-are reported beside the loss. Gradient accumulation runs microbatches in a `lax.scan`; the
+are reported beside the loss (a term whose gradient is stopped, such as an MoE layer's expert load,
+is a figure that is only reported). MoE routing biases are not trained: the optimizer sees a zero
+gradient for them, and `ModelDef.balance_experts` moves them by the loads their gradient entries
+carry. Gradient accumulation runs microbatches in a `lax.scan`; the
 accumulator carries the gradient sharding (replicated below ZeRO-2, sharded over fsdp from ZeRO-2 on).
 """
 
@@ -161,10 +164,12 @@ class Steps:
         return loss, grads
 
     def _train_step(self, state: TrainState, batch):
-        loss, aux, grads = self._mean_loss_and_grads(state.params, batch)
+        loss, aux, grads_and_loads = self._mean_loss_and_grads(state.params, batch)
+        grads = self.model.without_expert_loads(grads_and_loads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        params = self.model.balance_experts(params, state.params, grads_and_loads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         skipped = state.skipped
         if self.skip_nonfinite:  # keep the old state where this step's numbers are not finite

@@ -1,0 +1,231 @@
+"""Expert parallelism: routed experts computed where their weights live, tokens moved by all-to-all.
+
+`routed_experts` is the one call an MoE layer makes for its routed experts. It knows no layer: the
+experts are `expert_fn(weights, x, group_sizes=None)`, which computes every expert on its own tokens,
+either batched (x [experts, tokens, d]) or grouped (x [tokens, d] sorted by expert, group_sizes[e]
+rows for expert e). Each token's output is the sum over its assignments of gate * expert output.
+
+Under a layout (while a step is traced) it runs in a `jax.shard_map` over the mesh axes that split
+the tokens (`act_batch`, `act_length`), the experts (`experts`) and the experts' hidden dimension
+(`expert_mlp`), each asked of the layout. Outside MoE layers the expert axis is one more batch axis,
+so every device holds tokens of its own; per device (and the same with no layout, on one device):
+
+- Dropless, experts not split: the device's assignments, sorted by expert, go through the grouped
+  form (`jax.lax.ragged_dot`): no padding, nothing moved.
+- Otherwise, fixed-capacity dispatch. A device writes each kept assignment's token into slot
+  (expert, rank among that expert's assignments on this device) of a [E, capacity, d] buffer and
+  runs each expert batched over its rows. With the experts split over P devices (E / P each), an
+  `all_to_all` over the expert axes first sends every expert's rows to the device holding it, which
+  runs them for every sender, and a second brings the outputs back to the slots they came from.
+  The capacity is the most one device can hold for one expert under the drop rule
+  (ushard/models/moe.py): local rows x min(row capacity, local row length). Dropless, that is every
+  local token, so the result is exact (buffers E / top_k times the assignments);
+  `ragged_all_to_all`, which would move only what is used, does not run on CPU (not implemented).
+
+The expert weights enter the map as they are stored (ZeRO-3: split over fsdp too) and are gathered
+inside it, in the compute dtype. `expert_fn`'s outputs are partial sums where `expert_mlp` is split
+(tensor parallel experts: each device holds a slice of every hidden layer), so the tokens' outputs
+are summed over those axes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ushard.sharding import current_layout
+
+TOKEN_NAMES = ("act_batch", "act_length")  # the dimensions of x [batch, length, d] that hold tokens
+
+
+def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int,
+                   dispatch: str = "padded"):
+    """Every token through its kept experts, weighted by its gates: x [batch, length, d], experts int /
+    gates float32 / keep bool [batch, length, k], weights {name: [experts, ...]} with logical names
+    `weight_names`; `row_capacity`: the drop rule's C (the most assignments an expert keeps from one
+    sequence; the length when dropless); `dispatch`: "padded" or "ragged", how assignments travel to
+    experts split over devices. Returns [batch, length, d] in x's dtype."""
+    layout = current_layout()
+    if layout is None:
+        return _on_device(x, experts, gates, keep, weights, expert_fn, row_capacity)
+
+    token_axes = tuple(a for name in TOKEN_NAMES for a in layout.axes(name))
+    expert_axes, hidden_axes = layout.axes("experts"), layout.axes("expert_mlp")
+    if not set(expert_axes) <= set(token_axes) or set(hidden_axes) & set(token_axes):
+        raise NotImplementedError(
+            f"expert parallelism needs the expert axes {expert_axes} among the token axes {token_axes} and "
+            f"the expert_mlp axes {hidden_axes} outside them"
+        )
+    groups = layout.size("experts")
+
+    stored_kind = "compute" if layout.keep_gathered else "params"  # the stack may have gathered them already
+    stored = {name: layout.spec(weight_names[name], stored_kind) for name in weights}
+    compute = {name: layout.spec(weight_names[name]) for name in weights}
+
+    ragged = dispatch == "ragged" and groups > 1
+    cpu = layout.mesh.devices.flat[0].platform == "cpu"
+    exchange = _ragged_all_to_all_by_gather if cpu else jax.lax.ragged_all_to_all
+
+    def per_device(x, experts, gates, keep, weights):
+        weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
+        if ragged:
+            y = _ragged(x, experts, gates, keep, weights, expert_fn, expert_axes, groups, exchange)
+        else:
+            y = _on_device(x, experts, gates, keep, weights, expert_fn, row_capacity, expert_axes, groups)
+        # Partial sums where the experts' hidden dimension is split; summed once per token, after the
+        # gates (linear), where there are fewer rows than in the expert buffers.
+        return jax.lax.psum(y, hidden_axes) if hidden_axes else y
+
+    tokens = layout.spec((*TOKEN_NAMES, None))
+    return jax.shard_map(
+        per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, tokens, stored), out_specs=tokens,
+        axis_names=set(token_axes + expert_axes + hidden_axes),
+    )(x, experts, gates, keep, weights)
+
+
+def _on_device(x, experts, gates, keep, weights, expert_fn, row_capacity: int, axes=(), groups: int = 1):
+    """One device's tokens through their experts: grouped if dropless with every expert here, else
+    through fixed-capacity buffers (exchanged over `axes` when the experts are split `groups` ways)."""
+    if groups == 1 and row_capacity >= x.shape[1]:
+        return _grouped(x, experts, gates, keep, weights, expert_fn)
+    capacity = x.shape[0] * min(row_capacity, x.shape[1])
+    return _buffered(x, experts, gates, keep, weights, expert_fn, axes, groups, capacity)
+
+
+def _axes(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _gather(w, stored, compute):
+    """A weight's local block as stored (e.g. ZeRO-3: split over fsdp) -> its block for compute, by
+    all-gathers inside the map, whose transpose reduce-scatters the gradient into the stored layout
+    (left to XLA, the mapped gradient was all-reduced whole, then sliced)."""
+    for dim, (have, want) in enumerate(zip(stored, compute)):
+        have, want = _axes(have), _axes(want)
+        assert have[:len(want)] == want, (stored, compute)
+        if len(have) > len(want):
+            w = jax.lax.all_gather(w, have[len(want):], axis=dim, tiled=True)
+    return w
+
+
+def _experts_held(weights: dict) -> int:
+    return next(iter(weights.values())).shape[0]  # every weight leads with its experts
+
+
+def _sort_by_expert(key, num_experts: int):
+    """key int [A] in [0, num_experts] (num_experts: dropped) -> (stable order that sorts it, rows per
+    expert [num_experts], each assignment's rank among its expert's assignments)."""
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.bincount(key, length=num_experts + 1)
+    starts = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(key.shape[0]) - starts[key[order]]
+    rank = jnp.zeros_like(key).at[order].set(rank_sorted)
+    return order, counts[:num_experts], rank
+
+
+def _combine(outputs, gates, dtype):
+    """outputs [tokens, k, d] of each assignment -> [tokens, d]: summed by gates in float32."""
+    return jnp.einsum("nk,nkd->nd", gates, outputs.astype(jnp.float32)).astype(dtype)
+
+
+def _flat(x, experts, gates, keep, num_experts: int):
+    """Tokens [n, d], and per assignment (token-major): the sort key (num_experts where dropped) and gates [n, k]."""
+    batch, length, d = x.shape
+    key = jnp.where(keep, experts, num_experts).reshape(-1).astype(jnp.int32)
+    return x.reshape(batch * length, d), key, gates.reshape(batch * length, -1)
+
+
+def _grouped(x, experts, gates, keep, weights, expert_fn):
+    """All experts on this device, dropless: the assignments sorted by expert through the grouped form."""
+    num_experts, k = _experts_held(weights), experts.shape[-1]
+    tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
+    order, sizes, _ = _sort_by_expert(key, num_experts)
+    out_sorted = expert_fn(weights, tokens[order // k], sizes)  # dropped rows (last) give zeros
+    return _unsort_and_combine(out_sorted, order, gates, x)
+
+
+def _unsort_and_combine(out_sorted, order, gates, x):
+    """Each assignment's output, in the `order` that sorted the assignments by expert -> the tokens'
+    outputs [batch, length, d], combined by gates."""
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+    outputs = out_sorted[inverse].reshape(gates.shape[0], gates.shape[1], -1)
+    return _combine(outputs, gates, x.dtype).reshape(x.shape)
+
+
+def _buffered(x, experts, gates, keep, weights, expert_fn, axes, groups: int, capacity: int):
+    """Fixed-capacity dispatch (module docstring); `groups` > 1: the experts are split over `axes`."""
+    local_experts, k = _experts_held(weights), experts.shape[-1]
+    num_experts, d = local_experts * groups, x.shape[-1]
+    tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
+    _, _, rank = _sort_by_expert(key, num_experts)
+    slot = jnp.where(key < num_experts, key * capacity + rank, num_experts * capacity)  # past the end: dropped
+    send = jnp.zeros((num_experts * capacity, d), x.dtype).at[slot].set(tokens[jnp.arange(key.shape[0]) // k], mode="drop")
+
+    def exchange(buffer):  # [groups, ...]: row block g goes to (comes from) device g of the expert group
+        return jax.lax.all_to_all(buffer, axes, 0, 0, tiled=True) if groups > 1 else buffer
+
+    received = exchange(send.reshape(groups, local_experts, capacity, d))
+    batched = received.swapaxes(0, 1).reshape(local_experts, groups * capacity, d)
+    computed = expert_fn(weights, batched).reshape(local_experts, groups, capacity, d).swapaxes(0, 1)
+    returned = exchange(computed).reshape(num_experts * capacity, d)
+    outputs = jnp.take(returned, slot, axis=0, mode="fill", fill_value=0).reshape(tokens.shape[0], k, d)
+    return _combine(outputs, gates, x.dtype).reshape(x.shape)
+
+
+def _ragged(x, experts, gates, keep, weights, expert_fn, axes, groups: int, exchange):
+    """Experts split over `groups` devices, moving only the kept assignments: each device sends every
+    expert the rows sorted for it, written where the receiver wants them (grouped by its local expert,
+    senders in order), runs its experts grouped, and sends the outputs back to the rows they came from.
+    `exchange` is `jax.lax.ragged_all_to_all` or its stand-in for CPUs. The receive buffer holds the
+    most any device can be sent: every sender's assignments to experts that device holds."""
+    local_experts, k = _experts_held(weights), experts.shape[-1]
+    num_experts, d = local_experts * groups, x.shape[-1]
+    tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
+    order, sizes, _ = _sort_by_expert(key, num_experts)
+    rows = tokens[order // k]
+    plan = _ragged_plan(jax.lax.all_gather(sizes, axes), jax.lax.axis_index(axes), local_experts)
+    most = groups * tokens.shape[0] * min(k, local_experts)
+    received = exchange(rows, jnp.zeros((most, d), rows.dtype), *plan["there"], axis_name=axes)
+    computed = expert_fn(weights, received, plan["group_sizes"])
+    out_sorted = exchange(computed, jnp.zeros_like(rows), *plan["back"], axis_name=axes)
+    return _unsort_and_combine(out_sorted, order, gates, x)
+
+
+def _ragged_plan(counts, me, local_experts: int) -> dict:
+    """Offsets and sizes of both ragged exchanges, from counts [senders, experts] (rows each device
+    sends each expert: the same table on every device) and this device's index `me`. A slice is one
+    (device, expert) pair: on the way there, slice e carries this device's rows for expert e; on the way
+    back, slice (s, j) carries sender s's rows for this device's local expert j."""
+    groups = counts.shape[0]
+    starts = jnp.cumsum(counts, axis=1) - counts  # where each expert's rows start on their sender
+    to = counts.reshape(groups, groups, local_experts)  # [sender, receiver, local expert]
+    totals = jnp.sum(to, axis=0)  # [receiver, local expert]
+    blocks = jnp.cumsum(totals, axis=1) - totals  # where a local expert's rows start on the receiver
+    lands = blocks[None] + jnp.cumsum(to, axis=0) - to  # [sender, receiver, j]: after earlier senders'
+    mine = lambda a: a[:, me].reshape(-1)  # noqa: E731  (slices (sender, my local expert))
+    return {
+        "there": (starts[me], counts[me], lands.reshape(groups, -1)[me], mine(to)),
+        "back": (mine(lands), mine(to), mine(starts.reshape(groups, groups, local_experts)), counts[me]),
+        "group_sizes": totals[me],
+    }
+
+
+def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                 axis_name):
+    """`jax.lax.ragged_all_to_all`'s documented result, built from all-gathers (it has no CPU
+    implementation): every device gathers every operand and offset table and copies the slices sent
+    to it. Exact, and slow: for tests and CPU runs."""
+    del recv_sizes  # implied by the senders' tables
+    groups = jax.lax.axis_size(axis_name)
+    per_device = input_offsets.shape[0] // groups
+    me = jax.lax.axis_index(axis_name)
+    operands = jax.lax.all_gather(operand, axis_name)  # [groups, rows, ...]
+    mine = lambda a: jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(a, axis_name), me * per_device, per_device, axis=1).reshape(-1)  # noqa: E731
+    starts, sizes, lands = mine(input_offsets), mine(send_sizes), mine(output_offsets)  # [groups * per_device]
+    row = jnp.arange(output.shape[0])
+    inside = (lands[:, None] <= row) & (row < lands[:, None] + sizes[:, None])  # [slices, output rows]
+    slice_of_row = jnp.argmax(inside, axis=0)
+    source_row = jnp.clip(starts[slice_of_row] + row - lands[slice_of_row], 0, operand.shape[0] - 1)
+    copied = operands[slice_of_row // per_device, source_row]
+    written = jnp.any(inside, axis=0).reshape(-1, *(1,) * (output.ndim - 1))
+    return jnp.where(written, copied, output)
