@@ -15,6 +15,7 @@ from flax import nnx
 from ushard.models.config import ModelConfig
 from ushard.models.llama import Llama, init_cache
 from ushard.models.moe import ExpertBias
+from ushard.models.stack import weight_for_compute
 
 
 def _build(cfg: ModelConfig, seed: int) -> Llama:
@@ -80,6 +81,14 @@ class ModelDef:
     def layers(self, stack, x, positions, segment_ids=None):
         """-> (x, aux). `stack` may hold any number of consecutive layers (a pipeline stage's)."""
         return self.module({self.STACK: stack}).layers(x, positions, segment_ids)
+
+    def stack_for_compute(self, stack):
+        """The stacked layers' weights as a microbatch uses them (matmul weights in the compute dtype,
+        gathered): a pipeline stage prepares them once per slot, outside what it differentiates, so
+        that each microbatch's saved residuals refer to them instead of holding copies."""
+        dtype = jnp.dtype(self.cfg.compute_dtype)
+        return jax.tree.map(lambda w, names: weight_for_compute(w, names, dtype), stack, self.logical[self.STACK],
+                            is_leaf=lambda x: isinstance(x, tuple))
 
     def head(self, others, x):
         return self.module(others).head(x)

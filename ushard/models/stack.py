@@ -82,8 +82,13 @@ def weights_for_compute(layer_state, compute_dtype):
 
     def prepare(variable):
         names = variable.get_metadata()["out_sharding"][1:]  # without the stacked `layers` axis
-        if "norm" in names:
-            return variable
-        return variable.replace(gathered(variable[...].astype(compute_dtype), names))
+        return variable.replace(weight_for_compute(variable[...], names, compute_dtype))
 
     return jax.tree.map(prepare, layer_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def weight_for_compute(w, logical_names, compute_dtype):
+    """A matmul weight cast to the compute dtype and gathered (ZeRO-3); a norm scale as it is."""
+    if "norm" in logical_names:
+        return w
+    return gathered(w.astype(compute_dtype), logical_names)

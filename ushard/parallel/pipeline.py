@@ -19,8 +19,10 @@ slots cost nothing.
   `repeats` times, which divides the bubble by `repeats`.
 - 1F1B (`one_f_one_b`) runs forward and backward work in the same tick (stage s: the forward of
   microbatch t - s and the backward of microbatch t - 2S + 2 + s), so a stage holds at most 2S - 1
-  microbatches in flight whatever their number. It keeps only each in-flight microbatch's stage input
-  and recomputes the stage in the backward slot (`jax.vjp`). Each microbatch is embedded as it enters
+  microbatches in flight whatever their number. It keeps each in-flight microbatch's residuals (what
+  `jax.vjp` of the stage saves; the model's remat policy decides how much) and pulls back through them
+  in the backward slot, so a stage computes each microbatch's forward once, as a step without a
+  pipeline does. Each microbatch is embedded as it enters
   the first stage and ends (final norm, head, loss, and the gradient that starts its backward pass) as
   soon as it leaves the last one, which is why 1F1B is driven from the training step with the model's
   three parts rather than from inside the model.
@@ -100,7 +102,7 @@ def one_f_one_b_table(stages: int, microbatches: int) -> np.ndarray:
 
 
 def ring_size(stages: int) -> int:
-    """Stage inputs 1F1B keeps: stage 0 holds microbatch m from tick m to m + 2S - 2."""
+    """Microbatches whose residuals 1F1B keeps: stage 0 holds microbatch m from tick m to m + 2S - 2."""
     return 2 * stages - 1
 
 
@@ -153,7 +155,7 @@ def run_stages(stage, stack, x, args, layout: Layout):
         return jax.lax.psum(jax.tree.map(lambda v: jnp.where(at_last, v, 0), slots), axis)
 
     run = jax.shard_map(body, mesh=layout.mesh, in_specs=(P(None, axis), P(), P()), out_specs=P(),
-                        axis_names={axis})
+                        axis_names=manual_axes(layout))
     ys, aux = run(chunks, xs, args)
     return merge_rows(ys), jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
 
@@ -161,12 +163,14 @@ def run_stages(stage, stack, x, args, layout: Layout):
 # --------------------------------------------------------------------------- 1F1B
 
 
-def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout):
+def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare=lambda chunk: chunk):
     """Sums and gradients of Σ_m objective_m by the 1F1B schedule, without autodiff of the loop.
 
-    For microbatch m (rows of every `batch` leaf): x = first(outer, m); x, aux_i = stage(chunk_i, x, m)
-    for each chunk of layers in turn; (objective, sums) = last(outer, x, Σ aux_i, m). `outer` are the
-    parameters outside the stack, `stack` the stacked layers.
+    For microbatch m (rows of every `batch` leaf): x = first(outer, m); x, aux_i =
+    stage(prepare(chunk_i), x, m) for each chunk of layers in turn; (objective, sums) = last(outer, x,
+    Σ aux_i, m). `outer` are the parameters outside the stack, `stack` the stacked layers, `prepare`
+    what every microbatch needs of a chunk's weights (cast, gathered), done in each slot outside what is
+    differentiated, so that the residuals a stage keeps per microbatch do not hold copies of it.
     Returns (sums summed over microbatches, d outer, d stack) with d = gradient of Σ_m objective_m.
 
     Each tick has two manual regions (a shard_map over the stage axis) that run only the layers: the
@@ -206,21 +210,21 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout):
     def enter_grads(outer, mb, d_activation):
         return jax.vjp(lambda o: enter(o, mb), outer)[1](d_activation)[0]
 
-    forward_slot, backward_slot = one_f_one_b_slots(chained, chunks, keep, layout, axis)
+    slots = StageSlots(chained, prepare, keep, layout, axis)
     outers = on_stages(jax.tree.map(lambda o: jnp.broadcast_to(o, (stages, *o.shape)), outer))
     idle = jnp.full((stages,), IDLE)
     activation = jax.eval_shape(per_stage(enter), outers, rows(idle))
     sums = jax.eval_shape(lambda *a: per_stage(finish)(*a)[0], outers, activation, rows(idle))
-    ring = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], keep, *a.shape[1:]), a.dtype), activation)
+    ring = slots.ring_shapes(chunks, idle, rows(idle), activation)
 
     def tick(carry, table_row):
         received, d_received, ring, d_chunks, d_outers, sums = carry
         f, b = table_row[:, 0], table_row[:, 1]
         mb_f, mb_b = rows(f), rows(b)
         entered = per_stage(enter)(outers, mb_f)
-        out, received, ring = forward_slot(chunks, f, mb_f, entered, received, ring)
+        out, received, ring = slots.forward(chunks, f, mb_f, entered, received, ring)
         sums_f, d_outers_head, d_out = per_stage(finish)(outers, out, mb_f)
-        d_activation, d_received, d_chunks = backward_slot(chunks, b, mb_b, ring, d_out, d_received, d_chunks)
+        d_activation, d_received, d_chunks = slots.backward(chunks, b, mb_b, ring, d_out, d_received, d_chunks)
         d_outers_embed = per_stage(enter_grads)(outers, mb_b, d_activation)
         ends, starts = last_stage & (f != IDLE), first_stage & (b != IDLE)
         d_outers = add(d_outers, add(keep_stages(ends, d_outers_head), keep_stages(starts, d_outers_embed)))
@@ -235,55 +239,90 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout):
     return over_stages(sums), over_stages(d_outers), jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, stack)
 
 
-def one_f_one_b_slots(chained, chunks, keep: int, layout: Layout, axis: str):
+class StageSlots:
     """The two manual regions of a 1F1B tick, over arrays with a leading stage dimension.
 
-    forward_slot(chunks, f, mb, entered, received, ring) -> (out, sent, ring): stage s runs its forward
-    of microbatch f[s] on what entered (stage 0) or what it received, and keeps that input.
-    backward_slot(chunks, b, mb, ring, d_out, d_received, d_chunks) -> (d_in, d_sent, d_chunks): stage
-    s recomputes microbatch b[s] from its kept input and pulls back d_out (last stage: the head's
-    gradient of this tick) or what it received; weight gradients accumulate in d_chunks.
+    forward(chunks, f, mb, entered, received, ring) -> (out, sent, ring): stage s runs its forward of
+    microbatch f[s] on what entered (stage 0) or what it received, and keeps the residuals its backward
+    pass needs (what `jax.vjp` saves: which of them the model's remat policy decides) in slot
+    f[s] mod `keep` of the ring.
+    backward(chunks, b, mb, ring, d_out, d_received, d_chunks) -> (d_in, d_sent, d_chunks): stage s
+    pulls back d_out (last stage: the head's gradient of this tick) or what it received through
+    microbatch b[s]'s kept residuals; weight gradients accumulate in d_chunks.
+
+    The residuals are the leaves of the pullback `jax.vjp` returns (a pytree); those that are the
+    prepared weights themselves are not kept but passed again in the backward slot, which prepares
+    the weights anew (ZeRO-3: gathers them again, as a step without a pipeline does).
     """
-    stages = layout.size("layers")
-    forward = [(s, s + 1) for s in range(stages - 1)]
-    backward = [(t, s) for s, t in forward]
-    stacked, chunk_spec = P(axis), P(None, axis)
 
-    def local(tree):
-        return jax.tree.map(lambda a: a[0], tree)
+    def __init__(self, chained, prepare, keep: int, layout: Layout, axis: str):
+        self.chained, self.prepare, self.keep, self.layout, self.axis = chained, prepare, keep, layout, axis
+        self.pullback_tree = None  # set while tracing the forward slot: the pullback's structure,
+        self.weight_at = None  # and for each of its leaves, the prepared weight it is (or None)
+        stages = layout.size("layers")
+        self.stages = stages
+        forward_pairs = [(s, s + 1) for s in range(stages - 1)]
+        self.forward_pairs, self.backward_pairs = forward_pairs, [(t, s) for s, t in forward_pairs]
+        stacked, chunk_spec = P(axis), P(None, axis)
+        mapped = functools.partial(jax.shard_map, mesh=layout.mesh, axis_names=manual_axes(layout))
+        self.forward = mapped(self._forward_body, in_specs=(chunk_spec,) + (stacked,) * 5, out_specs=(stacked,) * 3)
+        self.backward = mapped(self._backward_body, in_specs=(chunk_spec,) + (stacked,) * 5 + (chunk_spec,),
+                               out_specs=(stacked, stacked, chunk_spec))
+        self._residuals_only = mapped(self._residuals_body, in_specs=(chunk_spec,) + (stacked,) * 3,
+                                      out_specs=stacked)
 
-    def stacked_again(tree):
-        return jax.tree.map(lambda a: a[None], tree)
+    def ring_shapes(self, chunks, f, mb, activation):
+        """Shapes of the ring: `keep` slots of one microbatch's residuals per stage."""
+        residuals = jax.eval_shape(self._residuals_only, chunks, f, mb, activation)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], self.keep, *a.shape[1:]), a.dtype), residuals)
 
-    def stage_grads(chunk, activation, mb, d_out):
-        return jax.vjp(lambda c, a: chained(c, a, mb), chunk, activation)[1](d_out)
+    def _forward_with_residuals(self, chunk, activation, mb):
+        """(the stage's output, the residuals of its pullback that are not prepared weights)."""
+        weights = self.prepare(chunk)
+        out, pullback = jax.vjp(lambda w, a: self.chained(w, a, mb), weights, activation)
+        leaves, self.pullback_tree = jax.tree.flatten(pullback)
+        weight_leaves = jax.tree.leaves(weights)
+        self.weight_at = [next((i for i, w in enumerate(weight_leaves) if leaf is w), None) for leaf in leaves]
+        return out, [leaf for leaf, at in zip(leaves, self.weight_at) if at is None]
 
-    def forward_body(chunks, f, mb, entered, received, ring):
-        index = jax.lax.axis_index(axis)
+    def _grads(self, chunk, residuals, d_out):
+        """(d chunk, d activation) from a microbatch's kept residuals."""
+        weights, to_chunk = jax.vjp(self.prepare, chunk)
+        weight_leaves, kept = jax.tree.leaves(weights), iter(residuals)
+        leaves = [next(kept) if at is None else weight_leaves[at] for at in self.weight_at]
+        d_weights, d_in = jax.tree.unflatten(self.pullback_tree, leaves)(d_out)
+        return to_chunk(d_weights)[0], d_in
+
+    def _local(self, chunks, tree):
         chunk = jax.tree.map(lambda c: c[0, 0], chunks)
-        f, mb, entered, received, ring = local((f, mb, entered, received, ring))
-        with use_layout(layout.inside_stage()):
+        return chunk, jax.tree.map(lambda a: a[0], tree)
+
+    def _residuals_body(self, chunks, f, mb, activation):
+        chunk, (f, mb, activation) = self._local(chunks, (f, mb, activation))
+        with use_layout(self.layout.inside_stage(weights_prepared=True)):
+            residuals = zeros_of(lambda *a: self._forward_with_residuals(*a)[1], chunk, activation, mb, axis=self.axis)
+        return jax.tree.map(lambda a: a[None], residuals)
+
+    def _forward_body(self, chunks, f, mb, entered, received, ring):
+        index = jax.lax.axis_index(self.axis)
+        chunk, (f, mb, entered, received, ring) = self._local(chunks, (f, mb, entered, received, ring))
+        with use_layout(self.layout.inside_stage(weights_prepared=True)):
             activation = jax.tree.map(lambda a, r: jnp.where(index == 0, a, r), entered, received)
-            ring = put(ring, jnp.maximum(f, 0) % keep, activation, f != IDLE)
-            out = when(f != IDLE, chained, chunk, activation, mb, axis=axis)
-        return stacked_again((out, jax.lax.ppermute(out, axis, forward), ring))
+            out, residuals = when(f != IDLE, self._forward_with_residuals, chunk, activation, mb, axis=self.axis)
+            ring = put(ring, jnp.maximum(f, 0) % self.keep, residuals, f != IDLE)
+        sent = jax.lax.ppermute(out, self.axis, self.forward_pairs)
+        return jax.tree.map(lambda a: a[None], (out, sent, ring))
 
-    def backward_body(chunks, b, mb, ring, d_out, d_received, d_chunks):
-        index = jax.lax.axis_index(axis)
-        chunk = jax.tree.map(lambda c: c[0, 0], chunks)
-        b, mb, ring, d_out, d_received = local((b, mb, ring, d_out, d_received))
-        with use_layout(layout.inside_stage()):
-            d_out = jax.tree.map(lambda h, r: jnp.where(index == stages - 1, h, r), d_out, d_received)
-            kept = take(ring, jnp.maximum(b, 0) % keep)
-            d_chunk, d_in = when(b != IDLE, stage_grads, chunk, kept, mb, d_out, axis=axis)
+    def _backward_body(self, chunks, b, mb, ring, d_out, d_received, d_chunks):
+        index = jax.lax.axis_index(self.axis)
+        chunk, (b, mb, ring, d_out, d_received) = self._local(chunks, (b, mb, ring, d_out, d_received))
+        with use_layout(self.layout.inside_stage(weights_prepared=True)):
+            d_out = jax.tree.map(lambda h, r: jnp.where(index == self.stages - 1, h, r), d_out, d_received)
+            kept = take(ring, jnp.maximum(b, 0) % self.keep)
+            d_chunk, d_in = when(b != IDLE, self._grads, chunk, kept, d_out, axis=self.axis)
         d_chunks = add(d_chunks, jax.tree.map(lambda g: g[None, None], d_chunk))
-        return (*stacked_again((d_in, jax.lax.ppermute(d_in, axis, backward))), d_chunks)
-
-    mapped = functools.partial(jax.shard_map, mesh=layout.mesh, axis_names={axis})
-    forward_slot = mapped(forward_body, in_specs=(chunk_spec,) + (stacked,) * 5, out_specs=(stacked,) * 3)
-    backward_slot = mapped(backward_body, in_specs=(chunk_spec,) + (stacked,) * 5 + (chunk_spec,),
-                           out_specs=(stacked, stacked, chunk_spec))
-    return forward_slot, backward_slot
+        d_sent = jax.lax.ppermute(d_in, self.axis, self.backward_pairs)
+        return *jax.tree.map(lambda a: a[None], (d_in, d_sent)), d_chunks
 
 
 def pin_to_stages(tree, layout: Layout, axis: str):
@@ -313,6 +352,16 @@ def stage_axis(layout: Layout) -> str:
     if len(axes) != 1:
         raise ValueError(f"a pipeline needs `layers` mapped to one mesh axis, not {axes}")
     return axes[0]
+
+
+def manual_axes(layout: Layout) -> frozenset:
+    """The mesh axes a stage's shard_map is manual over: the stage axis, and all the others too when
+    they are all of size 1, so that nothing inside is left to the compiler's partitioner (which
+    crashes XLA's GPU compiler on cuDNN attention inside a partially manual region, JAX 0.11.2)."""
+    axis, mesh = stage_axis(layout), layout.mesh
+    if all(mesh.shape[a] == 1 for a in mesh.axis_names if a != axis):
+        return frozenset(mesh.axis_names)
+    return frozenset({axis})
 
 
 def virtual_stages(stack, stages: int, repeats: int):

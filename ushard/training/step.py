@@ -115,7 +115,7 @@ class Steps:
             first=lambda others, mb: model.embed(others, mb["inputs"]),
             stage=lambda chunk, x, mb: model.layers(chunk, x, mb["positions"], mb["segment_ids"]),
             last=lambda others, x, aux, mb: objective_terms(model.head(others, x), aux, mb),
-            outer=others, stack=stack, batch=batch, layout=self.layout,
+            outer=others, stack=stack, batch=batch, layout=self.layout, prepare=model.stack_for_compute,
         )
         return model.join_stack(d_stack, d_others), sums
 
