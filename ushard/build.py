@@ -64,9 +64,8 @@ class Setup:
         rounds = f" x {pipe.repeats} rounds" if pipe.name == "circular" else ""
         bubble = bubble_fraction(pipe.name, stages, pipe.microbatches, pipe.repeats)
         line = f"pipeline: {pipe.name}, {stages} stages{rounds}, {pipe.microbatches} microbatches, bubble {bubble:.1%}\n"
-        others = [a for a, n in self.mesh_shape.items() if a != "pipeline" and n > 1]
-        if others and self.mesh.devices.flat[0].platform == "gpu":
-            line += f"note: attention runs as XLA attention in the stages (split over {', '.join(others)} too), not cuDNN\n"
+        if self.mesh.devices.flat[0].platform == "gpu":
+            line += "note: attention runs as XLA attention in the pipeline's stages, not cuDNN (docs/dev-notes.md)\n"
         return line
 
 

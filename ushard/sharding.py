@@ -173,15 +173,12 @@ class Layout:
                                    stages)
         return cls(mesh, zero, pipeline if stages > 1 else None)
 
-    def inside_stage(self, weights_prepared: bool = False) -> "Layout | None":
+    def inside_stage(self, weights_prepared: bool = False) -> "Layout":
         """The layout for code that runs inside one pipeline stage (a shard_map manual over the stage
         axis): the stage sees its own layers, unsplit, and shardings name the map's abstract mesh.
-        None when the map is manual over every axis (the others all of size 1): nothing is left to lay
-        out. `weights_prepared`: the schedule has gathered the stage's weights for compute already, so
+        `weights_prepared`: the schedule has gathered the stage's weights for compute already, so
         the layer stack does not gather (and keep) them again."""
         mesh = jax.sharding.get_abstract_mesh()
-        if set(mesh.manual_axes) == set(mesh.axis_names):
-            return None
         zero = self.zero.with_rule("layers", None)
         if weights_prepared:
             zero = dataclasses.replace(zero, keep_gathered=False)
@@ -261,13 +258,6 @@ def split_ways(logical_name: str) -> int:
     """How many ways the active layout splits the dimension called `logical_name` (1 outside a layout)."""
     layout = current_layout()
     return 1 if layout is None else layout.size(logical_name)
-
-
-def partially_manual() -> bool:
-    """Whether the code runs where the active layout's mesh is manual over some axes and leaves the
-    others to the compiler (a pipeline stage of a mesh that also has data, fsdp or tensor axes)."""
-    layout = current_layout()
-    return layout is not None and bool(getattr(layout.mesh, "manual_axes", ()))
 
 
 def constrain(x: jax.Array, logical_names) -> jax.Array:

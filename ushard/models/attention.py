@@ -10,7 +10,7 @@ from flax import nnx
 
 from ushard.models.layers import BTD, fan_in_init, param, project, rotary
 from ushard.parallel import context
-from ushard.sharding import constrain, gathered, partially_manual, split_ways
+from ushard.sharding import constrain, gathered, split_ways
 
 Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
 KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
@@ -35,9 +35,10 @@ def causal_attention(q, k, v, segment_ids, impl: str):
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
     if impl == "auto":
-        # Not inside a pipeline stage whose mesh has other axes: XLA's GPU compiler crashes
-        # partitioning cuDNN's custom call there (config.py refuses an explicit "cudnn").
-        cudnn_ok = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and not partially_manual()
+        # Not inside a shard_map (a pipeline stage): XLA's GPU compiler segfaults on the pipelined
+        # step with cuDNN attention in its stages (JAX 0.11.2; config.py refuses an explicit "cudnn").
+        in_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
+        cudnn_ok = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and not in_map
         impl = "cudnn" if cudnn_ok else "xla"
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 

@@ -155,7 +155,7 @@ def run_stages(stage, stack, x, args, layout: Layout):
         return jax.lax.psum(jax.tree.map(lambda v: jnp.where(at_last, v, 0), slots), axis)
 
     run = jax.shard_map(body, mesh=layout.mesh, in_specs=(P(None, axis), P(), P()), out_specs=P(),
-                        axis_names=manual_axes(layout))
+                        axis_names={axis})
     ys, aux = run(chunks, xs, args)
     return merge_rows(ys), jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
 
@@ -264,7 +264,7 @@ class StageSlots:
         forward_pairs = [(s, s + 1) for s in range(stages - 1)]
         self.forward_pairs, self.backward_pairs = forward_pairs, [(t, s) for s, t in forward_pairs]
         stacked, chunk_spec = P(axis), P(None, axis)
-        mapped = functools.partial(jax.shard_map, mesh=layout.mesh, axis_names=manual_axes(layout))
+        mapped = functools.partial(jax.shard_map, mesh=layout.mesh, axis_names={axis})
         self.forward = mapped(self._forward_body, in_specs=(chunk_spec,) + (stacked,) * 5, out_specs=(stacked,) * 3)
         self.backward = mapped(self._backward_body, in_specs=(chunk_spec,) + (stacked,) * 5 + (chunk_spec,),
                                out_specs=(stacked, stacked, chunk_spec))
@@ -352,16 +352,6 @@ def stage_axis(layout: Layout) -> str:
     if len(axes) != 1:
         raise ValueError(f"a pipeline needs `layers` mapped to one mesh axis, not {axes}")
     return axes[0]
-
-
-def manual_axes(layout: Layout) -> frozenset:
-    """The mesh axes a stage's shard_map is manual over: the stage axis, and all the others too when
-    they are all of size 1, so that nothing inside is left to the compiler's partitioner (which
-    crashes XLA's GPU compiler on cuDNN attention inside a partially manual region, JAX 0.11.2)."""
-    axis, mesh = stage_axis(layout), layout.mesh
-    if all(mesh.shape[a] == 1 for a in mesh.axis_names if a != axis):
-        return frozenset(mesh.axis_names)
-    return frozenset({axis})
 
 
 def virtual_stages(stack, stages: int, repeats: int):
