@@ -37,7 +37,11 @@ def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
     # The model's keys, defaults and their meaning: ushard/models/config.py (ModelConfig).
-    c.model = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(ModelConfig)})
+    # A setting that is itself a dataclass (model.rope_scaling) becomes a group of keys.
+    c.model = ml_collections.ConfigDict({
+        f.name: dataclasses.asdict(f.default) if dataclasses.is_dataclass(f.default) else f.default
+        for f in dataclasses.fields(ModelConfig)
+    })
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000
