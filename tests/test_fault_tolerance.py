@@ -562,6 +562,7 @@ def test_resume_with_another_seed_is_refused_unless_restart(tmp_path, zero3_run)
     # Same parameters, another function:
     ({"model.rope_theta": 500000.0}, r"holds another model: model\.rope_theta=10000\.0 there but 500000\.0 here"),
     ({"model.document_mask": False}, r"holds another model: model\.document_mask=True there but False here"),
+    ({"model.rope_scaling.type": "llama3"}, r"holds another model: model\.rope_scaling\.type='none' there but 'llama3' here"),
 ])
 def test_incompatible_checkpoint_names_the_difference(zero3_run, stdlib_batches, override, match):
     saved_dir, _ = zero3_run

@@ -97,7 +97,13 @@ class Checkpoints:
     """DIR/checkpoints of one workdir; `create=False` opens an existing one for reading only: then a
     damaged checkpoint is skipped but not moved (a reader holds no lock on the workdir)."""
 
-    def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, create: bool = True):
+    # What a checkpoint of another model asks the user to do (the end of that sentence).
+    ANOTHER_MODEL = "use the same model settings or another --workdir"
+
+    def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, create: bool = True,
+                 another_model: str = ANOTHER_MODEL):
+        self.workdir = workdir
+        self.another_model = another_model
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.damaged_directory = os.path.join(os.path.dirname(self.directory), DAMAGED_DIR)
         self.move_damaged = create
@@ -226,7 +232,13 @@ class Checkpoints:
         metadata = self.manager.item_metadata(step)["state"]
         if metadata is None:
             raise Damaged("the metadata of its state cannot be read")
-        check_compatible(metadata.tree["params"], abstract["params"], saved_config, model_cfg, step)
+        check_compatible(metadata.tree["params"], abstract["params"], saved_config, model_cfg, step, self.another_model)
+        if "opt_state" in abstract and "opt_state" not in metadata.tree:
+            raise UserError(
+                f"the checkpoint at step {step} in {self.directory} holds parameters only (as `ushard convert` "
+                f"writes them), not a training run to resume; train in another workdir with "
+                f"--config.checkpoint.init_from={self.workdir} to start from it."
+            )
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
         items = ocp.args.Composite(
             state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True),
@@ -281,7 +293,8 @@ def saved_model_config(saved_config: dict) -> ModelConfig:
     return ModelConfig.from_config(saved_config.get("model", {}), ignore_unknown=True)
 
 
-def check_compatible(on_disk, expected, saved_config: dict, model_cfg: ModelConfig, step: int) -> None:
+def check_compatible(on_disk, expected, saved_config: dict, model_cfg: ModelConfig, step: int,
+                     remedy: str = Checkpoints.ANOTHER_MODEL) -> None:
     """Raises UserError naming what differs when the checkpoint holds another model: other parameters
     on disk than the expected tree, or another setting that defines the model's function (e.g.
     rope_theta). Settings of how it is computed (remat, dtypes of compute, kernels) may change."""
@@ -303,7 +316,7 @@ def check_compatible(on_disk, expected, saved_config: dict, model_cfg: ModelConf
         what = f"holds another model's parameters ({shown}){because}"
     else:
         what = f"holds another model: {'; '.join(function)}"
-    raise UserError(f"the checkpoint at step {step} {what}; use the same model settings or another --workdir.")
+    raise UserError(f"the checkpoint at step {step} {what}; {remedy}.")
 
 
 warnings.filterwarnings("ignore", message=".*Couldn't find sharding info under RestoreArgs.*")

@@ -1,5 +1,6 @@
-"""`ushard train --config NAME_OR_PATH [--config.a.b=value ...] [--workdir DIR]` and
-`ushard sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]`.
+"""`ushard train --config NAME_OR_PATH [--config.a.b=value ...] [--workdir DIR]`,
+`ushard sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]`,
+`ushard convert --from-hf DIR --to WORKDIR` and `ushard convert --from WORKDIR --to-hf DIR [--dtype D]`.
 
 A user's mistake (`UserError`) ends with one sentence on stderr and exit status 2, no traceback.
 """
@@ -55,6 +56,18 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8, help="0 picks the likeliest token (default: 0.8)")
     sample.add_argument("--top_k", type=int, default=40, help="sample among the k likeliest tokens; 0: all (default: 40)")
     sample.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default: 0)")
+    convert = sub.add_parser(
+        "convert", help="convert between Hugging Face checkpoints and ushard workdirs",
+        description="--from-hf DIR --to WORKDIR: a Hugging Face checkpoint (config.json + safetensors) into a "
+                    "workdir's checkpoint; --from WORKDIR --to-hf DIR: a workdir's newest checkpoint into a "
+                    "Hugging Face checkpoint.",
+    )
+    convert.add_argument("--from-hf", dest="from_hf", metavar="DIR", help="a Hugging Face checkpoint directory to import")
+    convert.add_argument("--to", metavar="WORKDIR", help="the new workdir to write the imported checkpoint into")
+    convert.add_argument("--from", dest="from_workdir", metavar="WORKDIR", help="a workdir whose newest checkpoint to export")
+    convert.add_argument("--to-hf", dest="to_hf", metavar="DIR", help="the new directory to write the Hugging Face checkpoint into")
+    convert.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                         help="--to-hf: the weights' dtype on disk (default: the parameters')")
     return parser
 
 
@@ -101,6 +114,21 @@ def train(args, overrides) -> None:
               f"checkpoints in {os.path.join(workdir, 'checkpoints')}")
 
 
+def convert(args) -> None:
+    from ushard import hf
+
+    importing = (args.from_hf, args.to)
+    exporting = (args.from_workdir, args.to_hf)
+    if all(importing) and not any(exporting):
+        if args.dtype:
+            raise UserError("--dtype applies to --to-hf; an imported checkpoint keeps float32 parameters.")
+        hf.convert_from_hf(args.from_hf, args.to)
+    elif all(exporting) and not any(importing):
+        hf.convert_to_hf(args.from_workdir, args.to_hf, args.dtype)
+    else:
+        raise UserError("convert takes either --from-hf DIR --to WORKDIR (import) or --from WORKDIR --to-hf DIR (export).")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -114,6 +142,10 @@ def main(argv=None) -> int:
             from ushard.sample import sample
 
             sample(args.workdir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+        elif args.command == "convert":
+            if overrides:
+                raise UserError(f"convert takes no --config overrides (--config.{overrides[0]}); the model's settings come from the checkpoint.")
+            convert(args)
         return 0
     except UserError as e:
         print(f"ushard: error: {e}", file=sys.stderr)

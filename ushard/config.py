@@ -67,6 +67,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.every = 0  # steps between checkpoints in DIR/checkpoints; 0: only at the end and on SIGTERM
     c.checkpoint.keep = 3  # newest checkpoints kept
     c.checkpoint.async_save = True  # write in the background; training is blocked only for the device->host copy
+    # A new run (a workdir without checkpoints) starts from the parameters in this directory, with a
+    # fresh optimizer at step 0: a workdir (its newest checkpoint, e.g. written by `ushard convert`) or a
+    # Hugging Face checkpoint (config.json + safetensors). The model settings must match it. "": none.
+    c.checkpoint.init_from = ""
 
     c.mesh = ml_collections.ConfigDict()
     for axis in MESH_AXES:

@@ -29,9 +29,9 @@ class TrainedModel:
     model: ModelDef
     params: dict
     layout: Layout
-    step: int  # the training step of the checkpoint
-    tokenizer: str  # the name of the tokenizer it was trained with (ushard.data.tokenizer)
-    seq_len: int | None  # the length of its training windows
+    step: int  # the training step of the checkpoint (0 for an imported one)
+    tokenizer: str | None  # the name of the tokenizer it was trained with (ushard.data.tokenizer); None: unknown
+    seq_len: int | None  # the length of its training windows; None: unknown
 
     def __post_init__(self):
         def logits(params, tokens):
@@ -51,17 +51,28 @@ class TrainedModel:
         return self._logits(self.params, tokens.astype(jnp.int32))
 
 
-def load_model(workdir: str, devices=None, log=print) -> TrainedModel:
-    """The model in `workdir`'s newest readable checkpoint, on `devices` (default: the first device)."""
+def inference_layout(devices=None) -> Layout:
+    """A layout for using a model on `devices` (default: the first device): parameters split ZeRO-3
+    style over an `fsdp` axis spanning them, nothing else split."""
     devices = jax.devices()[:1] if devices is None else list(devices)
     mesh_shape = {axis: len(devices) if axis == "fsdp" else 1 for axis in MESH_AXES}
-    layout = Layout.create(build_mesh(mesh_shape, devices=devices), zero_stage=3)
+    return Layout.create(build_mesh(mesh_shape, devices=devices), zero_stage=3)
+
+
+def abstract_params(model: ModelDef, layout: Layout):
+    """The model's parameters as ShapeDtypeStructs carrying their shardings in `layout` (UserError
+    when a dimension does not split over the mesh)."""
+    check_divisible(model.named_shapes(), layout.zero.params, dict(layout.mesh.shape))
+    return with_shardings(model.shapes, layout.shardings(model.logical, "params"))
+
+
+def load_model(workdir: str, devices=None, log=print) -> TrainedModel:
+    """The model in `workdir`'s newest readable checkpoint, on `devices` (default: the first device)."""
+    layout = inference_layout(devices)
 
     def target(saved_config):
         model_cfg = saved_model_config(saved_config)
-        model = model_definition(model_cfg)
-        check_divisible(model.named_shapes(), layout.zero.params, mesh_shape)
-        return {"params": with_shardings(model.shapes, layout.shardings(model.logical, "params"))}, model_cfg
+        return {"params": abstract_params(model_definition(model_cfg), layout)}, model_cfg
 
     checkpoints = Checkpoints(workdir, create=False)
     try:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ushard.models.layers import BTD, fan_in_init, param, project, rotary
+from ushard.models.layers import BTD, fan_in_init, param, project, rope_frequencies, rotary
 from ushard.parallel import context
 from ushard.sharding import constrain, gathered, split_ways
 
@@ -144,7 +144,7 @@ class Attention(nnx.Module):
             self.wk = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
             self.wv = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
         self.wo = param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), fan_in_init(h * hd), dtype)
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         self.impl = cfg.attention_impl
         self.document_mask = cfg.document_mask
 
@@ -161,8 +161,9 @@ class Attention(nnx.Module):
             q = constrain(project("btd,dhk->bthk", x, self.wq[...], self.fp8), Q_NAMES)
             k = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wk[...]), self.fp8), KV_NAMES)
             v = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wv[...]), self.fp8), KV_NAMES)
-        q = rotary(q, positions, self.rope_theta)
-        k = rotary(k, positions, self.rope_theta)
+        freqs = rope_frequencies(q.shape[-1], self.rope_theta, self.rope_scaling)
+        q = rotary(q, positions, freqs)
+        k = rotary(k, positions, freqs)
         return q, k, v
 
     def _output(self, out):

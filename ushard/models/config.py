@@ -89,6 +89,37 @@ class MoEConfig:
                             f"experts in {p}top_groups={self.top_groups} groups; raise top_groups.")
 
 
+ROPE_SCALING_TYPES = ("none", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """`model.rope_scaling`: how RoPE's frequencies are stretched for contexts longer than training's.
+
+    "llama3" is Llama 3.1's (Hugging Face `rope_type: llama3`, same key names): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, those shorter than
+    original_max_position_embeddings / high_freq_factor are kept, and the ones between are blended.
+    "none" uses the plain frequencies (the other keys are then unused).
+    """
+
+    type: str = "none"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def check(self) -> None:
+        if self.type not in ROPE_SCALING_TYPES:
+            raise UserError(f"model.rope_scaling.type={self.type!r} is not valid; choose one of: {', '.join(ROPE_SCALING_TYPES)}.")
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise UserError(f"model.rope_scaling.{key}={value!r} must be a finite number > 0.")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise UserError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor!r} must be larger than "
+                            f"model.rope_scaling.low_freq_factor={self.low_freq_factor!r} (the blend between them divides by the gap).")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Every model setting with its default: `default_config().model` is made from these fields."""
@@ -100,6 +131,7 @@ class ModelConfig:
     n_kv_heads: int = 4
     d_ff: int = 768
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     compute_dtype: str = "bfloat16"
@@ -162,6 +194,9 @@ class ModelConfig:
         return flat
 
     def __post_init__(self):
+        if not isinstance(self.rope_scaling, RopeScaling):  # a group of the config (ConfigDict) or saved JSON (dict)
+            object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
+        self.rope_scaling.check()
         _check_at_least(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "scan_unroll"), 1, "model.")
         _check_finite(self, ("rope_theta", "norm_eps"), "model.", allow_zero=False)
         for key, valid in (("remat", tuple(REMAT_POLICIES)), ("attention_impl", ATTENTION_IMPLS),
@@ -184,13 +219,22 @@ class ModelConfig:
                     f"after the dense ones repeat a pattern of `every` layers."
                 )
 
-    def differences(self, other: "ModelConfig", function_only: bool = False) -> list[str]:
+    def differences(self, other: "ModelConfig", function_only: bool = False, only=None) -> list[str]:
         """The settings that differ ("model.k=<self's> there but <other's> here"); with `function_only`,
-        only those that define the model's function."""
+        only those that define the model's function; with `only`, only those top-level keys."""
         skip = self.IMPLEMENTATION_SETTINGS if function_only else ()
         mine, theirs = self.settings(), other.settings()
-        return [f"model.{k}={mine[k]!r} there but {theirs[k]!r} here"
-                for k in mine if k not in skip and mine[k] != theirs[k]]
+        return [f"model.{k}={mine[k]!r} there but {theirs[k]!r} here" for k in mine
+                if k not in skip and (only is None or k.split(".")[0] in only) and mine[k] != theirs[k]]
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _rope_scaling(group) -> RopeScaling:
+    """`model.rope_scaling` from a ConfigDict or a dict (a saved config). Keys this version does not
+    know (a newer checkpoint's) are ignored, as `saved_model_config` ignores unknown model keys."""
+    known = RopeScaling.__dataclass_fields__
+    if not hasattr(group, "items"):
+        raise UserError(f"model.rope_scaling={group!r} is not valid; it is a group with keys {', '.join(known)}.")
+    return RopeScaling(**{k: v for k, v in group.items() if k in known})

@@ -24,10 +24,15 @@ def _build(cfg: ModelConfig, seed: int) -> Llama:
         return Llama(cfg, rngs=nnx.Rngs(params=seed))
 
 
+def dotted(path) -> str:
+    """A pytree key path as "blocks.mlp.w_up": how messages (and the Hugging Face name map) name a parameter."""
+    return ".".join(str(getattr(k, "key", k)) for k in path)
+
+
 def tree_paths(tree) -> dict[str, object]:
-    """{"blocks.mlp.w_up": leaf, ...}: a nested dict's leaves by dotted path (how messages name a parameter)."""
+    """{"blocks.mlp.w_up": leaf, ...}: a nested dict's leaves by dotted path."""
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]
-    return {".".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in leaves}
+    return {dotted(path): leaf for path, leaf in leaves}
 
 
 class ModelDef:

@@ -70,10 +70,28 @@ def _embed_lookup_bwd(residuals, grad):
 embed_lookup.defvjp(_embed_lookup_fwd, _embed_lookup_bwd)
 
 
-def rotary(x, positions, theta: float):
-    """Rotary position embedding on [batch, length, heads, head_dim], rotating the two halves of head_dim."""
-    half = x.shape[-1] // 2
+def rope_frequencies(head_dim: int, theta: float, scaling) -> jax.Array:
+    """RoPE's angular frequencies [head_dim / 2] (float32), stretched as `scaling` (a RopeScaling) says.
+
+    "llama3" (Llama 3.1): frequencies whose wavelength is longer than the original context divided by
+    low_freq_factor turn `factor` times slower, those shorter than it divided by high_freq_factor stay,
+    and the ones between are a linear blend of both by where the context falls in that range.
+    """
+    half = head_dim // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling.type == "none":
+        return freqs
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * jnp.pi / freqs
+    blend = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - blend) * freqs / scaling.factor + blend * freqs
+    slow = jnp.where(wavelength > context / scaling.low_freq_factor, freqs / scaling.factor, blended)
+    return jnp.where(wavelength < context / scaling.high_freq_factor, freqs, slow)
+
+
+def rotary(x, positions, freqs):
+    """Rotary position embedding on [batch, length, heads, head_dim], rotating the two halves of head_dim
+    by `freqs` [head_dim / 2] (`rope_frequencies`) times each position."""
     angles = positions.astype(jnp.float32)[:, :, None, None] * freqs  # [B, T, 1, half]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

@@ -24,6 +24,7 @@ from ushard.checkpoint import Checkpoints
 from ushard.data import local_block, make_batches, place_batch
 from ushard.errors import UserError
 from ushard.metrics import MetricsWriter, peak_flops
+from ushard.training.init_from import initial_params
 from ushard.training.state import TrainState
 
 
@@ -162,7 +163,16 @@ class Trainer:
                 data_state = self.batches.check_resume(saved_data_state, self.config.data.restart)
                 log(f"resumed from the checkpoint at step {step}")
                 return TrainState.from_dict(state), data_state
+        if self.config.checkpoint.init_from:
+            return self._start_from(self.config.checkpoint.init_from, log), self.batches.initial_state()
         return self.steps.init(self.config.train.seed), self.batches.initial_state()
+
+    def _start_from(self, path: str, log) -> TrainState:
+        """A fresh run's state around the parameters in `path` (checkpoint.init_from): step 0, a fresh optimizer."""
+        target = self.steps.abstract_state().params
+        params = initial_params(path, self.setup.model_config, target, log)
+        log(f"starting from the parameters in {path} (step 0, a fresh optimizer)")
+        return self.steps.fresh_state(params)
 
     def _save(self, state: TrainState, data_state, step: int) -> None:
         if self.checkpoints:

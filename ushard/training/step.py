@@ -80,6 +80,9 @@ class Steps:
         self.batch_shardings = dict.fromkeys(BATCH_FIELDS, layout.batch)
         batch_sh = self.batch_shardings
         self.init = jax.jit(self._init, static_argnums=0, out_shardings=sh.state)
+        # A state at step 0 around given parameters (checkpoint.init_from): a fresh optimizer.
+        self.fresh_state = jax.jit(self._fresh_state, in_shardings=(sh.params,), out_shardings=sh.state,
+                                   donate_argnums=0)
         self.train_step = jax.jit(
             self._train_step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, sh.replicated), donate_argnums=0
         )
@@ -91,7 +94,9 @@ class Steps:
     # ------------------------------------------------------------------ traced functions
 
     def _init(self, seed: int) -> TrainState:
-        params = self.model.init(seed)
+        return self._fresh_state(self.model.init(seed))
+
+    def _fresh_state(self, params) -> TrainState:
         zero = jnp.zeros((), jnp.int32)
         return TrainState(params=params, opt_state=self.tx.init(params), step=zero, skipped=zero)
 

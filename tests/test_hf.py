@@ -1,0 +1,375 @@
+"""Hugging Face checkpoints: tiny random models built with transformers (Llama untied and tied with GQA,
+Llama 3.1 RoPE scaling, Mistral) give the same logits through `ushard.from_hf` as through transformers;
+HF -> ushard -> HF -> ushard is exact; `ushard convert` both ways; fine-tuning from an imported
+checkpoint (`checkpoint.init_from`) starts at the loss transformers computes on the same batch; what
+ushard cannot compute is refused in one sentence naming the field.
+
+The tests that need torch and transformers (the `hf` extra) are skipped without them.
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import ushard
+from ushard import hf
+from ushard.models.config import ModelConfig, RopeScaling
+from ushard.models.definition import model_definition
+from ushard.trained import TrainedModel
+
+VOCAB = 300  # at least the byte tokenizer's 257, for the fine-tuning run
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, rms_norm_eps=1e-6)
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16}  # small, so a 24-token input meets all three bands
+KINDS = ("llama", "llama_tied", "llama31", "mistral")
+
+
+def relative_error(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+
+
+def torch_model(kind: str):
+    """A tiny transformers model of `kind` with every weight random (norm scales near 1, not 1)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(KINDS.index(kind))
+    if kind == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**SIZES, sliding_window=None))
+    else:
+        extra = {"tie_word_embeddings": kind == "llama_tied"}
+        if kind == "llama31":
+            extra.update(rope_theta=500000.0, rope_scaling=LLAMA31_ROPE)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SIZES, **extra))
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.ndim == 1:
+                weight.copy_(1 + 0.1 * torch.randn_like(weight))
+            else:
+                weight.copy_(torch.randn_like(weight) / weight.shape[1] ** 0.5)
+    return model.eval()
+
+
+def torch_logits(model, tokens) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{kind: (directory, transformers model)}; Mistral is saved in several shards with an index."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    made = {}
+    for kind in KINDS:
+        model = torch_model(kind)
+        directory = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(directory, max_shard_size="40KB" if kind == "mistral" else "5GB")
+        made[kind] = (str(directory), model)
+    assert os.path.isfile(os.path.join(made["mistral"][0], hf.INDEX_FILE))
+    return made
+
+
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (8, 24)).astype(np.int32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_transformers(checkpoints, kind):
+    directory, model = checkpoints[kind]
+    imported = ushard.from_hf(directory)
+    expected = torch_logits(model, TOKENS)
+    assert relative_error(imported(TOKENS), expected) <= 1e-4
+    if kind == "llama31":  # the scaling matters at these positions: without it the logits are wrong
+        cfg = imported.model.cfg
+        assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 16) and cfg.rope_theta == 500000.0
+        unscaled = TrainedModel(model_definition(cfg.replace(rope_scaling=RopeScaling())), imported.params,
+                                imported.layout, 0, None, None)
+        assert relative_error(unscaled(TOKENS), expected) > 1e-2
+
+
+def test_fused_layouts_loaded_over_eight_devices_match_transformers(checkpoints):
+    directory, model = checkpoints["llama"]
+    imported = ushard.from_hf(directory, devices=jax.devices(), fused_qkv=True, fused_mlp=True)
+    wqkv = imported.params["blocks"]["attn"]["wqkv"]
+    assert wqkv.shape == (2, 64, 2, 4, 16) and len(wqkv.sharding.device_set) == 8
+    assert not wqkv.sharding.is_fully_replicated
+    assert relative_error(imported(TOKENS), torch_logits(model, TOKENS)) <= 1e-4
+
+
+def hf_tensors(directory) -> dict:
+    tensors = {}
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(directory, name)))
+    return tensors
+
+
+@pytest.mark.parametrize("kind, fused", [("llama31", False), ("llama_tied", True)])
+def test_round_trip_is_exact_and_transformers_loads_the_export(checkpoints, tmp_path, kind, fused):
+    import transformers
+
+    directory, model = checkpoints[kind]
+    first = ushard.from_hf(directory, fused_qkv=fused, fused_mlp=fused)
+    exported = tmp_path / "exported"
+    hf.save_hf(first.params, first.model.cfg, str(exported), max_file_bytes=64 * 1024)  # several shards
+    assert (exported / hf.INDEX_FILE).is_file()
+    original, written = hf_tensors(directory), hf_tensors(exported)
+    assert set(written) == set(original)
+    for name, value in original.items():
+        assert written[name].dtype == value.dtype and np.array_equal(written[name], value), name
+    second = ushard.from_hf(str(exported), fused_qkv=fused, fused_mlp=fused)
+    assert second.model.cfg == first.model.cfg
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(exported))
+    assert np.array_equal(torch_logits(reloaded, TOKENS), torch_logits(model, TOKENS))
+
+
+# ----------------------------------------------------------------------------- convert and fine-tune
+
+
+def cli(*argv) -> tuple[int, str, str]:
+    from ushard.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(argv))
+    return status, out.getvalue(), err.getvalue()
+
+
+FINETUNE = [
+    "--config", "tiny", "--config.model.vocab_size=300", "--config.model.d_model=64", "--config.model.n_layers=2",
+    "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.d_ff=128",
+    "--config.model.norm_eps=1e-06", "--config.train.seq_len=32", "--config.train.batch_size=8",
+    "--config.train.steps=1", "--config.train.warmup_steps=0", "--config.train.log_every=1", "--config.train.eval_every=0",
+    "--config.data.source=text",
+]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    words = "the model reads these words in many orders and learns a little of them".split()
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("data") / "words.txt"
+    path.write_text(" ".join(rng.choice(words, 3000)))
+    return str(path)
+
+
+def first_batch(text_file) -> dict:
+    from ushard.config import load_config
+    from ushard.data import make_batches
+
+    config = load_config("tiny", [a[len("--config."):] for a in FINETUNE if a.startswith("--config.")]
+                         + [f"data.paths={text_file}"])
+    batches = make_batches(config.data, config.train.seq_len, config.train.seed)
+    return batches.train_batch(batches.initial_state(), config.train.batch_size)[0]
+
+
+def transformers_loss(model, batch) -> float:
+    """The trainer's loss on `batch` computed by transformers: each packed document (segment) of a row
+    run on its own from position 0, cross-entropy summed over the unmasked targets, divided by their count."""
+    total, count = 0.0, 0.0
+    for row in range(batch["inputs"].shape[0]):
+        segments = batch["segment_ids"][row]
+        for segment in np.unique(segments):
+            where = segments == segment
+            assert np.array_equal(batch["positions"][row][where], np.arange(where.sum()))  # as transformers numbers them
+            logits = torch_logits(model, batch["inputs"][row][where][None])[0].astype(np.float64)
+            log_z = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+            targets = batch["targets"][row][where]
+            losses = log_z - logits[np.arange(len(targets)), targets]
+            mask = batch["loss_mask"][row][where]
+            total, count = total + float(np.sum(losses * mask)), count + float(mask.sum())
+    return total / count
+
+
+def first_loss(workdir) -> float:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return json.loads(f.readline())["loss"]
+
+
+def test_finetune_from_an_imported_checkpoint_starts_at_transformers_loss(checkpoints, text_file, tmp_path):
+    import transformers
+
+    directory, model = checkpoints["llama"]
+    converted, run = str(tmp_path / "converted"), str(tmp_path / "run")
+    status, out, err = cli("convert", "--from-hf", directory, "--to", converted)
+    assert status == 0, err
+    assert "--config.checkpoint.init_from=" in out and "--config.model.norm_eps=1e-06" in out
+    status, out, err = cli("train", *FINETUNE, f"--config.data.paths={text_file}",
+                           f"--config.checkpoint.init_from={converted}", "--workdir", run)
+    assert status == 0, err
+    assert "starting from the parameters in" in out
+    expected = transformers_loss(model, first_batch(text_file))
+    assert abs(first_loss(run) - expected) <= 1e-5 * expected
+    # The fine-tuned run back to Hugging Face: transformers computes what ushard does.
+    exported = str(tmp_path / "exported")
+    status, _, err = cli("convert", "--from", run, "--to-hf", exported)
+    assert status == 0, err
+    trained = ushard.load_model(run, log=lambda *_: None)
+    assert trained.step == 1
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    assert relative_error(trained(TOKENS), torch_logits(reloaded, TOKENS)) <= 1e-4
+    assert not np.array_equal(hf_tensors(exported)["lm_head.weight"], hf_tensors(directory)["lm_head.weight"])
+    # The converted workdir holds parameters only: training in it is refused, not taken for damage.
+    status, _, err = cli("train", *FINETUNE, f"--config.data.paths={text_file}", "--workdir", converted)
+    assert status == 2 and "holds parameters only" in err and f"init_from={converted}" in err
+    assert os.listdir(os.path.join(converted, "checkpoints")) == ["0"]
+
+
+def test_init_from_a_hf_directory_starts_like_its_converted_workdir(checkpoints, text_file, tmp_path):
+    from ushard.config import load_config
+    from ushard.training.loop import Trainer
+
+    directory, _ = checkpoints["llama"]
+    converted = str(tmp_path / "converted")
+    assert cli("convert", "--from-hf", directory, "--to", converted)[0] == 0
+    overrides = [a[len("--config."):] for a in FINETUNE if a.startswith("--config.")]
+    config = load_config("tiny", overrides + [f"data.paths={text_file}", f"checkpoint.init_from={directory}"])
+    state, data_state = Trainer(config).initial_state(log=lambda *_: None)
+    assert int(state.step) == 0 and data_state["position"] == 0
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(state.opt_state))  # a fresh optimizer
+    imported = ushard.load_model(converted, log=lambda *_: None)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(imported.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------- refusals (no transformers needed)
+
+
+SMALL = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, norm_eps=1e-6,
+                    compute_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of SMALL's random parameters written by ushard itself (no transformers needed)."""
+    directory = tmp_path_factory.mktemp("saved")
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(s.dtype), model_definition(SMALL).shapes)
+    hf.save_hf(jax.tree.map(jax.numpy.asarray, params), SMALL, str(directory))
+    return str(directory)
+
+
+def edited(saved, tmp_path, **changes) -> str:
+    """A copy of the saved checkpoint with config.json's entries changed (None removes one)."""
+    directory = tmp_path / "edited"
+    shutil.copytree(saved, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return str(directory)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"model_type": "qwen2"}, r"model_type=\"qwen2\" is not supported: ushard imports llama, mistral\."),
+    ({"head_dim": 32}, r"head_dim=32 is not supported: ushard's head_dim is hidden_size / num_attention_heads = 16\."),
+    ({"attention_bias": True}, r"attention_bias=true is not supported: ushard's projections have no biases\."),
+    ({"mlp_bias": True}, r"mlp_bias=true is not supported"),
+    ({"hidden_act": "gelu"}, r"hidden_act=\"gelu\" is not supported: ushard's MLP is SwiGLU"),
+    ({"model_type": "mistral", "sliding_window": 4096}, r"sliding_window=4096 is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling\.rope_type=\"yarn\" is not supported: "
+                                                              r"ushard computes RoPE of types default, llama3\."),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, r"rope_parameters\.rope_type=\"linear\""),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"the llama3 type needs low_freq_factor, high_freq_factor"),
+    ({"intermediate_size": 96}, r"tensor model\.layers\.0\.mlp\.gate_proj\.weight is \[128, 64\], but config\.json's "
+                                r"sizes make it \[96, 64\]"),
+    ({"num_hidden_layers": 3}, r"has no tensor model\.layers\.2\.input_layernorm\.weight \(and 8 more\)"),
+])
+def test_what_ushard_cannot_compute_is_refused_naming_the_field(saved, tmp_path, changes, match):
+    with pytest.raises(ushard.UserError, match=match):
+        ushard.from_hf(edited(saved, tmp_path, **changes))
+
+
+def test_both_rope_spellings_and_hf_defaults_are_read(saved, tmp_path):
+    legacy = edited(saved, tmp_path, rope_theta=500000.0, rope_scaling={"type": "llama3", **{
+        k: v for k, v in LLAMA31_ROPE.items() if k != "rope_type"}}, rms_norm_eps=None, num_key_value_heads=None,
+        num_attention_heads=4)
+    cfg = hf.model_config(hf.read_config(legacy), legacy)
+    assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 16) and cfg.rope_theta == 500000.0
+    assert cfg.norm_eps == 1e-6 and cfg.n_kv_heads == 4  # transformers' defaults, not ushard's
+    modern = {"rope_parameters": {"rope_theta": 500000.0, **LLAMA31_ROPE}}
+    assert hf.model_config(modern | {k: v for k, v in hf.read_config(legacy).items() if not k.startswith("rope")},
+                           legacy) == cfg
+
+
+def test_each_device_block_is_read_once_and_alone(saved, monkeypatch):
+    """Loading over 8 devices reads every stored element exactly once, in blocks of at most one
+    device's share: no host ever holds a whole tensor of the model, let alone the whole model."""
+    reads = []
+    read = hf.SafetensorsFiles.read
+    monkeypatch.setattr(hf.SafetensorsFiles, "read", lambda self, name, slices: reads.append(read(self, name, slices)) or reads[-1])
+    spread = ushard.from_hf(saved, devices=jax.devices())
+    stored = hf_tensors(saved)
+    assert sum(r.size for r in reads) == sum(t.size for t in stored.values())
+    assert max(r.size for r in reads) <= max(t.size for t in stored.values()) // 8
+    one = ushard.from_hf(saved)
+    for a, b in zip(jax.tree.leaves(spread.params), jax.tree.leaves(one.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_weights_on_disk_are_written_and_read(saved, tmp_path):
+    """Published checkpoints store bfloat16: written with dtype="bfloat16", read back into float32
+    parameters they are the float32 ones rounded to bfloat16."""
+    one = ushard.from_hf(saved)
+    ushard.to_hf(one, str(tmp_path / "bf16"), dtype="bfloat16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert {t.dtype for t in hf_tensors(tmp_path / "bf16").values()} == {np.dtype(jax.numpy.bfloat16)}
+    back = ushard.from_hf(str(tmp_path / "bf16"))
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(back.params)):
+        assert b.dtype == np.float32
+        assert np.array_equal(np.asarray(a).astype(jax.numpy.bfloat16).astype(np.float32), np.asarray(b))
+    with pytest.raises(ushard.UserError, match=r"is not empty; write the Hugging Face checkpoint into a new"):
+        ushard.to_hf(one, str(tmp_path / "bf16"))
+
+
+@pytest.mark.parametrize("mesh", [dict(pipeline=2, fsdp=2, tensor=2), dict(fsdp=4, tensor=2)])
+def test_loading_into_a_training_layout_gives_the_same_parameters(saved, mesh):
+    """Fused layouts split over pipeline stages (layers), tensor (heads, mlp) and fsdp (embed), as a
+    training run with checkpoint.init_from lays them out."""
+    from ushard.config import MESH_AXES
+    from ushard.mesh import build_mesh
+    from ushard.sharding import Layout, with_shardings
+
+    cfg = hf.model_config(hf.read_config(saved), saved, **hf.IMPORT_SETTINGS, fused_qkv=True, fused_mlp=True)
+    model = model_definition(cfg)
+    layout = Layout.create(build_mesh({a: mesh.get(a, 1) for a in MESH_AXES}), 3, n_kv_heads=cfg.n_kv_heads)
+    params = hf.load_params(saved, cfg, with_shardings(model.shapes, layout.shardings(model.logical, "params")))
+    wqkv = params["blocks"]["attn"]["wqkv"]
+    assert len(wqkv.sharding.device_set) == 8 and wqkv.sharding.spec[2] == "tensor"
+    reference = ushard.from_hf(saved, fused_qkv=True, fused_mlp=True).params
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_init_from_another_model_is_one_sentence(saved):
+    from ushard.training.init_from import initial_params
+
+    other = SMALL.replace(d_model=128, norm_eps=1e-5)
+    with pytest.raises(ushard.UserError, match=rf"checkpoint\.init_from={saved} holds another model: model\.d_model=64 "
+                                               r"there but 128 here; model\.norm_eps=1e-06 there but 1e-05 here; set"):
+        initial_params(saved, other, target=None)
+    with pytest.raises(ushard.UserError, match=r"neither a ushard workdir \(with checkpoints/\) nor a Hugging Face"):
+        initial_params(os.path.dirname(saved), SMALL, target=None)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["convert", "--from-hf", "x"], r"convert takes either --from-hf DIR --to WORKDIR \(import\) or --from WORKDIR"),
+    (["convert", "--from-hf", "x", "--to", "y", "--to-hf", "z"], r"convert takes either"),
+    (["convert", "--from-hf", "nowhere", "--to", "y"], r"nowhere holds no config\.json"),
+])
+def test_convert_mistakes_are_one_sentence(argv, match):
+    status, _, err = cli(*argv)
+    assert status == 2 and err.startswith("ushard: error: ")
+    assert len(err.strip().splitlines()) == 1 and re.search(match, err)

@@ -1,0 +1,551 @@
+"""Hugging Face checkpoints in and out: Llama 2, Llama 3 and 3.1-3.3, Mistral.
+
+A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
+listed by `model.safetensors.index.json`. ushard's Llama computes the same function as transformers'
+`LlamaForCausalLM` given the same weights (rotate-half RoPE, 1/sqrt(head_dim) scale, RMSNorm weight
+after normalising), so import and export are a renaming of tensors plus transposes and reshapes: HF
+stores a linear layer as [out, in], ushard as [in, ...out] with heads split out, layers stacked.
+
+- `model_config` reads the architecture from config.json (both spellings of the RoPE settings:
+  top-level `rope_theta` / `rope_scaling` as published checkpoints have them, and transformers 5's
+  `rope_parameters`) and refuses, in one sentence naming the field, what ushard cannot compute.
+- `tensor_map` is the name map, as data: each HF tensor, the ushard parameter it fills and how their
+  axes line up. The fused layouts (`model.fused_qkv`, `model.fused_mlp`) hold several HF tensors in
+  one parameter, side by side along one axis.
+- `load_params` creates each parameter straight into its sharding: `jax.make_array_from_callback`
+  asks for every local device's block, read from the memory-mapped safetensors by slicing, so a host
+  only ever reads the blocks of its own devices, one parameter at a time.
+- `save_hf` writes config.json and the safetensors files, one layer's parameters on the host at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from ushard.errors import UserError
+from ushard.models.config import ModelConfig, RopeScaling
+from ushard.models.definition import ModelDef, dotted, model_definition
+from ushard.trained import TrainedModel, abstract_params, inference_layout, load_model
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+ROPE_TYPES = ("default", "llama3")  # transformers' rope_type values ushard computes
+# The model settings a Hugging Face config decides; the others say how ushard computes and trains.
+HF_SETTINGS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "rope_scaling",
+               "norm_eps", "tie_embeddings")
+# An imported model computes in float32 unless asked otherwise, like transformers' from_pretrained.
+IMPORT_SETTINGS = {"compute_dtype": "float32", "param_dtype": "float32"}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_FILE_BYTES = 2 * 1024**3  # export: a new safetensors file past this size (files are written whole)
+DTYPE_NAMES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
+
+
+# --------------------------------------------------------------------------- config.json
+
+
+def read_config(directory: str) -> dict:
+    """config.json of a Hugging Face checkpoint directory, as a dict."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{directory} holds no config.json; a Hugging Face checkpoint directory has config.json and "
+                        f"{SINGLE_FILE} (or shards listed in {INDEX_FILE}).")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} cannot be read as JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} holds {type(config).__name__}, not a JSON object of settings.")
+    return config
+
+
+def _refuse(directory: str, field: str, value, why: str):
+    raise UserError(f"{directory}: config.json's {field}={json.dumps(value)} is not supported: {why}.")
+
+
+def _check_expressible(hf: dict, directory: str) -> None:
+    """Refuses, naming the field, every setting ushard's Llama does not compute."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        _refuse(directory, "model_type", model_type, f"ushard imports {', '.join(SUPPORTED_MODEL_TYPES)}")
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if not isinstance(hf.get(key), int):
+            _refuse(directory, key, hf.get(key), "it must be a whole number")
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse(directory, "hidden_act", hf["hidden_act"], "ushard's MLP is SwiGLU (silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            _refuse(directory, key, hf[key], "ushard's projections have no biases")
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, head_dim) or hf["hidden_size"] % hf["num_attention_heads"]:
+        _refuse(directory, "head_dim", hf.get("head_dim"),
+                f"ushard's head_dim is hidden_size / num_attention_heads = {hf['hidden_size'] / hf['num_attention_heads']:g}")
+    if hf.get("sliding_window") is not None:
+        _refuse(directory, "sliding_window", hf["sliding_window"], "ushard's attention sees the whole context; "
+                "set it to null if the model was trained without one")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        _refuse(directory, "partial_rotary_factor", hf["partial_rotary_factor"], "ushard rotates the whole head")
+    if hf.get("quantization_config"):
+        _refuse(directory, "quantization_config", hf["quantization_config"].get("quant_method", "?"),
+                "ushard imports unquantized weights")
+
+
+def _rope(hf: dict, directory: str) -> tuple[float, RopeScaling]:
+    """(rope_theta, scaling) from either spelling: transformers 5's `rope_parameters` (theta inside), or
+    top-level `rope_theta` and `rope_scaling` (whose type key was once `type`, now `rope_type`)."""
+    if isinstance(hf.get("rope_parameters"), dict):
+        params, field = hf["rope_parameters"], "rope_parameters"
+    else:
+        params, field = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}, "rope_scaling"
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        _refuse(directory, f"{field}.rope_type", kind, f"ushard computes RoPE of types {', '.join(ROPE_TYPES)}")
+    theta = params.get("rope_theta")
+    if not isinstance(theta, (int, float)):
+        _refuse(directory, f"{field}.rope_theta" if field == "rope_parameters" else "rope_theta", theta, "it must be a number")
+    if kind == "default":
+        return float(theta), RopeScaling()
+    keys = [f.name for f in dataclasses.fields(RopeScaling) if f.name != "type"]
+    missing = [k for k in keys if k not in params]
+    if missing:
+        _refuse(directory, field, params, f"the llama3 type needs {', '.join(missing)}")
+    return float(theta), RopeScaling("llama3", **{k: params[k] for k in keys})
+
+
+def model_config(hf: dict, directory: str, **settings) -> ModelConfig:
+    """ushard's model settings for the checkpoint whose config.json is `hf`; `settings` set the others
+    (dtypes, fused layouts, remat, ...). Raises UserError for what ushard cannot compute."""
+    _check_expressible(hf, directory)
+    decided = [k for k in settings if k in HF_SETTINGS]
+    if decided:
+        raise UserError(f"model.{decided[0]} of a Hugging Face checkpoint comes from its config.json; leave it out.")
+    theta, scaling = _rope(hf, directory)
+    try:
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+            n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            d_ff=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default, not ushard's
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **settings,
+        )
+    except TypeError as e:  # a keyword ModelConfig does not have
+        raise UserError(f"not a model setting: {e}.") from None
+
+
+def hf_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict:
+    """config.json for ushard's model `cfg` as a `LlamaForCausalLM` (Mistral without a sliding window is
+    one too), in the top-level RoPE spelling that transformers 4 and 5 both read."""
+    scaling = cfg.rope_scaling
+    rope_scaling = None
+    if scaling.type == "llama3":
+        rope_scaling = {"rope_type": "llama3", **{k: v for k, v in dataclasses.asdict(scaling).items() if k != "type"}}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+        "mlp_bias": False, "max_position_embeddings": max_positions, "torch_dtype": dtype,
+    }
+
+
+# --------------------------------------------------------------------------- the name map
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One HF tensor and its place in a ushard parameter (for the stacked layers: in one layer's slice).
+
+    The tensor's *view* is the HF weight, transposed when `transposed` (HF's [out, in] against ushard's
+    [in, out]), reshaped so that its first `rows` dimensions split the weight's (oriented) first axis
+    and the rest its second. A parameter is its one tensor's view, or with `part` = (axis, start, stop)
+    the concatenation along `axis` of several views (the fused layouts).
+    """
+
+    name: str  # the HF name; "{layer}" stands for the layer's index
+    param: str  # the ushard parameter, as a dotted path
+    rows: int = 1
+    transposed: bool = True
+    part: tuple[int, int, int] | None = None
+
+    @property
+    def stacked(self) -> bool:
+        return "{layer}" in self.name
+
+    def view_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The view's shape, given the shape of (one layer's slice of) its parameter."""
+        if self.part is None:
+            return tuple(param_shape)
+        axis, start, stop = self.part
+        return (*param_shape[:axis], stop - start, *param_shape[axis + 1:])
+
+    def hf_shape(self, param_shape) -> tuple[int, ...]:
+        view = self.view_shape(param_shape)
+        oriented = (math.prod(view[:self.rows]), math.prod(view[self.rows:]))
+        if self.rows == len(view):
+            return oriented[:1]  # a vector (norm scales)
+        return oriented[::-1] if self.transposed else oriented
+
+
+def tensor_map(cfg: ModelConfig) -> list[Tensor]:
+    """Every HF tensor of a Llama-family checkpoint of `cfg`, in transformers' order."""
+    layer = "model.layers.{layer}."
+    q_per_kv = cfg.n_heads // cfg.n_kv_heads
+    if cfg.fused_qkv:  # per KV head: its query heads, its key, its value (ushard/models/attention.py)
+        attention = [Tensor(layer + "self_attn.q_proj.weight", "blocks.attn.wqkv", part=(2, 0, q_per_kv)),
+                     Tensor(layer + "self_attn.k_proj.weight", "blocks.attn.wqkv", part=(2, q_per_kv, q_per_kv + 1)),
+                     Tensor(layer + "self_attn.v_proj.weight", "blocks.attn.wqkv", part=(2, q_per_kv + 1, q_per_kv + 2))]
+    else:
+        attention = [Tensor(layer + f"self_attn.{x}_proj.weight", f"blocks.attn.w{x}") for x in "qkv"]
+    if cfg.fused_mlp:  # gate, then up
+        gate_up = [Tensor(layer + "mlp.gate_proj.weight", "blocks.mlp.w_gate_up", part=(1, 0, 1)),
+                   Tensor(layer + "mlp.up_proj.weight", "blocks.mlp.w_gate_up", part=(1, 1, 2))]
+    else:
+        gate_up = [Tensor(layer + f"mlp.{x}_proj.weight", f"blocks.mlp.w_{x}") for x in ("gate", "up")]
+    tensors = [
+        Tensor("model.embed_tokens.weight", "embedding", transposed=False),
+        Tensor(layer + "input_layernorm.weight", "blocks.attn_norm.scale"),
+        *attention,
+        Tensor(layer + "self_attn.o_proj.weight", "blocks.attn.wo", rows=2),
+        Tensor(layer + "post_attention_layernorm.weight", "blocks.mlp_norm.scale"),
+        *gate_up,
+        Tensor(layer + "mlp.down_proj.weight", "blocks.mlp.w_down"),
+        Tensor("model.norm.weight", "final_norm.scale"),
+    ]
+    if not cfg.tie_embeddings:
+        tensors.append(Tensor("lm_head.weight", "lm_head"))
+    return tensors
+
+
+def _named(tensors: list[Tensor], n_layers: int):
+    """(HF name, Tensor, layer or None) for every tensor of every layer, in the order files hold them."""
+    before = [(t.name, t, None) for t in tensors if not t.stacked and t.param == "embedding"]
+    layers = [(t.name.format(layer=i), t, i) for i in range(n_layers) for t in tensors if t.stacked]
+    after = [(t.name, t, None) for t in tensors if not t.stacked and t.param != "embedding"]
+    return before + layers + after
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class SafetensorsFiles:
+    """The tensors of a checkpoint directory by name, read by slices from memory-mapped files."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._files = contextlib.ExitStack()
+        self._open: dict[str, object] = {}
+        index, single = os.path.join(directory, INDEX_FILE), os.path.join(directory, SINGLE_FILE)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                self.location = {name: os.path.join(directory, file) for name, file in weight_map.items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise UserError(f"{index} is not a safetensors index (a JSON object with a weight_map): {e}.") from None
+        elif os.path.isfile(single):
+            self.location = dict.fromkeys(self._file(single).keys(), single)
+        else:
+            bins = [f for f in os.listdir(directory) if f.endswith(".bin")]
+            hint = " (it has PyTorch .bin files: save it again with safe_serialization=True)" if bins else ""
+            raise UserError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}{hint}.")
+
+    def _file(self, path: str):
+        if path not in self._open:
+            try:
+                self._open[path] = self._files.enter_context(safe_open(path, framework="numpy"))
+            except (OSError, SafetensorError) as e:
+                raise UserError(f"cannot read {path} as safetensors ({e}).") from None
+        return self._open[path]
+
+    def names(self) -> set[str]:
+        return set(self.location)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(self.location[name]).get_slice(name).get_shape())
+
+    def read(self, name: str, slices: tuple[slice, ...]) -> np.ndarray:
+        return self._file(self.location[name]).get_slice(name)[slices]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._files.close()
+
+
+def check_tensors(files: SafetensorsFiles, cfg: ModelConfig, model: ModelDef) -> None:
+    """Refuses a checkpoint whose tensors are not exactly the ones `cfg` has, in name and shape."""
+    shapes = {path: s.shape for path, s in _param_shapes(model).items()}
+    expected = {name: t.hf_shape(shapes[t.param][1:] if t.stacked else shapes[t.param])
+                for name, t, _ in _named(tensor_map(cfg), cfg.n_layers)}
+    missing = sorted(set(expected) - files.names())
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(f"{files.directory} has no tensor {missing[0]}{more}, which its config.json's model needs.")
+    for name, shape in expected.items():
+        if files.shape(name) != shape:
+            raise UserError(f"{files.directory}: tensor {name} is {list(files.shape(name))}, but config.json's "
+                            f"sizes make it {list(shape)}.")
+    # Copies of the embedding (tied) and RoPE tables some exporters add are not weights of their own.
+    ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    extra = sorted(n for n in files.names() - set(expected) - ignored if not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise UserError(f"{files.directory} holds tensor {extra[0]}, which ushard's Llama has no place for; "
+                        f"it is another architecture than its config.json says.")
+
+
+def _param_shapes(model: ModelDef) -> dict:
+    return {dotted(path): s for path, s in jax.tree_util.tree_flatten_with_path(model.shapes)[0]}
+
+
+def _flat_indices(ranges, dims) -> np.ndarray:
+    """Row-major flat indices, in an array of shape `dims`, of the block spanned by `ranges`."""
+    if not dims:
+        return np.zeros(1, np.int64)
+    grid = np.meshgrid(*[np.arange(r.start, r.stop) for r in ranges], indexing="ij")
+    return np.ravel_multi_index(grid, dims).ravel()
+
+
+def _read_view(files: SafetensorsFiles, name: str, tensor: Tensor, view_shape, ranges) -> np.ndarray:
+    """The block `ranges` (one range per dimension) of `tensor`'s view, reading only the rectangle of
+    the stored weight that covers it."""
+    rows = _flat_indices(ranges[:tensor.rows], view_shape[:tensor.rows])
+    cols = _flat_indices(ranges[tensor.rows:], view_shape[tensor.rows:])
+    r0, r1, c0, c1 = rows.min(), rows.max() + 1, cols.min(), cols.max() + 1
+    if tensor.rows == len(view_shape):
+        region = files.read(name, (slice(r0, r1),))[:, None]
+    elif tensor.transposed:
+        region = files.read(name, (slice(c0, c1), slice(r0, r1))).T
+    else:
+        region = files.read(name, (slice(r0, r1), slice(c0, c1)))
+    return region[np.ix_(rows - r0, cols - c0)].reshape([len(r) for r in ranges])
+
+
+def _read_block(files, tensors: list[Tensor], layer, param_shape, ranges) -> np.ndarray:
+    """The block `ranges` of one parameter (one layer's slice of it, for the stacked layers)."""
+    name = lambda t: t.name.format(layer=layer)  # noqa: E731
+    if tensors[0].part is None:
+        return _read_view(files, name(tensors[0]), tensors[0], param_shape, ranges)
+    axis = tensors[0].part[0]
+    blocks = []
+    for t in tensors:  # side by side along `axis`: the parts of those that overlap the block
+        _, start, stop = t.part
+        lo, hi = max(ranges[axis].start, start), min(ranges[axis].stop, stop)
+        if lo < hi:
+            local = (*ranges[:axis], range(lo - start, hi - start), *ranges[axis + 1:])
+            blocks.append(_read_view(files, name(t), t, t.view_shape(param_shape), local))
+    return np.concatenate(blocks, axis=axis)
+
+
+def _load_param(files, tensors: list[Tensor], target: jax.ShapeDtypeStruct) -> jax.Array:
+    """One parameter, created in `target`'s sharding from the blocks its local devices hold."""
+    shape, dtype, stacked = target.shape, target.dtype, tensors[0].stacked
+    blocks = {}  # devices holding the same block (replicas) read it once
+
+    def block(index):
+        ranges = tuple(range(*s.indices(n)) for s, n in zip(index, shape))
+        key = tuple((r.start, r.stop) for r in ranges)
+        if key not in blocks:
+            if stacked:
+                layers = [_read_block(files, tensors, i, shape[1:], ranges[1:]) for i in ranges[0]]
+                blocks[key] = np.stack(layers).astype(dtype)
+            else:
+                blocks[key] = _read_block(files, tensors, None, shape, ranges).astype(dtype)
+        return blocks[key]
+
+    return jax.make_array_from_callback(shape, target.sharding, block)
+
+
+def load_params(directory: str, cfg: ModelConfig, target):
+    """The parameters of the checkpoint in `directory`, laid out as `target` (ShapeDtypeStructs with
+    shardings, ushard's parameter tree of `cfg`) and cast to its dtypes."""
+    model = model_definition(cfg)
+    by_param: dict[str, list[Tensor]] = {}
+    for t in tensor_map(cfg):
+        by_param.setdefault(t.param, []).append(t)
+    with SafetensorsFiles(directory) as files:
+        check_tensors(files, cfg, model)
+        return jax.tree_util.tree_map_with_path(lambda path, s: _load_param(files, by_param[dotted(path)], s), target)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _on_host(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _hf_tensor(param: np.ndarray, tensor: Tensor) -> np.ndarray:
+    """The HF weight held in (one layer's slice of) a parameter: the inverse of `_read_view`."""
+    if tensor.part is not None:
+        axis, start, stop = tensor.part
+        param = np.take(param, np.arange(start, stop), axis=axis)
+    if tensor.rows == param.ndim:
+        return param.reshape(-1)
+    weight = param.reshape(math.prod(param.shape[:tensor.rows]), -1)
+    return weight.T if tensor.transposed else weight
+
+
+def _hf_tensors(params, named):
+    """Each HF tensor of `named` in turn, as a host array; one layer's parameters on the host at a time."""
+    flat = {dotted(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    held = (None, {})  # (layer, {param: that layer's slice on the host})
+    for _, tensor, layer in named:
+        if layer is None:
+            yield _hf_tensor(_on_host(flat[tensor.param]), tensor)
+            continue
+        if held[0] != layer:
+            held = (layer, {})
+        if tensor.param not in held[1]:
+            held[1][tensor.param] = _on_host(flat[tensor.param][layer])
+        yield _hf_tensor(held[1][tensor.param], tensor)
+
+
+def _file_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Consecutive tensors grouped into files of at most `max_bytes` (a larger tensor gets its own)."""
+    groups, total = [[]], 0
+    for i, size in enumerate(sizes):
+        if groups[-1] and total + size > max_bytes:
+            groups, total = [*groups, []], 0
+        groups[-1].append(i)
+        total += size
+    return groups
+
+
+def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, max_positions: int = 2048,
+            max_file_bytes: int = MAX_FILE_BYTES) -> None:
+    """Writes `params` (ushard's parameter tree of `cfg`) as a Hugging Face checkpoint in `directory`:
+    config.json and model.safetensors, or shards and an index past `max_file_bytes`. `dtype`: the
+    weights' dtype on disk (default: the parameters')."""
+    dtype = dtype or cfg.param_dtype
+    if dtype not in DTYPE_NAMES:
+        raise UserError(f"dtype={dtype!r} is not one safetensors export takes; choose one of: {', '.join(DTYPE_NAMES)}.")
+    np_dtype = np.dtype(DTYPE_NAMES[dtype])
+    named = _named(tensor_map(cfg), cfg.n_layers)
+    shapes = {path: s.shape for path, s in _param_shapes(model_definition(cfg)).items()}
+    sizes = [math.prod(t.hf_shape(shapes[t.param][1:] if t.stacked else shapes[t.param])) * np_dtype.itemsize
+             for _, t, _ in named]
+    groups = _file_groups(sizes, max_file_bytes)
+    files = [SINGLE_FILE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                                                    for i in range(len(groups))]
+    writer = jax.process_index() == 0
+    if writer:
+        os.makedirs(directory, exist_ok=True)
+    tensors = _hf_tensors(params, named)
+    for file, group in zip(files, groups):
+        arrays = {named[i][0]: np.ascontiguousarray(next(tensors).astype(np_dtype)) for i in group}
+        if writer:  # transformers refuses safetensors without this format tag
+            save_file(arrays, os.path.join(directory, file), metadata={"format": "pt"})
+    if not writer:
+        return
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(sizes)},
+                 "weight_map": {named[i][0]: file for file, group in zip(files, groups) for i in group}}
+        _write_json(os.path.join(directory, INDEX_FILE), index)
+    _write_json(os.path.join(directory, "config.json"), hf_config(cfg, dtype, max_positions))
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
+        f.write("\n")
+
+
+# --------------------------------------------------------------------------- the public API
+
+
+def from_hf(path: str, devices=None, **settings) -> TrainedModel:
+    """The Hugging Face checkpoint in directory `path` as a model callable like `ushard.load_model`'s
+    (int32 [batch, length] tokens -> float32 [batch, length, vocab] logits), on `devices` (default: the
+    first device; several: parameters split over them). `settings`: other model settings, e.g.
+    `compute_dtype="bfloat16"`, `fused_qkv=True` (default: float32 parameters and compute)."""
+    cfg = model_config(read_config(path), path, **{**IMPORT_SETTINGS, **settings})
+    layout = inference_layout(devices)
+    params = load_params(path, cfg, abstract_params(model_definition(cfg), layout))
+    return TrainedModel(model_definition(cfg), params, layout, step=0, tokenizer=None, seq_len=None)
+
+
+def to_hf(model_or_workdir, path: str, dtype: str | None = None, log=print) -> None:
+    """Writes a model (a `TrainedModel`, or the newest checkpoint of a workdir) as a Hugging Face
+    checkpoint directory `path`, which `transformers.AutoModelForCausalLM.from_pretrained` loads.
+    `dtype`: float32, bfloat16 or float16 on disk (default: the parameters' dtype)."""
+    if os.path.isdir(path) and os.listdir(path):
+        raise UserError(f"{path} is not empty; write the Hugging Face checkpoint into a new or empty directory.")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{path} is a file; write the Hugging Face checkpoint into a new or empty directory.")
+    trained = model_or_workdir
+    if not isinstance(trained, TrainedModel):
+        trained = load_model(str(model_or_workdir), devices=_host_devices(), log=log)
+    save_hf(trained.params, trained.model.cfg, path, dtype, max_positions=_max_positions(trained))
+
+
+def _max_positions(trained: TrainedModel) -> int:
+    """config.json's max_position_embeddings: the context the model is meant for, as far as known."""
+    scaling = trained.model.cfg.rope_scaling
+    if scaling.type == "llama3":
+        return int(scaling.factor * scaling.original_max_position_embeddings)
+    return trained.seq_len or 2048
+
+
+def _host_devices():
+    """One CPU device: conversion needs the weights in host memory anyway, and an accelerator may be
+    too small to hold the whole model."""
+    try:
+        return jax.devices("cpu")[:1]
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        return jax.devices()[:1]
+
+
+# --------------------------------------------------------------------------- `ushard convert`
+
+
+def convert_from_hf(hf_dir: str, workdir: str, log=print) -> None:
+    """A Hugging Face checkpoint into `workdir`/checkpoints/0 (parameters only), which `ushard.load_model`,
+    `ushard sample` and `checkpoint.init_from` read."""
+    from ushard.checkpoint import Checkpoints
+    from ushard.config import apply_override_dict, default_config
+
+    if os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise UserError(f"{workdir} already holds checkpoints/; convert into a new workdir.")
+    cfg = model_config(read_config(hf_dir), hf_dir, **IMPORT_SETTINGS)
+    params = load_params(hf_dir, cfg, abstract_params(model_definition(cfg), inference_layout(_host_devices())))
+    config = default_config()
+    apply_override_dict(config, {"model": dataclasses.asdict(cfg)})
+    checkpoints = Checkpoints(workdir)
+    try:
+        checkpoints.save(0, {"params": params}, {"position": 0}, config)
+    finally:
+        checkpoints.close()
+    overrides = " ".join(f"--config.model.{k}={v}" for k, v in _hf_settings(cfg).items())
+    log(f"wrote {os.path.join(workdir, 'checkpoints', '0')}: {model_definition(cfg).num_params() / 1e6:.1f}M parameters "
+        f"from {hf_dir}.\nTo fine-tune it, train in another workdir with --config.checkpoint.init_from={workdir} "
+        f"and these model settings:\n{overrides}")
+
+
+def _hf_settings(cfg: ModelConfig) -> dict:
+    """The config keys of the settings a Hugging Face checkpoint decides (the scaling's numbers only
+    where it is used)."""
+    unscaled = cfg.rope_scaling.type == "none"
+    return {k: v for k, v in cfg.settings().items() if k.split(".")[0] in HF_SETTINGS
+            and not (unscaled and k.startswith("rope_scaling.") and k != "rope_scaling.type")}
+
+
+def convert_to_hf(workdir: str, hf_dir: str, dtype: str | None = None, log=print) -> None:
+    to_hf(workdir, hf_dir, dtype, log)
+    log(f"wrote a Hugging Face checkpoint of {workdir}'s newest checkpoint to {hf_dir}.")
