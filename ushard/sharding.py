@@ -56,7 +56,7 @@ def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, 
     """The full table. `shard_state_over_fsdp` is the ZeRO switch for one kind of training state;
     `sequence_parallel` splits the residual stream's length over `tensor` too; `split_kv_heads` is false
     when there are fewer KV heads than tensor ranks (see `kv_heads_split`); `pipeline_stages` splits the
-    stacked layers into contiguous stages over the `pipeline` axis."""
+    stacked layers into contiguous stages over the `pipeline` axis, and the vocabulary over it too."""
     return (
         # weights
         ("embed", "fsdp" if shard_state_over_fsdp else None),
@@ -64,7 +64,9 @@ def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, 
         ("kv_heads", "tensor" if split_kv_heads else None),
         ("head_dim", None),
         ("mlp", "tensor"),
-        ("vocab", "tensor"),
+        # With a pipeline, the vocabulary is split over the stages too: every stage computes its share
+        # of the embedding lookup, head and loss (ushard/parallel/pipeline.py).
+        ("vocab", ("pipeline", "tensor") if pipeline_stages else "tensor"),
         ("layers", "pipeline" if pipeline_stages else None),
         ("experts", "expert"),
         ("expert_mlp", "tensor"),
@@ -78,7 +80,7 @@ def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, 
         ("act_kv_heads", "tensor"),
         ("act_head_dim", None),
         ("act_mlp", "tensor"),
-        ("act_vocab", "tensor"),
+        ("act_vocab", ("pipeline", "tensor") if pipeline_stages else "tensor"),
     )
 
 

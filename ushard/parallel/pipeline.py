@@ -174,27 +174,24 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
     Returns (sums summed over microbatches, d outer, d stack) with d = gradient of Σ_m objective_m.
 
     Each tick has two manual regions (a shard_map over the stage axis) that run only the layers: the
-    forward slot, then the backward slot. Between them, outside, `first` and `last` run on every
-    stage's microbatch at once (vmapped over a leading stage dimension split over the stage axis, so
-    each device computes its own), and only the first / last stage's results are kept. XLA's
-    partitioner aborts on a gather (embedding lookup, target logit) inside a partially manual
-    shard_map; outside, it partitions them as usual. Computing the head on every stage costs no time
-    in the steady state (the ticks run in lock-step, and the last stage computes it anyway), and the
-    parameters outside the stack get one copy per stage, so their gradients are summed across the
-    stages once at the end instead of once a tick.
+    forward slot, then the backward slot. Between them, outside, `first` runs on the microbatch that
+    enters stage 0 and `last` on the one that leaves the last stage, once, laid out by the layout like
+    any other computation: XLA's partitioner aborts on a gather (embedding lookup, target logit) inside
+    a partially manual shard_map, not outside. The layout splits the vocabulary over the stage axis
+    too (`vocab`, `act_vocab`), so every stage computes its share of the head and loss in every tick
+    rather than the last stage all of it while the others wait.
     """
     axis, stages, count = stage_axis(layout), layout.size("layers"), layout.pipeline.microbatches
     chunks = virtual_stages(stack, stages, 1)
     microbatches = jax.tree.map(lambda a: split_rows(a, count, layout), batch)
-    keep = ring_size(stages)
     chained = carry_aux(stage)
-    stage_index = jnp.arange(stages)
-    first_stage, last_stage = stage_index == 0, stage_index == stages - 1
     on_stages = functools.partial(pin_to_stages, layout=layout, axis=axis)
-    per_stage = functools.partial(jax.vmap, spmd_axis_name=axis)
 
     def rows(index):  # each stage's microbatch (IDLE: any, unused) -> [stages, rows, ...]
         return on_stages(take(microbatches, index))
+
+    def on_every_stage(tree):  # a copy for each stage, [stages, ...] split over the stage axis
+        return on_stages(jax.tree.map(lambda a: jnp.broadcast_to(a, (stages, *a.shape)), tree))
 
     with use_layout(None):  # shapes only: no layout, so the stage's layers are not pipelined again
         aux = jax.eval_shape(lambda c, o, mb: stage(c, first(o, mb), mb)[1],
@@ -210,33 +207,33 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
     def enter_grads(outer, mb, d_activation):
         return jax.vjp(lambda o: enter(o, mb), outer)[1](d_activation)[0]
 
-    slots = StageSlots(chained, prepare, keep, layout, axis)
-    outers = on_stages(jax.tree.map(lambda o: jnp.broadcast_to(o, (stages, *o.shape)), outer))
-    idle = jnp.full((stages,), IDLE)
-    activation = jax.eval_shape(per_stage(enter), outers, rows(idle))
-    sums = jax.eval_shape(lambda *a: per_stage(finish)(*a)[0], outers, activation, rows(idle))
+    slots = StageSlots(chained, prepare, ring_size(stages), layout, axis)
+    idle, some = jnp.full((stages,), IDLE), take(microbatches, 0)
+    activation = jax.eval_shape(lambda o, mb: on_every_stage(enter(o, mb)), outer, some)
+    sums = jax.eval_shape(lambda o, mb: finish(o, enter(o, mb), mb)[0], outer, some)
     ring = slots.ring_shapes(chunks, idle, rows(idle), activation)
 
     def tick(carry, table_row):
-        received, d_received, ring, d_chunks, d_outers, sums = carry
+        received, d_received, ring, d_chunks, d_outer, sums = carry
         f, b = table_row[:, 0], table_row[:, 1]
-        mb_f, mb_b = rows(f), rows(b)
-        entered = per_stage(enter)(outers, mb_f)
-        out, received, ring = slots.forward(chunks, f, mb_f, entered, received, ring)
-        sums_f, d_outers_head, d_out = per_stage(finish)(outers, out, mb_f)
-        d_activation, d_received, d_chunks = slots.backward(chunks, b, mb_b, ring, d_out, d_received, d_chunks)
-        d_outers_embed = per_stage(enter_grads)(outers, mb_b, d_activation)
-        ends, starts = last_stage & (f != IDLE), first_stage & (b != IDLE)
-        d_outers = add(d_outers, add(keep_stages(ends, d_outers_head), keep_stages(starts, d_outers_embed)))
-        return (received, d_received, ring, d_chunks, d_outers, add(sums, keep_stages(ends, sums_f))), None
+        entered = on_every_stage(enter(outer, take(microbatches, f[0])))
+        out, received, ring = slots.forward(chunks, f, rows(f), entered, received, ring)
+        last_out = jax.tree.map(lambda a: a[-1], out)
+        sums_f, d_outer_head, d_out = finish(outer, last_out, take(microbatches, f[-1]))
+        d_activation, d_received, d_chunks = slots.backward(chunks, b, rows(b), ring, on_every_stage(d_out),
+                                                            d_received, d_chunks)
+        first_d = jax.tree.map(lambda a: a[0], d_activation)
+        d_outer_embed = enter_grads(outer, take(microbatches, b[0]), first_d)
+        ends, starts = f[-1] != IDLE, b[0] != IDLE
+        d_outer = add(d_outer, add(keep_if(ends, d_outer_head), keep_if(starts, d_outer_embed)))
+        return (received, d_received, ring, d_chunks, d_outer, add(sums, keep_if(ends, sums_f))), None
 
     zeros = functools.partial(zeros_on_stages, layout=layout, axis=axis)
-    carry = (zeros(activation), zeros(activation), zeros(ring), jax.tree.map(jnp.zeros_like, chunks), zeros(outers),
-             zeros(sums))
+    carry = (zeros(activation), zeros(activation), zeros(ring), jax.tree.map(jnp.zeros_like, chunks),
+             jax.tree.map(jnp.zeros_like, outer), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), sums))
     schedule = jnp.asarray(one_f_one_b_table(stages, count))
-    (_, _, _, d_chunks, d_outers, sums), _ = jax.lax.scan(tick, carry, schedule)
-    over_stages = functools.partial(jax.tree.map, lambda a: jnp.sum(a, axis=0))
-    return over_stages(sums), over_stages(d_outers), jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, stack)
+    (_, _, _, d_chunks, d_outer, sums), _ = jax.lax.scan(tick, carry, schedule)
+    return sums, d_outer, jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, stack)
 
 
 class StageSlots:
@@ -338,9 +335,9 @@ def zeros_on_stages(shapes, layout: Layout, axis: str):
     return pin_to_stages(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), layout, axis)
 
 
-def keep_stages(where, tree):
-    """Each leaf's rows [stages, ...] where `where` [stages] holds, zeros elsewhere."""
-    return jax.tree.map(lambda a: jnp.where(where.reshape(-1, *[1] * (a.ndim - 1)), a, 0), tree)
+def keep_if(condition, tree):
+    """The tree where `condition` (a scalar) holds, zeros otherwise."""
+    return jax.tree.map(lambda a: jnp.where(condition, a, 0), tree)
 
 
 # --------------------------------------------------------------------------- helpers
