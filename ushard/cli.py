@@ -1,5 +1,6 @@
-"""`ushard train --config NAME_OR_PATH [--config.a.b=value ...] [--workdir DIR]` and
-`ushard sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]`.
+"""`ushard train --config NAME_OR_PATH [--config.a.b=value ...] [--workdir DIR]`,
+`ushard sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]` and
+`ushard compile --config NAME_OR_PATH [--config.a.b=value ...] --topology v5p:4x4x4 [--num_slices N]`.
 
 A user's mistake (`UserError`) ends with one sentence on stderr and exit status 2, no traceback.
 """
@@ -55,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8, help="0 picks the likeliest token (default: 0.8)")
     sample.add_argument("--top_k", type=int, default=40, help="sample among the k likeliest tokens; 0: all (default: 40)")
     sample.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default: 0)")
+    aot = sub.add_parser(
+        "compile", help="compile the train step for a TPU topology, without a TPU",
+        description="Compile the train step of a config for a named TPU topology (needs libtpu: the tpu extra) "
+                    "and print its memory per chip and its collectives per step.",
+    )
+    aot.add_argument("--config", required=True, help="a shipped config name (e.g. llama3_8b) or a path to a config .py")
+    aot.add_argument("--topology", required=True, help="GENERATION:SHAPE, e.g. v5p:4x4x4, v5e:4x4, v6e:4x4, v4:2x2x2")
+    aot.add_argument("--num_slices", type=int, default=1, help="slices of that topology (default: 1); mesh.dcn.* spans them")
     return parser
 
 
@@ -101,6 +110,17 @@ def train(args, overrides) -> None:
               f"checkpoints in {os.path.join(workdir, 'checkpoints')}")
 
 
+def compile_step(args, overrides) -> None:
+    import ushard
+    from ushard import aot
+
+    config = ushard.load_config(args.config, overrides)
+    setup = aot.build_for(config, args.topology, args.num_slices)
+    print(setup.describe().rstrip("\n"))
+    print(f"compiling the train step for {args.num_slices} x {args.topology}", flush=True)
+    print(aot.summary(aot.compile_train_step(setup)))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -108,6 +128,8 @@ def main(argv=None) -> int:
         args = _parser().parse_args(rest)  # argparse reports its own usage errors with exit status 2
         if args.command == "train":
             train(args, overrides)
+        elif args.command == "compile":
+            compile_step(args, overrides)
         elif args.command == "sample":
             if overrides:
                 raise UserError(f"sample takes no --config overrides (--config.{overrides[0]}); the model's settings come from its checkpoint.")
