@@ -1,6 +1,8 @@
 """TPU without a TPU: the train step compiled ahead of time for named topologies through libtpu (the
 `tpu` extra; these tests skip without it), what JAX reports of TPU devices, and the AOT CLI."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -72,6 +74,22 @@ def test_two_slices_need_the_dcn_axes_to_span_them():
         ushard.build(small_config(**{"mesh.fsdp": 16}), tpu_devices("v5p:2x2x2", 2))
 
 
+def test_gpu_settings_are_ignored_on_tpu_with_a_note():
+    config = small_config(**{"mesh.fsdp": 8, "parallel.reshard_after_forward": False,
+                             "parallel.collective_combine_mib": 128})
+    on_tpu = ushard.build(config, tpu_devices("v5p:2x2x2"))
+    assert not on_tpu.layout.keep_gathered  # gathered again for the backward pass, as with true
+    assert on_tpu.notes == (
+        "parallel.collective_combine_mib=128 sets XLA's GPU collective combiner; ignored on tpu.",
+        "parallel.reshard_after_forward=false is a GPU setting; ignored on tpu, where it turned the gradients' "
+        "reduce-scatters into all-reduces.",
+    )
+    assert on_tpu.describe().endswith("\n".join(f"note: {n}" for n in on_tpu.notes))
+    on_cpu = ushard.build(config)
+    assert on_cpu.layout.keep_gathered  # CPU keeps its meaning (the parity tests use it)
+    assert on_cpu.notes == ("parallel.collective_combine_mib=128 sets XLA's GPU collective combiner; ignored on cpu.",)
+
+
 @pytest.mark.parametrize("topology, kind, peak", [
     ("v5p:2x2x2", "TPU v5", 459e12),
     ("v5e:4x4", "TPU v5 lite", 197e12),
@@ -98,6 +116,36 @@ def test_a_topology_libtpu_does_not_know_is_one_sentence(topology, slices, match
     tpu_devices("v5p:2x2x2")  # skips without libtpu
     with pytest.raises(ushard.UserError, match=match):
         ushard.compile_for(small_config(), topology=topology, num_slices=slices)
+
+
+def test_a_step_the_chips_cannot_hold_is_one_sentence():
+    """Replicated (data=4) state of a 2B-parameter model on v5e chips (16 GiB each)."""
+    config = small_config(**{"model.d_model": 8192, "model.d_ff": 32768, "model.n_heads": 64, "model.n_kv_heads": 8,
+                             "mesh.data": 4, "mesh.fsdp": 1, "train.batch_size": 4})
+    with pytest.raises(ushard.UserError, match=r"^the train step does not fit on TPU v5 lite chips \(Ran out of memory "
+                                               r"on HBM, .*\); split the state over more chips \(mesh.fsdp\)"):
+        ushard.compile_for(config, topology="v5e:2x2")
+
+
+def test_a_fusion_over_the_scoped_vmem_limit_is_one_sentence():
+    """The compiler's message for llama3_8b with XLA attention on v5p:4x4x4, fsdp=64 (trimmed)."""
+    from ushard.aot import _out_of_memory
+
+    message = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in memory space vmem while "
+               "allocating on stack for %fusion.426 = (f32[4,4,8,8192]{3,0,2,1:T(4,128)}, ...) fusion(...). Scoped "
+               "allocation with size 16.25M and limit 16.00M exceeded scoped vmem limit by 256.0K. It should not be")
+    assert _out_of_memory(message, "TPU v5") == (
+        "the train step does not compile for TPU v5 chips: a fusion needs more than the compiler's scoped vector "
+        "memory (Scoped allocation with size 16.25M and limit 16.00M exceeded scoped vmem limit by 256.0K); with "
+        "model.attention_impl='xla' that is attention's [T, T] scores, which splash attention ('auto' on TPUs) "
+        "never materialises.")
+
+
+def test_without_libtpu_the_compile_command_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu raises ImportError
+    assert main(["compile", "--config", "tiny", "--topology", "v5p:2x2x2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "ushard: error: compiling for a TPU topology needs libtpu; install it with pip install 'ushard[tpu]'."]
 
 
 def test_the_compile_command_prints_memory_and_collectives(capsys):
@@ -157,3 +205,17 @@ def test_collectives_in_a_loop_count_once_per_iteration():
     assert collectives_per_step(LOOPED) == {
         "all-gather": (6, 3 * (64 * 2 + 64 * 4)), "reduce-scatter": (1, 16), "all-reduce": (3, 3 * 32),
     }
+
+
+@pytest.mark.slow
+def test_llama3_8b_compiles_for_v5p_128_with_splash_attention():
+    """The issue's case (docs/benchmarks.md): llama3_8b, 8192 tokens a row, fsdp=64 on v5p:4x4x4. XLA
+    attention materialises [rows, heads, T, T] scores and stops at the compiler's scoped-VMEM limit
+    (and, with that raised, needs far more temporaries); splash attention compiles as it is. 1.5 to 3.5
+    minutes on 2 CPU cores."""
+    tpu_devices("v5p:4x4x4")
+    config = ushard.load_config("llama3_8b", {"mesh.fsdp": 64})
+    compiled = ushard.compile_for(config, topology="v5p:4x4x4")
+    # The forward kernel, again in the backward pass (remat "full" recomputes it), dq and dkv.
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 4
+    assert compiled.memory_analysis().temp_size_in_bytes < 32 * 2**30  # 30.2 GiB measured

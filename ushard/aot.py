@@ -45,9 +45,7 @@ def tpu_devices(topology: str, num_slices: int = 1) -> list:
         raise UserError("compiling for a TPU topology needs libtpu; install it with pip install 'ushard[tpu]'.") from None
     from jax.experimental import topologies
 
-    if jax.default_backend() != "tpu":
-        for name, value in _NOT_ON_A_TPU_VM.items():
-            os.environ.setdefault(name, value)
+    _quiet_libtpu()
     options = {"chip_config_name": "megacore"} if topology.split(":")[0] in _MEGACORE else {}
     if num_slices > 1:
         options["num_slices"] = num_slices
@@ -58,6 +56,13 @@ def tpu_devices(topology: str, num_slices: int = 1) -> list:
             raise
         reason = " ".join(str(e).split()).removeprefix("INVALID_ARGUMENT: ").rstrip(".")
         raise UserError(f"libtpu does not know the TPU topology {topology!r} ({reason}); write it as {TOPOLOGY_FORM}.") from None
+
+
+def _quiet_libtpu() -> None:
+    """Off a TPU VM, libtpu's environment defaults (a user's own values stay)."""
+    if jax.default_backend() != "tpu":
+        for name, value in _NOT_ON_A_TPU_VM.items():
+            os.environ.setdefault(name, value)
 
 
 def build_for(config, topology: str = "v5p:4x4x4", num_slices: int = 1):
@@ -76,17 +81,26 @@ def lower_train_step(setup):
 
 
 def compile_train_step(setup) -> jax.stages.Compiled:
-    """The compiled train step of `setup`; a step that exceeds the chip's memory is the user's
-    sentence (UserError), naming what the compiler ran out of."""
+    """The compiled train step of `setup`; a step the chips' memory cannot hold is the user's sentence."""
     try:
         return lower_train_step(setup).compile()
     except jax.errors.JaxRuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        if not first.startswith("RESOURCE_EXHAUSTED"):
+        if not str(e).startswith("RESOURCE_EXHAUSTED"):
             raise
-        where = setup.mesh.devices.flat[0].device_kind
-        raise UserError(f"the train step does not fit on {where} chips with this config and layout ({first.rstrip('.')}); "
-                        f"shard it further, lower train.batch_size or set model.remat.") from None
+        raise UserError(_out_of_memory(str(e), setup.mesh.devices.flat[0].device_kind)) from None
+
+
+def _out_of_memory(message: str, kind: str) -> str:
+    """One sentence for the compiler's RESOURCE_EXHAUSTED `message` on `kind` chips."""
+    scoped = re.search(r"Scoped allocation with size [\d.]+\w+ and limit [\d.]+\w+ exceeded scoped vmem limit by "
+                       r"[\d.]+\w+", message)
+    if "ScopedVmemOom" in message and scoped:
+        return (f"the train step does not compile for {kind} chips: a fusion needs more than the compiler's "
+                f"scoped vector memory ({scoped.group(0)}); with model.attention_impl='xla' that is attention's "
+                f"[T, T] scores, which splash attention ('auto' on TPUs) never materialises.")
+    reason = " ".join(message.removeprefix("RESOURCE_EXHAUSTED: ").split()).split(". ")[0].rstrip(".")
+    return (f"the train step does not fit on {kind} chips ({reason}); split the state over more chips "
+            f"(mesh.fsdp), lower train.batch_size or set model.remat.")
 
 
 def compile_for(config, topology: str = "v5p:4x4x4", num_slices: int = 1) -> jax.stages.Compiled:
