@@ -18,7 +18,7 @@ from ushard.training.loop import Trainer
 # fsdp=4 x sequence=2 on the devices (counted process by process) [[0, 1], [4, 5], [2, 3], [6, 7]]: the
 # processes alternate along the batch axis as on a torus, so process 0 holds rows 0-3 and 8-11 (each
 # split along the sequence between two of its devices).
-LAYOUT = {"mesh.fsdp": 4, "mesh.sequence": 2}
+LAYOUT = {"mesh.fsdp": 4, "mesh.sequence": 2, "model.n_layers": 1}
 ORDER = [0, 1, 4, 5, 2, 3, 6, 7]
 
 
