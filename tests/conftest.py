@@ -34,6 +34,23 @@ def small_config(config_name="tiny", **overrides):
 SMALL_MOE = {"model.moe.expert_d_ff": 32, "model.moe.capacity_factor": 0.0, "model.moe.bias_update_rate": 0.01}
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now: a fresh coordinator address for each multi-process test."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tpu_devices(topology: str, num_slices: int = 1) -> list:
+    """Compile-only devices of a TPU topology (ushard.aot.tpu_devices); skips without the tpu extra."""
+    pytest.importorskip("libtpu", reason="needs libtpu: pip install -e '.[tpu]'")
+    from ushard.aot import tpu_devices as devices
+
+    return devices(topology, num_slices)
+
+
 @pytest.fixture(scope="session")
 def stdlib_batches():
     """The embedded default data at the small test sizes, loaded once per test session."""

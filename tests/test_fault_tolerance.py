@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import ushard
-from conftest import SMALL_MOE, small_config
+from conftest import SMALL_MOE, free_port, small_config
 from ushard.errors import UserError
 from ushard.training.loop import Trainer
 
@@ -721,14 +721,6 @@ def test_nonfinite_row_needs_progress_past_the_trouble_to_end():
 
 
 # ----------------------------------------------------------------------------- several processes
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, uninterrupted):

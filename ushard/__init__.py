@@ -1,15 +1,17 @@
 """ushard: SPMD training of transformer language models with JAX, from one CPU to pods and clusters.
 
-The public API: `load_config`, `train`, `build`, `load_model`, `from_hf`, `to_hf` and `UserError` (see README,
-"Python").
+The public API: `load_config`, `train`, `build`, `load_model`, `from_hf`, `to_hf`, `compile_for` and
+`UserError` (see README, "Python").
 """
 
 __version__ = "0.1.0"
 
+from ushard.aot import compile_for  # noqa: E402
 from ushard.api import load_config, train  # noqa: E402
 from ushard.build import Setup, build  # noqa: E402
 from ushard.errors import UserError  # noqa: E402
 from ushard.hf import from_hf, to_hf  # noqa: E402
 from ushard.trained import TrainedModel, load_model  # noqa: E402
 
-__all__ = ["Setup", "TrainedModel", "UserError", "build", "from_hf", "load_config", "load_model", "to_hf", "train"]
+__all__ = ["Setup", "TrainedModel", "UserError", "build", "compile_for", "from_hf", "load_config", "load_model", "to_hf",
+           "train"]

@@ -14,12 +14,14 @@ import optax
 from ushard.config import validate
 from ushard.mesh import build_mesh
 from ushard.metrics import flops_per_token
+from ushard.models.attention import check_impl
 from ushard.models.config import ModelConfig
 from ushard.models.definition import ModelDef, model_definition
 from ushard.parallel.pipeline import PipelineSchedule, bubble_fraction
 from ushard.sharding import Layout, format_rules
 from ushard.training.optim import make_optimizer
 from ushard.training.step import Steps
+from ushard.xla_flags import ignored_settings
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Setup:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     steps: Steps  # jitted init / train_step / loss_and_grads / eval_step for this layout
+    notes: tuple[str, ...] = ()  # settings this platform ignores, one line each (printed by describe)
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -54,6 +57,7 @@ class Setup:
             f"ushard: {size} on {self.mesh.size} {platform} "
             f"device(s), mesh {shape}, ZeRO-{self.config.parallel.zero_stage}\n{self._describe_pipeline()}"
             f"parameter layout (logical axis -> mesh axes):\n{format_rules(self.layout.zero.params)}"
+            + "".join(f"\nnote: {line}" for line in self.notes)
         )
 
     def _describe_pipeline(self) -> str:
@@ -77,10 +81,14 @@ def build(config, devices=None) -> Setup:
     model = model_definition(model_cfg)
     p, t = config.parallel, config.train
     pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats)
+    platform = devices[0].platform
+    check_impl(model_cfg.attention_impl, platform, t.seq_len, mesh_shape["pipeline"])
+    notes = tuple(ignored_settings(config, platform))
+    reshard_after_forward = p.reshard_after_forward or platform == "tpu"  # see ignored_settings
     mesh = build_mesh(mesh_shape, dict(config.mesh.dcn), devices)
-    layout = Layout.create(mesh, p.zero_stage, p.reshard_after_forward, p.sequence_parallel, model_cfg.n_kv_heads,
+    layout = Layout.create(mesh, p.zero_stage, reshard_after_forward, p.sequence_parallel, model_cfg.n_kv_heads,
                            pipeline)
     tx, schedule = make_optimizer(t, model.logical)
     steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip",
                   context_parallel=p.context_parallel)
-    return Setup(config, model_cfg, mesh_shape, layout, model, tx, schedule, steps)
+    return Setup(config, model_cfg, mesh_shape, layout, model, tx, schedule, steps, notes)

@@ -1,6 +1,7 @@
 """`ushard train --config NAME_OR_PATH [--config.a.b=value ...] [--workdir DIR]`,
 `ushard sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]`,
-`ushard convert --from-hf DIR --to WORKDIR` and `ushard convert --from WORKDIR --to-hf DIR [--dtype D]`.
+`ushard convert --from-hf DIR --to WORKDIR`, `ushard convert --from WORKDIR --to-hf DIR [--dtype D]` and
+`ushard compile --config NAME_OR_PATH [--config.a.b=value ...] --topology v5p:4x4x4 [--num_slices N]`.
 
 A user's mistake (`UserError`) ends with one sentence on stderr and exit status 2, no traceback.
 """
@@ -68,6 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--to-hf", dest="to_hf", metavar="DIR", help="the new directory to write the Hugging Face checkpoint into")
     convert.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                          help="--to-hf: the weights' dtype on disk (default: the parameters')")
+    aot = sub.add_parser(
+        "compile", help="compile the train step for a TPU topology, without a TPU",
+        description="Compile the train step of a config for a named TPU topology (needs libtpu: the tpu extra) "
+                    "and print its memory per chip and its collectives per step.",
+    )
+    aot.add_argument("--config", required=True, help="a shipped config name (e.g. llama3_8b) or a path to a config .py")
+    aot.add_argument("--topology", required=True, help="GENERATION:SHAPE, e.g. v5p:4x4x4, v5e:4x4, v6e:4x4, v4:2x2x2")
+    aot.add_argument("--num_slices", type=int, default=1, help="slices of that topology (default: 1); mesh.dcn.* spans them")
     return parser
 
 
@@ -129,6 +138,17 @@ def convert(args) -> None:
         raise UserError("convert takes either --from-hf DIR --to WORKDIR (import) or --from WORKDIR --to-hf DIR (export).")
 
 
+def compile_step(args, overrides) -> None:
+    import ushard
+    from ushard import aot
+
+    config = ushard.load_config(args.config, overrides)
+    setup = aot.build_for(config, args.topology, args.num_slices)
+    print(setup.describe().rstrip("\n"))
+    print(f"compiling the train step for {args.num_slices} x {args.topology}", flush=True)
+    print(aot.summary(aot.compile_train_step(setup)))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -136,6 +156,8 @@ def main(argv=None) -> int:
         args = _parser().parse_args(rest)  # argparse reports its own usage errors with exit status 2
         if args.command == "train":
             train(args, overrides)
+        elif args.command == "compile":
+            compile_step(args, overrides)
         elif args.command == "sample":
             if overrides:
                 raise UserError(f"sample takes no --config overrides (--config.{overrides[0]}); the model's settings come from its checkpoint.")

@@ -13,6 +13,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from ushard.config import MESH_AXES
+from ushard.errors import UserError
 
 
 def device_array(shape: dict[str, int], dcn: dict[str, int], devices=None) -> np.ndarray:
@@ -22,9 +23,15 @@ def device_array(shape: dict[str, int], dcn: dict[str, int], devices=None) -> np
     dcn_shape = tuple(dcn[a] for a in MESH_AXES)
     if devices[0].platform == "cpu":
         return np.array(devices).reshape(tuple(shape[a] for a in MESH_AXES))
-    if np.prod(dcn_shape) > 1:
-        # TPU slices carry `slice_index`; GPUs and other multi-process setups are grouped by process.
-        by_process = not hasattr(devices[0], "slice_index")
+    # TPU slices carry `slice_index`; GPUs and other multi-process setups are grouped by process.
+    by_process = not hasattr(devices[0], "slice_index")
+    granules = len({d.process_index if by_process else d.slice_index for d in devices})
+    spans = int(np.prod(dcn_shape))
+    if spans != granules and (spans > 1 or not by_process):
+        what = "hosts" if by_process else "TPU slices"
+        raise UserError(f"the mesh.dcn.* sizes multiply to {spans} but the devices are on {granules} {what}; make "
+                        f"them multiply to {granules} (e.g. mesh.dcn.data={granules} with mesh.data a multiple of it).")
+    if spans > 1:
         return mesh_utils.create_hybrid_device_mesh(
             ici, dcn_shape, devices=devices, process_is_granule=by_process, allow_split_physical_axes=True
         )

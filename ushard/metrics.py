@@ -19,25 +19,34 @@ import time
 
 import jax
 
-# Datasheet dense bf16 peak, FLOP/s per device, matched against `device_kind`.
-PEAK_BF16_FLOPS = (
+# Datasheet dense bf16 peak, FLOP/s per device. GPUs: matched by a name inside `device_kind` (e.g.
+# "NVIDIA H100 80GB HBM3"). TPUs: by `device_kind` exactly as JAX reports it (checked with libtpu's
+# topology descriptions, tests/test_tpu.py): v5p reports "TPU v5", v5e "TPU v5 lite", v6e "TPU v6
+# lite". A TPU device is a chip from v4 on (v4 and v5p present their two TensorCores as one
+# "megacore" device) and one TensorCore on v2 and v3, whose peaks are therefore half a chip's.
+GPU_PEAK_BF16_FLOPS = (
     ("H200", 989e12),
     ("H100", 989e12),
     ("H800", 989e12),
     ("A100", 312e12),
     ("L40S", 362e12),
-    ("TPU v6", 918e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5 lite", 197e12),
-    ("TPU v5e", 197e12),
-    ("TPU v4", 275e12),
 )
+TPU_PEAK_BF16_FLOPS = {
+    "TPU v2": 45e12 / 2,
+    "TPU v3": 123e12 / 2,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5": 459e12,  # v5p
+    "TPU v6 lite": 918e12,  # v6e (Trillium)
+}
 
 
 def peak_flops(device=None) -> float | None:
     """The datasheet bf16 dense peak of `device` (default: the first device), None where unknown (CPU)."""
     kind = (device or jax.devices()[0]).device_kind
-    for name, flops in PEAK_BF16_FLOPS:
+    if kind in TPU_PEAK_BF16_FLOPS:
+        return TPU_PEAK_BF16_FLOPS[kind]
+    for name, flops in GPU_PEAK_BF16_FLOPS:
         if name.lower() in kind.lower():
             return flops
     return None

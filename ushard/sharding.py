@@ -157,12 +157,15 @@ class Layout:
     """A mesh and the rules for each kind of array: the one object every sharding is derived from.
 
     `pipeline` (ushard/parallel/pipeline.py) is the schedule that runs the layer stack when its
-    `layers` axis is split into stages (mesh.pipeline > 1); None otherwise.
+    `layers` axis is split into stages (mesh.pipeline > 1); None otherwise. `platform` is the devices'
+    ("cpu", "gpu", "tpu"): kernels are chosen by it, not by JAX's default backend, which is the host's
+    when a step is compiled ahead of time for TPU devices.
     """
 
     mesh: Mesh
     zero: ZeroRules
     pipeline: PipelineSchedule | None = None
+    platform: str = "cpu"
 
     @classmethod
     def create(cls, mesh: Mesh, zero_stage: int = 3, reshard_after_forward: bool = True,
@@ -173,7 +176,7 @@ class Layout:
         stages = mesh.shape["pipeline"]
         zero = ZeroRules.for_stage(zero_stage, reshard_after_forward, mesh.shape["fsdp"], sequence_parallel, split_kv,
                                    stages)
-        return cls(mesh, zero, pipeline if stages > 1 else None)
+        return cls(mesh, zero, pipeline if stages > 1 else None, mesh.devices.flat[0].platform)
 
     def inside_stage(self, weights_prepared: bool = False) -> "Layout":
         """The layout for code that runs inside one pipeline stage (a shard_map manual over the stage
@@ -184,7 +187,7 @@ class Layout:
         zero = self.zero.with_rule("layers", None)
         if weights_prepared:
             zero = dataclasses.replace(zero, keep_gathered=False)
-        return Layout(mesh, zero)
+        return Layout(mesh, zero, platform=self.platform)
 
     @property
     def keep_gathered(self) -> bool:

@@ -1,5 +1,10 @@
-"""XLA flags derived from the config. XLA reads them once, when JAX starts its backend, so entry points
-(the CLI, tools/) apply them before the first device is touched.
+"""Compiler settings derived from the config, per platform. XLA reads its flags once, when JAX starts
+its backend, so entry points (the CLI, tools/) apply them before the first device is touched.
+
+Where a setting means something on one platform only, it acts there and is reported elsewhere: a
+line from `ignored_settings` (printed with the layout at start-up) says it does nothing on this
+platform, rather than leaving it to act silently or not at all. No GPU setting has a libtpu
+(`LIBTPU_INIT_ARGS`) equivalent that was seen to work (docs/dev-notes.md), so none is translated.
 """
 
 from __future__ import annotations
@@ -25,3 +30,15 @@ def apply(config) -> None:
     flags = [f for f in flags_for(config) if f not in current.split()]  # applying twice adds nothing
     if flags:
         os.environ["XLA_FLAGS"] = " ".join(flags + [current]).strip()
+
+
+def ignored_settings(config, platform: str) -> list[str]:
+    """One line for each setting of `config` that has no effect on `platform` ("cpu", "gpu", "tpu")."""
+    p, notes = config.parallel, []
+    if p.collective_combine_mib and platform != "gpu":
+        notes.append(f"parallel.collective_combine_mib={p.collective_combine_mib} sets XLA's GPU collective "
+                     f"combiner; ignored on {platform}.")
+    if not p.reshard_after_forward and platform == "tpu":
+        notes.append("parallel.reshard_after_forward=false is a GPU setting; ignored on tpu, where it turned the "
+                     "gradients' reduce-scatters into all-reduces.")
+    return notes

@@ -67,12 +67,13 @@ class PackedStream:
         return self.tokens[source], first
 
 
-def window_rows(stream: PackedStream, position: int, window: int, rows: range) -> dict[str, np.ndarray]:
-    """Rows `rows` of the windows of `window` tokens laid end to end from stream `position`."""
+def window_rows(stream: PackedStream, position: int, window: int, rows) -> dict[str, np.ndarray]:
+    """Rows `rows` (indices, in the order wanted) of the windows of `window` tokens laid end to end from
+    stream `position`."""
     tokens = np.zeros((len(rows), window), np.int32)
     starts = np.zeros((len(rows), window), bool)
     for i, r in enumerate(rows):
-        tokens[i], starts[i] = stream.read(position + r * window, window)
+        tokens[i], starts[i] = stream.read(position + int(r) * window, window)
     return row_fields(tokens, starts)
 
 

@@ -21,8 +21,9 @@ Interface (`batches = make_batches(data_cfg, seq_len, seed)`):
 - `batches.initial_state() -> dict`: the state at the start of the data, JSON-serialisable:
   `{"position": tokens consumed, "order": fingerprint of what decides the stream}`; the fingerprint
   holds train.seed, the data settings and a checksum of the corpus, never batch size or seq_len.
-- `batches.train_batch(state, batch_size, rows=None) -> (batch, next_state)`: rows `rows` (a range;
-  default all) of the global batch at `state`. Row r is the window at position + r * (seq_len + 1);
+- `batches.train_batch(state, batch_size, rows=None) -> (batch, next_state)`: rows `rows` (row indices,
+  e.g. those a process's devices hold; default all) of the global batch at `state`, in that order.
+  Row r is the window at position + r * (seq_len + 1);
   next_state is position + batch_size * (seq_len + 1) whatever `rows` is, so every process that
   builds its own rows from the same state gets the same next state. The batch depends only on the
   data settings, the seed and the position: never on the mesh or the number of processes.
@@ -104,10 +105,10 @@ class Batches:
 
     # ------------------------------------------------------------------ batches
 
-    def _rows(self, stream, position: int, batch_size: int, rows: range | None) -> dict[str, np.ndarray]:
+    def _rows(self, stream, position: int, batch_size: int, rows) -> dict[str, np.ndarray]:
         return window_rows(stream, position, self.window, range(batch_size) if rows is None else rows)
 
-    def train_batch(self, state: dict, batch_size: int, rows: range | None = None) -> tuple[dict, dict]:
+    def train_batch(self, state: dict, batch_size: int, rows=None) -> tuple[dict, dict]:
         """(rows `rows`, default all, of the global batch at `state`; the state after this batch)."""
         return self._rows(self.train, self._position(state), batch_size, rows), self.advance(state, batch_size)
 
@@ -115,7 +116,7 @@ class Batches:
         """The state after a batch of `batch_size` rows at `state`, without building it."""
         return {"position": self._position(state) + batch_size * self.window, "order": dict(self.order)}
 
-    def eval_batch(self, index: int, batch_size: int, rows: range | None = None) -> dict[str, np.ndarray]:
+    def eval_batch(self, index: int, batch_size: int, rows=None) -> dict[str, np.ndarray]:
         return self._rows(self.held_out, index * batch_size * self.window, batch_size, rows)
 
     # ------------------------------------------------------------------ the position

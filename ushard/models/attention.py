@@ -8,22 +8,56 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ushard.errors import UserError
 from ushard.models.layers import BTD, fan_in_init, param, project, rope_frequencies, rotary
 from ushard.parallel import context
-from ushard.sharding import constrain, gathered, split_ways
+from ushard.parallel.splash import LANES, splash_attention
+from ushard.sharding import constrain, current_layout, gathered, split_ways
 
 Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
 KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
-# `model.attention_impl`: auto picks cuDNN flash attention on GPUs in 16-bit compute, XLA elsewhere.
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# `model.attention_impl`: auto picks cuDNN flash attention on GPUs in 16-bit compute, splash attention
+# on TPUs, XLA elsewhere.
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
+# The kernels that exist on one platform only.
+KERNEL_PLATFORMS = {"cudnn": ("gpu", "cuDNN flash attention"), "splash": ("tpu", "Pallas splash attention")}
+
+
+def resolve_impl(impl: str, platform: str, dtype, length: int, in_stage: bool = False) -> str:
+    """The kernel `impl` means on `platform` for `dtype` and sequences of `length` tokens: "auto" is
+    cuDNN on GPUs in 16-bit compute, splash on TPUs (sequences a multiple of 128 tokens), neither
+    inside a pipeline stage (`check_impl`; on GPUs XLA's compiler segfaults on a pipelined step with
+    cuDNN attention in its stages, JAX 0.11.2), else XLA."""
+    if impl != "auto":
+        return impl
+    if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not in_stage:
+        return "cudnn"
+    return "splash" if platform == "tpu" and length % LANES == 0 and not in_stage else "xla"
+
+
+def check_impl(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1) -> None:
+    """UserError for a kernel asked for on a platform that lacks it, or a layout it cannot take."""
+    if impl not in KERNEL_PLATFORMS:
+        return
+    needs, name = KERNEL_PLATFORMS[impl]
+    if platform != needs:
+        raise UserError(f"model.attention_impl={impl!r} is {name}, which runs on {needs.upper()}s only, and these "
+                        f"devices are {platform}; use 'auto' (the best kernel of each platform) or 'xla'.")
+    if impl == "splash" and seq_len % LANES:
+        raise UserError(f"model.attention_impl='splash' needs train.seq_len to be a multiple of {LANES} (its "
+                        f"blocks' size); it is {seq_len}.")
+    if impl == "splash" and pipeline_stages > 1:
+        # Its shard_map nested in a stage's loses the stage axis from the gradients' types (docs/dev-notes.md).
+        raise UserError(f"model.attention_impl='splash' with mesh.pipeline={pipeline_stages} is not supported yet; "
+                        f"use 'auto', which runs XLA attention inside pipeline stages.")
 
 
 def causal_attention(q, k, v, segment_ids, impl: str):
     """Causal attention on [B, T, heads, head_dim]; tokens attend only within their own segment.
 
-    `segment_ids` ([B, T]) is None when documents may see each other. `impl` "auto" means cuDNN flash
-    attention on GPUs in 16-bit compute, XLA otherwise (JAX's own default is always XLA, which
-    materialises the [T, T] scores and runs out of memory at real sizes).
+    `segment_ids` ([B, T]) is None when documents may see each other. `impl` is resolved for the
+    active layout's platform (`resolve_impl`; JAX's own default is always XLA, which materialises
+    the [T, T] scores and runs out of memory at real sizes).
 
     When the active layout splits the sequence, context parallelism (ushard/parallel/context.py) runs
     `attention_block` on each device's blocks instead, whatever `impl` says: JAX's fused kernels give
@@ -31,15 +65,15 @@ def causal_attention(q, k, v, segment_ids, impl: str):
     """
     if context.is_split():
         return context.attention(q, k, v, segment_ids, attention_block)
+    layout = current_layout()
+    platform = layout.platform if layout is not None else jax.default_backend()
+    in_stage = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside a pipeline stage's shard_map
+    impl = resolve_impl(impl, platform, q.dtype, q.shape[1], in_stage)
+    if impl == "splash":
+        return splash_attention(q, k, v, segment_ids)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
-    if impl == "auto":
-        # Not inside a shard_map (a pipeline stage): XLA's GPU compiler segfaults on the pipelined
-        # step with cuDNN attention in its stages (JAX 0.11.2; config.py refuses an explicit "cudnn").
-        in_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
-        cudnn_ok = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and not in_map
-        impl = "cudnn" if cudnn_ok else "xla"
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 
 

@@ -1,0 +1,63 @@
+"""Splash attention (ushard/parallel/splash.py), the TPU kernel, against plain causal attention.
+
+There is no TPU here: the Pallas kernel runs in Pallas's interpreter on the CPU (`interpret=True`),
+which executes the same kernel program (its blocks, masks and backward kernels) with jnp. It runs
+under a layout that splits the batch over data x fsdp and the heads over tensor, as in training.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_context_parallel import reference_attention
+from ushard.errors import UserError
+from ushard.mesh import build_mesh
+from ushard.models.attention import check_impl, resolve_impl
+from ushard.parallel.splash import splash_attention
+from ushard.sharding import Layout, use_layout
+
+
+def test_splash_matches_plain_attention_in_value_and_gradient():
+    shape = {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
+    layout = Layout.create(build_mesh(shape))
+    rng = np.random.default_rng(0)
+    b, t, heads, kv_heads, hd = 4, 128, 4, 2, 16  # 128: one block of the kernel's 128 lanes
+    normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    q, k, v, weights = normal(b, t, heads, hd), normal(b, t, kv_heads, hd), normal(b, t, kv_heads, hd), normal(b, t, heads, hd)
+    segments = jnp.asarray(1 + np.cumsum(rng.random((b, t)) < 0.03, axis=1), jnp.int32)  # a few documents a row
+    assert len(np.unique(segments[0])) > 1
+
+    def splash(q, k, v):
+        with use_layout(layout):
+            return splash_attention(q, k, v, segments, interpret=True)
+
+    def loss(attention):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attention(q, k, v) * weights), argnums=(0, 1, 2)))
+
+    (got, got_grads), (want, want_grads) = loss(splash)(q, k, v), loss(lambda *a: reference_attention(*a, segments))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+
+
+@pytest.mark.parametrize("impl, platform, seq_len, stages, match", [
+    ("splash", "gpu", 2048, 1, r"^model.attention_impl='splash' is Pallas splash attention, which runs on TPUs only, and these devices are gpu"),
+    ("splash", "cpu", 2048, 1, r"runs on TPUs only, and these devices are cpu; use 'auto'"),
+    ("cudnn", "tpu", 2048, 1, r"^model.attention_impl='cudnn' is cuDNN flash attention, which runs on GPUs only, and these devices are tpu"),
+    ("splash", "tpu", 1000, 1, r"needs train.seq_len to be a multiple of 128 .*; it is 1000\.$"),
+    ("splash", "tpu", 2048, 2, r"with mesh.pipeline=2 is not supported yet"),
+])
+def test_a_kernel_the_platform_lacks_is_one_sentence(impl, platform, seq_len, stages, match):
+    with pytest.raises(UserError, match=match):
+        check_impl(impl, platform, seq_len, stages)
+
+
+def test_auto_picks_each_platforms_kernel():
+    assert resolve_impl("auto", "tpu", jnp.bfloat16, 8192) == "splash"
+    assert resolve_impl("auto", "tpu", jnp.float32, 8192) == "splash"
+    assert resolve_impl("auto", "tpu", jnp.bfloat16, 1000) == "xla"  # not whole blocks
+    assert resolve_impl("auto", "tpu", jnp.bfloat16, 8192, in_stage=True) == "xla"
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192) == "cudnn"
+    assert resolve_impl("auto", "gpu", jnp.float32, 8192) == "xla"
+    assert resolve_impl("auto", "cpu", jnp.bfloat16, 8192) == "xla"

@@ -1,0 +1,81 @@
+"""Causal attention on TPUs through Pallas splash attention, each device on its own rows and heads.
+
+Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) is a flash-attention kernel for
+TPUs: it never materialises the [T, T] scores, skips the blocks a causal mask hides, and masks
+documents by segment ids. A Mosaic kernel is not partitioned by XLA, so it runs inside a
+`jax.shard_map` whose specs come from the active layout: rows split over the batch axes (data, fsdp,
+expert), heads over `tensor` (K/V heads too, or their per-rank copies), the sequence whole on every
+device (a split sequence goes through ushard/parallel/context.py instead). Inside, the kernel sees
+one device's [rows, T, heads, head_dim] and runs once per row (vmapped), with grouped-query K/V heads
+as they are.
+
+On a machine without a TPU the kernel runs only in Pallas's interpreter (`interpret=True`), which
+is how the tests check it against plain attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ushard.parallel.context import KV_NAMES, Q_NAMES, TOKEN_NAMES
+from ushard.sharding import current_layout
+
+LANES = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
+BLOCKS = (512, 256, 128)  # block sizes tried, largest first: 512 compiles at T=8192, d=128 in 16 MiB VMEM
+
+
+def block_size(length: int) -> int:
+    """The largest of BLOCKS that divides a sequence of `length` tokens (a multiple of LANES)."""
+    return next(b for b in BLOCKS if length % b == 0)
+
+
+def _splash():
+    # Imported where used: only TPU programs need Pallas's TPU kernels.
+    from jax.experimental.pallas.ops.tpu import splash_attention
+
+    return splash_attention
+
+
+def _kernel(heads: int, length: int, interpret: bool):
+    """The splash kernel for one row: q [heads, T, hd], k and v [kv_heads, T, hd], causal."""
+    splash, b = _splash(), block_size(length)
+    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                              block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
+    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _local_attention(q, k, v, segment_ids, interpret: bool):
+    """One device's attention: q [B, T, heads, hd], k, v [B, T, kv_heads, hd], segment ids [B, T] or None."""
+    heads, length, head_dim = q.shape[2], q.shape[1], q.shape[3]
+    kernel = _kernel(heads, length, interpret)
+    # The kernel does not scale the scores; a Python float keeps q in its dtype.
+    q = q * (1.0 / math.sqrt(head_dim))
+    to_kernel = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, h, hd] -> [B, h, T, hd]
+    if segment_ids is None:
+        out = jax.vmap(kernel)(to_kernel(q), to_kernel(k), to_kernel(v))
+    else:
+        row = lambda q, k, v, s: kernel(q, k, v, segment_ids=_splash().SegmentIds(q=s, kv=s))  # noqa: E731
+        out = jax.vmap(row)(to_kernel(q), to_kernel(k), to_kernel(v), segment_ids)
+    return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+
+
+def splash_attention(q, k, v, segment_ids=None, interpret: bool = False):
+    """Causal attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd] by splash attention,
+    tokens attending only within their segment (`segment_ids` [B, T]; None: no document masking).
+    Under a layout, each device runs the kernel on its rows and heads; without one, on everything."""
+    layout = current_layout()
+    operands = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
+
+    def local(q, k, v, segment_ids=None):
+        return _local_attention(q, k, v, segment_ids, interpret)
+
+    if layout is None:
+        return local(*operands)
+    q_spec, kv_spec = layout.spec(Q_NAMES), layout.spec(KV_NAMES)
+    specs = (q_spec, kv_spec, kv_spec, layout.spec(TOKEN_NAMES))[: len(operands)]
+    # check_vma=False: a Pallas kernel's outputs carry no varying-axes type to check.
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*operands)
