@@ -116,10 +116,14 @@ DESCRIPTIONS = {
     "parallel.pipeline_microbatches": "microbatches per step (per grad_accum part) flowing through the stages",
     "parallel.pipeline_repeats": "circular schedule: chunks of layers (virtual stages) per device",
     # data
-    "data.source": "`stdlib` (the Python standard library's .py files), `text` (a file per document) or `jsonl`",
-    "data.paths": "a glob of data files, or several separated by commas",
+    "data.source": "`stdlib` (the Python standard library's .py files), `text` (a file per document), `jsonl`, "
+                   "`parquet` (a row per document) or `tokens` (.npy files of token ids, documents ending in EOS)",
+    "data.paths": "a glob of data files, or several separated by commas (each one component of data.weights)",
     "data.jsonl_field": "jsonl: the field of each record that holds the text",
-    "data.tokenizer": "`byte` (256 bytes and an end-of-document token)",
+    "data.parquet_column": "parquet: the string column that holds the text (null rows are skipped)",
+    "data.tokenizer": "`byte` (256 bytes and an end-of-document token) or the path of a Hugging Face tokenizer.json",
+    "data.weights": "a weighted mixture: one weight per glob of data.paths, its share of the training tokens "
+                    "(e.g. `0.7,0.3`); empty: each document once an epoch",
     "data.eval_fraction": "share of the pieces of documents held out for the eval loss",
     "data.chunk_tokens": "documents are cut into pieces of at most this many tokens; 0: 2 * (seq_len + 1)",
     "data.restart": "on resume, start a fresh data order if the checkpoint's cannot be continued",
