@@ -3,6 +3,7 @@ weighted mixtures; and the determinism contract for a run with an HF tokenizer a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -15,6 +16,7 @@ import ushard
 from ushard.config import check_settings, load_config
 from ushard.data import make_batches
 from ushard.data.corpus import load_corpus
+from ushard.data.pipeline import Batches
 from ushard.data.sources import documents
 from ushard.data.tokenizer import get_tokenizer
 from ushard.errors import UserError
@@ -130,11 +132,26 @@ def test_token_files_split_at_eos_memory_mapped(tmp_path):
     assert isinstance(corpus.tokens, np.memmap)  # used in place, never read into memory whole
     assert corpus.doc_lengths.tolist() == [3, 2, 1, 4]
     assert corpus.names[1].endswith("one.npy:1")
-    # Several files (the last document of one without its EOS) are concatenated; one EOS is added.
+    # Several files (the last document of one without its EOS) are read as one array, still mapped;
+    # one EOS is added.
     np.save(tmp_path / "two.npy", np.array([1, 2, 256, 3], np.uint32))
     corpus = load_corpus(data_config(source="tokens", paths=str(tmp_path / "*.npy")))
-    assert corpus.tokens.tolist() == [5, 6, 256, 7, 256, 256, 8, 9, 10, 256, 1, 2, 256, 3, 256]
+    assert all(isinstance(part, np.memmap) for part in corpus.tokens.parts[:2])
+    assert corpus.tokens[:].tolist() == [5, 6, 256, 7, 256, 256, 8, 9, 10, 256, 1, 2, 256, 3, 256]
+    assert corpus.tokens[np.array([[11, 9], [14, 0]])].tolist() == [[2, 256], [256, 5]]
     assert corpus.doc_lengths.tolist() == [3, 2, 1, 4, 3, 2]
+
+
+def test_batches_of_token_files_are_those_of_their_tokens_in_memory(two_sources):
+    data = data_config(source="tokens", paths=two_sources, eval_fraction=0.05)
+    mapped = make_batches(data, 31, seed=3)
+    in_memory = Batches(dataclasses.replace(mapped.corpus, tokens=mapped.corpus.tokens[:]), 31, seed=3)
+    assert type(mapped.corpus.tokens).__name__ == "ConcatenatedTokens" and in_memory.order == mapped.order
+    state = mapped.initial_state()
+    for _ in range(3):
+        (got, state), (expected, _) = mapped.train_batch(state, 8), in_memory.train_batch(state, 8)
+        for k in expected:
+            np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
 
 
 def test_token_file_mistakes_are_one_sentence(tmp_path):

@@ -45,7 +45,10 @@ class Corpus:
     @functools.cached_property
     def checksum(self) -> int:
         """CRC-32 of the tokens and the document lengths."""
-        return zlib.crc32(self.doc_lengths.astype("<i8").tobytes(), zlib.crc32(np.ascontiguousarray(self.tokens)))
+        crc = 0
+        for part in getattr(self.tokens, "parts", [self.tokens]):  # a file at a time, nothing copied
+            crc = zlib.crc32(np.ascontiguousarray(part), crc)
+        return zlib.crc32(self.doc_lengths.astype("<i8").tobytes(), crc)
 
     @functools.cached_property
     def name_hashes(self) -> np.ndarray:
@@ -218,24 +221,48 @@ def tokenize_documents(data_cfg, tokenizer):
 SCAN_BLOCK = 1 << 24  # tokens checked at a time: the scan of a memory-mapped file stays in bounded memory
 
 
+class ConcatenatedTokens:
+    """Token arrays (memory-mapped files) read as one array without being copied together: what the
+    pipeline asks of a corpus's tokens (len, dtype, indexing by an integer array or a slice)."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+        self.dtype = np.result_type(*(p.dtype for p in parts))
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index) -> np.ndarray:
+        if isinstance(index, slice):
+            index = np.arange(*index.indices(len(self)))
+        index = np.asarray(index)
+        out = np.empty(index.shape, self.dtype)
+        part = np.searchsorted(self.offsets, index, "right") - 1
+        for p in np.unique(part):  # a window touches one or two files
+            where = part == p
+            out[where] = self.parts[p][index[where] - self.offsets[p]]
+        return out
+
+
 def read_token_files(paths: str, tokenizer):
     """(tokens, names, document lengths, components) of data.source="tokens": .npy files of token ids,
-    each document ending in the tokenizer's EOS. One file ending in EOS is used in place, memory-mapped;
-    several are concatenated in memory."""
-    arrays, names, doc_lengths, components = [], [], [], []
+    each document ending in the tokenizer's EOS. The files are memory-mapped and never copied: the
+    tokens are one file, or several read as one (ConcatenatedTokens)."""
+    parts, names, doc_lengths, components = [], [], [], []
     for component, pattern in enumerate(path_patterns(paths)):
         for path in glob_files(pattern, "data.paths"):
             tokens = load_token_file(path)
+            parts.append(tokens)
             ends = document_ends(tokens, tokenizer, path)
             if not len(ends) or ends[-1] != len(tokens) - 1:  # the last document's EOS is optional
-                tokens = np.append(tokens, np.array(tokenizer.eos_id, tokens.dtype))
-                ends = np.append(ends, len(tokens) - 1)
+                parts.append(np.array([tokenizer.eos_id], tokens.dtype))
+                ends = np.append(ends, len(tokens))
             lengths = np.diff(ends + 1, prepend=0)
-            arrays.append(tokens)
             names += [f"{path}:{i}" for i in range(len(lengths))]
             doc_lengths.append(lengths)
             components.append(np.full(len(lengths), component, np.int64))
-    tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    tokens = parts[0] if len(parts) == 1 else ConcatenatedTokens(parts)
     return tokens, names, np.concatenate(doc_lengths).astype(np.int64), np.concatenate(components)
 
 
