@@ -29,6 +29,16 @@ def small_config(config_name="tiny", **overrides):
     return config
 
 
+def data_config(**values):
+    """default_config().data with `values` set."""
+    from ushard.config import default_config
+
+    c = default_config().data
+    for k, v in values.items():
+        c[k] = v
+    return c
+
+
 # configs/tiny_moe.py's experts (8, top-2) at the test sizes, dropless, with the loss-free balancing
 # bias moving.
 SMALL_MOE = {"model.moe.expert_d_ff": 32, "model.moe.capacity_factor": 0.0, "model.moe.bias_update_rate": 0.01}
@@ -56,6 +66,47 @@ def stdlib_batches():
     """The embedded default data at the small test sizes, loaded once per test session."""
     config = small_config()
     return make_batches(config.data, config.train.seq_len, config.train.seed)
+
+
+# Meshes of 8 devices (and one device, the reference) that lay a batch out differently.
+BATCH_MESHES = {
+    "fsdp8": ["mesh.fsdp=8"],
+    "data2_fsdp4": ["mesh.data=2", "mesh.fsdp=4"],
+    "data8": ["mesh.data=8", "mesh.fsdp=1"],
+    "tensor2_fsdp4": ["mesh.tensor=2", "mesh.fsdp=4"],
+    "one_device": ["mesh.fsdp=-1"],
+}
+
+
+def assert_same_global_batch_on_every_mesh(config_for, batches, steps):
+    """The trainer's global batch at each of `steps` is the same on every mesh of BATCH_MESHES (each
+    device holding exactly its slice of it) and equals `batches.train_batch`. `config_for(mesh
+    overrides)` gives the run's config."""
+    import numpy as np
+
+    from ushard.data.packing import FIELDS
+    from ushard.training.loop import Trainer
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices: run with JAX_NUM_CPU_DEVICES=8")
+    batch_size, state, states = config_for([]).train.batch_size, batches.initial_state(), {}
+    for s in range(max(steps) + 1):
+        states[s] = state
+        state = batches.advance(state, batch_size)
+    for name, mesh in BATCH_MESHES.items():
+        devices = jax.devices()[:1] if name == "one_device" else jax.devices()[:8]
+        trainer = Trainer(config_for(mesh), None, devices=devices, batches=batches)
+        assert trainer.setup.mesh.size == len(devices)
+        for step in steps:
+            arrays, next_state = trainer.global_batch(states[step])
+            assert next_state == batches.advance(states[step], batch_size)
+            expected = batches.train_batch(states[step], batch_size)[0]
+            assert set(arrays) == set(expected) == set(FIELDS)
+            for k, array in arrays.items():
+                full = np.asarray(array)
+                np.testing.assert_array_equal(full, expected[k], err_msg=f"{name} step {step} {k}")
+                for shard in array.addressable_shards:  # every device holds exactly its slice
+                    np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index], err_msg=f"{name} {k}")
 
 
 def pytest_report_header(config):

@@ -339,8 +339,8 @@ def test_broken_config_file(tmp_path, body, match):
         (["model.attention_impl=flash"], r"model\.attention_impl='flash' is not valid"),
         (["model.compute_dtype=fp8"], r"model\.compute_dtype='fp8' is not valid"),
         (["model.param_dtype=int8"], r"model\.param_dtype='int8' is not valid"),
-        (["data.source=parquet"], r"data\.source='parquet' is not valid; choose one of: stdlib, text, jsonl"),
-        (["data.tokenizer=bpe"], r"data\.tokenizer='bpe' is not valid; choose one of: byte"),
+        (["data.source=csv"], r"data\.source='csv' is not valid; choose one of: stdlib, text, jsonl, parquet, tokens"),
+        (["data.tokenizer=bpe"], r"data\.tokenizer='bpe' is neither 'byte' nor a Hugging Face tokenizer\.json"),
         # numbers out of range
         (["train.steps=0"], r"train\.steps=0 must be a number >= 1"),
         (["train.batch_size=-8"], r"train\.batch_size=-8 must be a number >= 1"),
@@ -364,6 +364,8 @@ def test_broken_config_file(tmp_path, body, match):
         # data
         (["data.source=text"], r"data\.source='text' needs data\.paths"),
         (["data.source=jsonl"], r"data\.source='jsonl' needs data\.paths"),
+        (["data.source=parquet"], r"data\.source='parquet' needs data\.paths"),
+        (["data.weights=1,1"], r"data\.weights='1,1' has 2 weights but data\.paths has 0 globs"),
     ],
 )
 def test_invalid_config(overrides, match):

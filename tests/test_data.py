@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from ushard.config import default_config, load_config
+from ushard.config import load_config
 from ushard.data import make_batches
 from ushard.data.corpus import Pieces, cut_into_pieces, held_out_pieces, load_corpus, name_hashes, piece_score
 from ushard.data.packing import FIELDS, PackedStream, window_rows
@@ -18,6 +18,8 @@ from ushard.data.pipeline import Batches, in_source_order, shuffled
 from ushard.data.sources import documents
 from ushard.data.tokenizer import ByteTokenizer, get_tokenizer
 from ushard.errors import UserError
+
+from conftest import assert_same_global_batch_on_every_mesh, data_config
 
 SEQ_LEN = 32
 BATCH = 8
@@ -67,11 +69,7 @@ def _stream_of(pieces, order=None) -> PackedStream:
     return PackedStream(tokens, np.cumsum(lengths) - lengths, lengths, order or in_source_order(len(pieces)))
 
 
-def _data_cfg(**values):
-    c = default_config().data
-    for k, v in values.items():
-        c[k] = v
-    return c
+_data_cfg = data_config
 
 
 # --------------------------------------------------------------------------- (a) determinism
@@ -158,45 +156,9 @@ def test_the_order_and_the_split_are_fixed_functions():
 # --------------------------------------------------------------------------- (b) independent of the mesh
 
 
-MESHES = {
-    "fsdp8": ["mesh.fsdp=8"],
-    "data2_fsdp4": ["mesh.data=2", "mesh.fsdp=4"],
-    "data8": ["mesh.data=8", "mesh.fsdp=1"],
-    "tensor2_fsdp4": ["mesh.tensor=2", "mesh.fsdp=4"],
-    "one_device": ["mesh.fsdp=-1"],
-}
-
-
 def test_global_batch_is_identical_on_every_mesh(batches):
     """Each process's rows, placed by the trainer's batch sharding, make the same global batch on every mesh."""
-    from ushard.training.loop import Trainer
-
-    if len(jax.devices()) < 8:
-        pytest.skip("needs 8 devices: run with JAX_NUM_CPU_DEVICES=8")
-    states = _states(batches, (0, 1, 5))
-    results = {}
-    for name, overrides in MESHES.items():
-        devices = jax.devices()[:1] if name == "one_device" else jax.devices()[:8]
-        trainer = Trainer(load_config("tiny", SMALL + overrides), None, devices=devices, batches=batches)
-        assert trainer.setup.mesh.size == len(devices)
-        results[name] = []
-        for state in states:
-            arrays, next_state = trainer.global_batch(state)
-            assert set(arrays) == set(FIELDS) and next_state == batches.advance(state, BATCH)
-            for k, array in arrays.items():
-                assert array.shape == (BATCH, SEQ_LEN), (name, k)
-                full = np.asarray(array)
-                # every device holds exactly its slice of the global batch
-                for shard in array.addressable_shards:
-                    np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index], err_msg=f"{name} {k}")
-            results[name].append({k: np.asarray(v) for k, v in arrays.items()})
-
-    reference = results.pop("one_device")
-    for state, ref in zip(states, reference):
-        _assert_same(ref, batches.train_batch(state, BATCH)[0])
-    for name, per_step in results.items():
-        for ref, got in zip(reference, per_step):
-            _assert_same(ref, got)
+    assert_same_global_batch_on_every_mesh(lambda mesh: load_config("tiny", SMALL + mesh), batches, (0, 1, 5))
 
 
 # --------------------------------------------------------------------------- (c) pieces and packing

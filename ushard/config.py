@@ -18,7 +18,8 @@ from importlib import resources
 
 import ml_collections
 
-from ushard.data.tokenizer import TOKENIZERS
+from ushard.data.corpus import mixture_weights
+from ushard.data.tokenizer import get_tokenizer
 from ushard.errors import UserError
 from ushard.models.config import ModelConfig
 from ushard.parallel import context
@@ -27,7 +28,7 @@ from ushard.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 SCHEDULES = ("cosine", "linear", "constant")
 NONFINITE_POLICIES = ("skip", "rollback", "stop")
-DATA_SOURCES = ("stdlib", "text", "jsonl")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "tokens")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -101,10 +102,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.pipeline_repeats = 1  # circular only: virtual stages per device
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "stdlib"  # stdlib | text | jsonl
-    c.data.paths = ""  # a glob, or several separated by commas (text, jsonl)
+    c.data.source = "stdlib"  # stdlib | text | jsonl | parquet | tokens (.npy files of token ids)
+    c.data.paths = ""  # a glob, or several separated by commas
     c.data.jsonl_field = "text"
-    c.data.tokenizer = "byte"
+    c.data.parquet_column = "text"
+    c.data.tokenizer = "byte"  # byte, or the path of a Hugging Face tokenizer.json
+    # A weighted mixture: one weight per glob of data.paths ("0.7,0.3"), each glob's share of the
+    # training tokens. "": every document as often as the others.
+    c.data.weights = ""
     c.data.eval_fraction = 0.02  # share of the tokens (by pieces of documents) held out for eval loss
     c.data.chunk_tokens = 0  # documents are cut into pieces of at most this many tokens; 0: 2 * (seq_len + 1)
     c.data.restart = False  # on resume, start a fresh data order if the checkpoint's cannot be continued
@@ -339,7 +344,7 @@ def check_settings(config) -> ModelConfig:
     _positive(config.checkpoint.every, "checkpoint.every", allow_zero=True)
     _positive(config.checkpoint.keep, "checkpoint.keep")
     for key, valid in (("train.schedule", SCHEDULES), ("train.on_nonfinite", NONFINITE_POLICIES),
-                       ("data.source", DATA_SOURCES), ("data.tokenizer", tuple(TOKENIZERS)),
+                       ("data.source", DATA_SOURCES),
                        ("parallel.zero_stage", (0, 1, 2, 3)), ("parallel.context_parallel", context.MODES),
                        ("parallel.pipeline_schedule", PIPELINE_SCHEDULES)):
         group, name = key.split(".")
@@ -353,11 +358,12 @@ def check_settings(config) -> ModelConfig:
         raise UserError(f"train.seed={t.seed!r} must be between 0 and 2**32-1={2**32 - 1}.")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UserError(f"train.min_lr_ratio={t.min_lr_ratio!r} must be between 0 and 1.")
-    tokens = TOKENIZERS[d.tokenizer].vocab_size
+    tokens = get_tokenizer(d.tokenizer).vocab_size
     if model_cfg.vocab_size < tokens:
         raise UserError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the {d.tokenizer!r} tokenizer's {tokens} tokens; use at least that.")
     if d.source != "stdlib" and not d.paths:
         raise UserError(f"data.source={d.source!r} needs data.paths, a glob of files to read.")
+    mixture_weights(d)
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; use a multiple of {t.grad_accum}.")
     return model_cfg

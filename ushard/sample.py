@@ -8,7 +8,6 @@ greedy at temperature 0, else sampled from softmax(logits / temperature), option
 
 from __future__ import annotations
 
-import codecs
 import math
 import os
 import sys
@@ -143,19 +142,17 @@ def sample(workdir: str, prompt: str, max_new_tokens: int = 200, temperature: fl
     if seq_len and total > seq_len:
         log(f"ushard: note: the model was trained on {seq_len}-token windows; text past that ({total} tokens here) "
             f"may degrade.")
-    # The byte tokenizer's ids stream through an incremental UTF-8 decoder (the same text as
-    # tokenizer.decode), so a character split over several tokens prints whole.
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decode = tokenizer.incremental_decoder()  # a character split over several tokens prints whole
     out.write(prompt)
     out.flush()
     pieces = []
     for token in generate(model, params, prompt_tokens, max_new_tokens, temperature, top_k, seed,
                           eos_id=tokenizer.eos_id, vocab=tokenizer.vocab_size):
-        text = decoder.decode(bytes([token])) if token < 256 else ""
+        text = decode(token)
         pieces.append(text)
         out.write(text)
         out.flush()
-    tail = decoder.decode(b"", final=True)
+    tail = decode(None, final=True)
     pieces.append(tail)
     out.write(tail + "\n")
     out.flush()

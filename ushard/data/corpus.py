@@ -9,6 +9,12 @@ unit of the held-out split and of shuffling:
 - attention never spans two pieces, and a batch of consecutive windows mixes only about
   batch_size * (seq_len + 1) / chunk pieces: pieces about as long as a row keep both (see
   pipeline.py for the default).
+
+A weighted mixture (data.weights: one weight per glob of data.paths) repeats each training piece of
+component i about f_i times an epoch, f_i = (its weight's share) / (its share of the training tokens):
+floor(f_i) times, and once more when a hash of the piece falls below the fraction. So component i
+makes up about its weight's share of every epoch, and the multiset of pieces, like everything here,
+depends only on the data settings. The held-out split is not reweighted.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ import zlib
 
 import numpy as np
 
-from ushard.data.sources import documents
-from ushard.data.tokenizer import get_tokenizer
+from ushard.data.sources import component_documents, glob_files, path_patterns
+from ushard.data.tokenizer import get_tokenizer, token_dtype
 from ushard.errors import UserError
 
 
@@ -33,11 +39,16 @@ class Corpus:
     names: list[str]
     doc_lengths: np.ndarray  # tokens of each document, its end token included
     settings: dict  # the data settings that decided all of it, and eval_fraction
+    components: np.ndarray | None = None  # each document's glob in data.paths; None: all the first
+    weights: tuple = ()  # the mixture's weight of each component; (): no reweighting
 
     @functools.cached_property
     def checksum(self) -> int:
         """CRC-32 of the tokens and the document lengths."""
-        return zlib.crc32(self.doc_lengths.astype("<i8").tobytes(), zlib.crc32(np.ascontiguousarray(self.tokens)))
+        crc = 0
+        for part in getattr(self.tokens, "parts", [self.tokens]):  # a file at a time, nothing copied
+            crc = zlib.crc32(np.ascontiguousarray(part), crc)
+        return zlib.crc32(self.doc_lengths.astype("<i8").tobytes(), crc)
 
     @functools.cached_property
     def name_hashes(self) -> np.ndarray:
@@ -46,7 +57,7 @@ class Corpus:
     def pieces(self, chunk: int) -> Pieces:
         lengths, doc, index = cut_into_pieces(self.doc_lengths, chunk)
         held = held_out_pieces(self.name_hashes, doc, index, self.settings["eval_fraction"])
-        return Pieces(self, np.cumsum(lengths) - lengths, lengths, held, chunk)
+        return Pieces(self, np.cumsum(lengths) - lengths, lengths, held, chunk, doc, index)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,11 +69,25 @@ class Pieces:
     lengths: np.ndarray
     held_out: np.ndarray  # per piece: in the held-out split
     chunk: int
+    doc: np.ndarray  # per piece: its document
+    index: np.ndarray  # per piece: its index within its document
 
     def split(self, held_out: bool) -> tuple[np.ndarray, np.ndarray]:
         """(starts, lengths) of the pieces of one split, in source order."""
         keep = self.held_out == held_out
         return self.starts[keep], self.lengths[keep]
+
+    def training(self) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, lengths) of one epoch's training pieces: the training split, each piece repeated as
+        the mixture's weights ask (once each without weights)."""
+        starts, lengths = self.split(False)
+        if not self.corpus.weights:
+            return starts, lengths
+        keep = ~self.held_out
+        components = self.corpus.components[self.doc[keep]]
+        scores = piece_scores(self.corpus.name_hashes ^ MIXTURE_SALT, self.doc[keep], self.index[keep])
+        counts = mixture_repeats(components, lengths, scores, self.corpus.weights, self.corpus.settings["paths"])
+        return np.repeat(starts, counts), np.repeat(lengths, counts)
 
     def split_tokens(self, held_out: bool) -> int:
         return int(self.split(held_out)[1].sum())
@@ -117,15 +142,52 @@ def held_out_pieces(doc_hashes: np.ndarray, doc: np.ndarray, index: np.ndarray, 
     return held
 
 
+# Keys the mixture's piece scores apart from the held-out split's, so the two choices are independent.
+MIXTURE_SALT = np.uint64(0x6D69787475726521)
+
+
+def mixture_weights(data_cfg) -> tuple[float, ...]:
+    """data.weights as numbers, one per glob of data.paths; () when empty. Raises UserError if invalid."""
+    if not data_cfg.weights.strip():
+        return ()
+    globs = path_patterns(data_cfg.paths) if data_cfg.source != "stdlib" else []
+    try:
+        weights = tuple(float(w) for w in data_cfg.weights.split(","))
+    except ValueError:
+        weights = ()
+    if not weights or not all(np.isfinite(w) and w > 0 for w in weights):
+        raise UserError(f"data.weights={data_cfg.weights!r} is not a comma-separated list of positive numbers.")
+    if len(weights) != len(globs):
+        raise UserError(f"data.weights={data_cfg.weights!r} has {len(weights)} weights but data.paths has "
+                        f"{len(globs)} globs; give one weight per comma-separated glob of data.paths.")
+    return weights
+
+
+def mixture_repeats(components: np.ndarray, lengths: np.ndarray, scores: np.ndarray, weights: tuple,
+                    paths: str) -> np.ndarray:
+    """How many times each training piece appears in an epoch (see the module docstring)."""
+    tokens = np.bincount(components, weights=lengths, minlength=len(weights))
+    if not tokens.all():
+        empty = path_patterns(paths)[int(np.argmin(tokens))]
+        raise UserError(f"the data.paths glob {empty!r} has no training tokens, so data.weights cannot give it a "
+                        f"share; remove it or add data.")
+    factor = (np.asarray(weights) / sum(weights)) * tokens.sum() / tokens
+    f = factor[components]
+    return (np.floor(f) + (scores < f - np.floor(f))).astype(np.int64)
+
+
 def load_corpus(data_cfg) -> Corpus:
     tokenizer = get_tokenizer(data_cfg.tokenizer)
-    eos = np.array([tokenizer.eos_id], np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
-    names, parts, doc_lengths = [], [], []
-    for name, content in documents(data_cfg):
-        tokens = tokenizer.encode(content)
-        names.append(name)
-        parts += [tokens, eos]
-        doc_lengths.append(len(tokens) + 1)
+    if data_cfg.source == "tokens":
+        tokens, names, doc_lengths, components = read_token_files(data_cfg.paths, tokenizer)
+    else:
+        tokens, names, doc_lengths, components = tokenize_documents(data_cfg, tokenizer)
+    return Corpus(tokens, names, doc_lengths, corpus_settings(data_cfg), components, mixture_weights(data_cfg))
+
+
+def corpus_settings(data_cfg) -> dict:
+    """The data settings that decide the corpus (its fingerprint). Settings newer than a checkpoint are
+    present only where they apply, so an older checkpoint's fingerprint still matches."""
     settings = {
         "source": data_cfg.source,
         "paths": None if data_cfg.source == "stdlib" else data_cfg.paths,
@@ -133,8 +195,100 @@ def load_corpus(data_cfg) -> Corpus:
         "tokenizer": data_cfg.tokenizer,
         "eval_fraction": data_cfg.eval_fraction,
     }
+    if data_cfg.source == "parquet":
+        settings["parquet_column"] = data_cfg.parquet_column
+    if data_cfg.weights.strip():
+        settings["weights"] = data_cfg.weights
+    return settings
+
+
+def tokenize_documents(data_cfg, tokenizer):
+    """(tokens, names, document lengths, components) of a text source, every document ending in EOS."""
+    eos = np.array([tokenizer.eos_id], token_dtype(tokenizer.vocab_size))
+    names, parts, doc_lengths, components = [], [], [], []
+    for component, name, content in component_documents(data_cfg):
+        tokens = tokenizer.encode(content)
+        names.append(name)
+        parts += [tokens, eos]
+        doc_lengths.append(len(tokens) + 1)
+        components.append(component)
     tokens = np.concatenate(parts) if parts else eos[:0]
-    return Corpus(tokens, names, np.array(doc_lengths, np.int64), settings)
+    return tokens, names, np.array(doc_lengths, np.int64), np.array(components, np.int64)
+
+
+# --------------------------------------------------------------------------- pre-tokenized token files
+
+SCAN_BLOCK = 1 << 24  # tokens checked at a time: the scan of a memory-mapped file stays in bounded memory
+
+
+class ConcatenatedTokens:
+    """Token arrays (memory-mapped files) read as one array without being copied together: what the
+    pipeline asks of a corpus's tokens (len, dtype, indexing by an integer array or a slice)."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+        self.dtype = np.result_type(*(p.dtype for p in parts))
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index) -> np.ndarray:
+        if isinstance(index, slice):
+            index = np.arange(*index.indices(len(self)))
+        index = np.asarray(index)
+        out = np.empty(index.shape, self.dtype)
+        part = np.searchsorted(self.offsets, index, "right") - 1
+        for p in np.unique(part):  # a window touches one or two files
+            where = part == p
+            out[where] = self.parts[p][index[where] - self.offsets[p]]
+        return out
+
+
+def read_token_files(paths: str, tokenizer):
+    """(tokens, names, document lengths, components) of data.source="tokens": .npy files of token ids,
+    each document ending in the tokenizer's EOS. The files are memory-mapped and never copied: the
+    tokens are one file, or several read as one (ConcatenatedTokens)."""
+    parts, names, doc_lengths, components = [], [], [], []
+    for component, pattern in enumerate(path_patterns(paths)):
+        for path in glob_files(pattern, "data.paths"):
+            tokens = load_token_file(path)
+            parts.append(tokens)
+            ends = document_ends(tokens, tokenizer, path)
+            if not len(ends) or ends[-1] != len(tokens) - 1:  # the last document's EOS is optional
+                parts.append(np.array([tokenizer.eos_id], tokens.dtype))
+                ends = np.append(ends, len(tokens))
+            lengths = np.diff(ends + 1, prepend=0)
+            names += [f"{path}:{i}" for i in range(len(lengths))]
+            doc_lengths.append(lengths)
+            components.append(np.full(len(lengths), component, np.int64))
+    tokens = parts[0] if len(parts) == 1 else ConcatenatedTokens(parts)
+    return tokens, names, np.concatenate(doc_lengths).astype(np.int64), np.concatenate(components)
+
+
+def load_token_file(path: str) -> np.ndarray:
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path} as a .npy array of token ids ({' '.join(str(e).split()).rstrip('.')}); "
+                        f"data.source='tokens' reads files written by numpy.save.") from None
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise UserError(f"{path} holds a {tokens.ndim}-D {tokens.dtype} array; data.source='tokens' needs a 1-D "
+                        f"array of integer token ids (e.g. uint16 or uint32).")
+    return tokens
+
+
+def document_ends(tokens: np.ndarray, tokenizer, path: str) -> np.ndarray:
+    """Indices of the EOS tokens, checking every id against the tokenizer's vocabulary, a block at a time."""
+    ends = []
+    for start in range(0, len(tokens), SCAN_BLOCK):
+        block = np.asarray(tokens[start:start + SCAN_BLOCK])
+        bad = np.flatnonzero((block < 0) | (block >= tokenizer.vocab_size))
+        if len(bad):
+            raise UserError(f"{path} holds token id {block[bad[0]]} at index {start + bad[0]}, outside data.tokenizer's "
+                            f"vocabulary of {tokenizer.vocab_size}; tokenize with the same tokenizer as data.tokenizer.")
+        ends.append(np.flatnonzero(block == tokenizer.eos_id) + start)
+    return np.concatenate(ends) if ends else np.zeros(0, np.int64)
 
 
 def require_window(pieces: Pieces, window: int) -> None:

@@ -56,6 +56,7 @@ ORDER_VERSION = 2  # the old {"next_batch": N} states are version 1
 SETTING_KEYS = {
     "seed": "train.seed", "source": "data.source", "paths": "data.paths", "jsonl_field": "data.jsonl_field",
     "tokenizer": "data.tokenizer", "eval_fraction": "data.eval_fraction", "chunk_tokens": "data.chunk_tokens",
+    "parquet_column": "data.parquet_column", "weights": "data.weights",
 }
 RESTART = "--config.data.restart=true starts a fresh data order from the beginning of the data"
 
@@ -97,7 +98,7 @@ class Batches:
         pieces = self.corpus.pieces(chunk)
         require_window(pieces, self.window)  # before anything changes: a refused chunk leaves the old one
         self.pieces = pieces
-        train, held_out = pieces.split(False), pieces.split(True)
+        train, held_out = pieces.training(), pieces.split(True)
         self.train = PackedStream(self.corpus.tokens, *train, shuffled(len(train[0]), self.seed))
         self.held_out = PackedStream(self.corpus.tokens, *held_out, in_source_order(len(held_out[0])))
         self.order = {"version": ORDER_VERSION, "seed": self.seed, **self.corpus.settings, "chunk_tokens": chunk,
@@ -159,9 +160,9 @@ class Batches:
             return (f"the checkpoint's data order was made by another version of ushard's data pipeline "
                     f"(order version {old.get('version')}, this one {ORDER_VERSION})")
         for key, name in SETTING_KEYS.items():
-            if old.get(key) != self.order[key]:
+            if old.get(key) != self.order.get(key):  # a setting that does not apply is absent (None)
                 return (f"the checkpoint's data order was made with {name}={old.get(key)!r} but this run has "
-                        f"{name}={self.order[key]!r} (set it back to continue)")
+                        f"{name}={self.order.get(key)!r} (set it back to continue)")
         if old != self.order:
             return (f"the data files have changed since the checkpoint's data order was made "
                     f"({old.get('train_tokens')} training tokens then, {self.order['train_tokens']} now)")

@@ -1,0 +1,205 @@
+"""Writes docs/config.md: every key of `ushard.config.default_config()` with its default and meaning.
+
+    python tools/config_reference.py          # rewrite docs/config.md
+    python tools/config_reference.py --check  # exit 1 if docs/config.md is stale or a key is undocumented
+
+The defaults come from `default_config()` itself; the meanings are the one-line entries of
+DESCRIPTIONS below. A key added to the config without an entry here (or an entry for a key that no
+longer exists) fails `--check` and tests/test_docs.py, so the reference cannot fall behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUTPUT = os.path.join(ROOT, "docs", "config.md")
+
+GROUPS = {
+    "model": "The model's function and how it is computed (`ushard/models/config.py`).",
+    "train": "The optimizer, the schedule and the training loop.",
+    "checkpoint": "Checkpoints in `WORKDIR/checkpoints` (orbax).",
+    "mesh": "Device mesh axis sizes; the product of all sizes is the device count (README, Parallelism).",
+    "parallel": "How the parallelisms run (ZeRO stage, pipeline schedule, context parallelism).",
+    "data": "Documents, the tokenizer and the token stream the batches are cut from (README, Data).",
+}
+
+_DCN = ("how many slices / hosts `mesh.{axis}` spans (multi-slice TPU, multi-node GPU): that many "
+        "groups of devices connected by the data-centre network; must divide `mesh.{axis}`")
+_MESH = {
+    "pipeline": "pipeline stages: the layers split into that many contiguous stages",
+    "data": "data parallelism with replicated states (DDP; with `mesh.fsdp` > 1: HSDP)",
+    "fsdp": "data parallelism with states sharded by `parallel.zero_stage`; -1: all devices the other axes leave",
+    "expert": "MoE experts split over devices (all-to-all); a batch axis everywhere else",
+    "sequence": "context parallelism: activations split along the sequence (`parallel.context_parallel`)",
+    "tensor": "Megatron tensor parallelism: heads, MLP columns and the vocabulary split over devices",
+}
+
+DESCRIPTIONS = {
+    # model
+    "model.vocab_size": "rows of the embedding and LM head; at least the tokenizer's vocabulary",
+    "model.d_model": "width of the residual stream",
+    "model.n_layers": "transformer blocks",
+    "model.n_heads": "query heads; head_dim = d_model / n_heads (must be even)",
+    "model.n_kv_heads": "key/value heads (grouped-query attention); divides n_heads",
+    "model.d_ff": "hidden width of the SwiGLU MLP",
+    "model.rope_theta": "RoPE base frequency",
+    "model.rope_scaling.type": "`none` or `llama3` (Llama 3.1's long-context frequency scaling; the keys below)",
+    "model.rope_scaling.factor": "llama3: long wavelengths are divided by this",
+    "model.rope_scaling.low_freq_factor": "llama3: wavelengths above original_max_position_embeddings / this are scaled",
+    "model.rope_scaling.high_freq_factor": "llama3: wavelengths below original_max_position_embeddings / this are kept",
+    "model.rope_scaling.original_max_position_embeddings": "llama3: the context length the model was trained with",
+    "model.norm_eps": "RMSNorm epsilon (Hugging Face `rms_norm_eps`)",
+    "model.tie_embeddings": "the LM head reuses the embedding table",
+    "model.compute_dtype": "dtype of activations and matmuls: float32, bfloat16 or float16",
+    "model.param_dtype": "dtype parameters and optimizer state are stored in",
+    "model.attention_impl": "`auto` (cuDNN flash attention on GPUs in 16-bit compute, else XLA), `xla` or `cudnn`",
+    "model.remat": "what the backward pass recomputes: none, full, dots, dots_no_batch, dots_attention, dots_attention_norms",
+    "model.document_mask": "packed documents never attend to each other (segment ids)",
+    "model.scan_unroll": "layers per iteration of the layer scan; n_layers unrolls fully (faster, longer compile)",
+    "model.fused_qkv": "one weight and one matmul for q, k and v",
+    "model.fused_mlp": "one weight and one matmul for the SwiGLU gate and up projections",
+    "model.fp8": "the blocks' matmuls in FP8 (Hopper GPUs or newer)",
+    "model.moe.num_experts": "routed experts per MoE layer; 0: a dense model",
+    "model.moe.top_k": "routed experts per token",
+    "model.moe.capacity_factor": "an expert takes at most ceil(factor * tokens * top_k / num_experts) tokens; 0: dropless",
+    "model.moe.num_shared_experts": "experts every token goes through beside its routed ones",
+    "model.moe.expert_d_ff": "hidden width of one expert; 0: model.d_ff",
+    "model.moe.every": "after the first dense layers, every `every`-th layer is an MoE layer",
+    "model.moe.first_dense_layers": "leading layers that stay dense",
+    "model.moe.score_func": "router scores from its logits: softmax or sigmoid",
+    "model.moe.normalize_gates": "divide a token's top_k scores by their sum",
+    "model.moe.routed_scale": "the routed experts' gates are multiplied by this",
+    "model.moe.num_groups": "group-limited routing: experts in this many equal groups (1: no limit)",
+    "model.moe.top_groups": "group-limited routing: a token picks experts from its best this-many groups",
+    "model.moe.aux_loss_weight": "weight of the load-balancing loss",
+    "model.moe.z_loss_weight": "weight of the router z-loss",
+    "model.moe.bias_update_rate": "auxiliary-loss-free balancing: each step's move of an expert's routing bias; 0: off",
+    "model.moe.dispatch": "with mesh.expert > 1: `padded` all-to-all of fixed-capacity buffers or `ragged` (only the rows used)",
+    # train
+    "train.steps": "optimizer steps of the run",
+    "train.batch_size": "global batch, in sequences",
+    "train.seq_len": "tokens per sequence",
+    "train.lr": "peak learning rate",
+    "train.min_lr_ratio": "the schedule ends at lr * min_lr_ratio",
+    "train.warmup_steps": "linear warm-up from 0 to lr",
+    "train.schedule": "decay after warm-up: cosine, linear or constant",
+    "train.weight_decay": "AdamW's decoupled weight decay",
+    "train.b1": "AdamW's first-moment decay",
+    "train.b2": "AdamW's second-moment decay",
+    "train.eps": "AdamW's denominator term",
+    "train.grad_clip": "clip the gradient's global norm to this; 0: no clipping",
+    "train.grad_accum": "microbatches per step (gradient accumulation); divides batch_size",
+    "train.seed": "seeds the initial parameters and the data order",
+    "train.log_every": "steps between rows of metrics.jsonl",
+    "train.eval_every": "steps between held-out loss evaluations; 0: none",
+    "train.eval_batches": "batches per evaluation",
+    "train.on_nonfinite": "a NaN/inf loss or gradient: `skip` the update, `rollback` to the last checkpoint past the batch, or `stop`",
+    "train.max_nonfinite_steps": "skip / rollback give up after this many non-finite steps in a row",
+    # checkpoint
+    "checkpoint.every": "steps between checkpoints; 0: only at the end and on SIGTERM",
+    "checkpoint.keep": "newest checkpoints kept",
+    "checkpoint.async_save": "write checkpoints in the background (training waits only for the device-to-host copy)",
+    "checkpoint.init_from": "a new run starts from these parameters (a workdir or a Hugging Face checkpoint) with a fresh optimizer; empty: none",
+    # mesh
+    **{f"mesh.{axis}": text for axis, text in _MESH.items()},
+    **{f"mesh.dcn.{axis}": _DCN.format(axis=axis) for axis in _MESH},
+    # parallel
+    "parallel.zero_stage": "what the fsdp axis shards: 0 nothing, 1 optimizer state, 2 + gradients, 3 + parameters",
+    "parallel.collective_combine_mib": "GPU: merge neighbouring all-gathers / reduce-scatters up to this many MiB; 0: XLA's default",
+    "parallel.reshard_after_forward": "ZeRO-3: gather each layer's weights again for the backward pass (false keeps the forward's copy)",
+    "parallel.sequence_parallel": "Megatron sequence parallelism: activations between blocks also split along the sequence over tensor",
+    "parallel.context_parallel": "attention with mesh.sequence > 1: `ring` (K/V passed around) or `all_gather`",
+    "parallel.pipeline_schedule": "with mesh.pipeline > 1: gpipe, circular or 1f1b",
+    "parallel.pipeline_microbatches": "microbatches per step (per grad_accum part) flowing through the stages",
+    "parallel.pipeline_repeats": "circular schedule: chunks of layers (virtual stages) per device",
+    # data
+    "data.source": "`stdlib` (the Python standard library's .py files), `text` (a file per document), `jsonl`, "
+                   "`parquet` (a row per document) or `tokens` (.npy files of token ids, documents ending in EOS)",
+    "data.paths": "a glob of data files, or several separated by commas (each one component of data.weights)",
+    "data.jsonl_field": "jsonl: the field of each record that holds the text",
+    "data.parquet_column": "parquet: the string column that holds the text (null rows are skipped)",
+    "data.tokenizer": "`byte` (256 bytes and an end-of-document token) or the path of a Hugging Face tokenizer.json",
+    "data.weights": "a weighted mixture: one weight per glob of data.paths, its share of the training tokens "
+                    "(e.g. `0.7,0.3`); empty: each document once an epoch",
+    "data.eval_fraction": "share of the pieces of documents held out for the eval loss",
+    "data.chunk_tokens": "documents are cut into pieces of at most this many tokens; 0: 2 * (seq_len + 1)",
+    "data.restart": "on resume, start a fresh data order if the checkpoint's cannot be continued",
+}
+
+
+def flat_defaults(config, prefix: str = "") -> dict:
+    """{"model.moe.top_k": 2, ...}: every leaf of a ConfigDict by its dotted key, in the dict's order."""
+    flat = {}
+    for key, value in config.items():
+        if hasattr(value, "items"):
+            flat.update(flat_defaults(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def problems(defaults: dict) -> list[str]:
+    """Keys of the config without a description, and descriptions of keys the config no longer has."""
+    missing = [f"{k} has no entry in DESCRIPTIONS" for k in defaults if k not in DESCRIPTIONS]
+    stale = [f"DESCRIPTIONS has {k}, which default_config() does not" for k in DESCRIPTIONS if k not in defaults]
+    return missing + stale
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render(defaults: dict) -> str:
+    lines = [
+        "# Config reference",
+        "",
+        "Every key `ushard.config.default_config()` defines, with its default. Set them in a config file",
+        "(`c.train.steps = 50`), on the command line (`--config.train.steps=50`) or from Python",
+        "(`ushard.load_config(name, {\"train.steps\": 50})`). A key not listed here does not exist, and",
+        "setting one is an error.",
+        "",
+        "Generated by `python tools/config_reference.py` from the defaults and the descriptions kept in",
+        "that file; `tests/test_docs.py` fails when this page is stale or a key is undocumented.",
+    ]
+    for group, intro in GROUPS.items():
+        keys = [k for k in defaults if k.split(".")[0] == group]
+        lines += ["", f"## {group}", "", intro, "", "| key | default | meaning |", "|---|---|---|"]
+        lines += [f"| `{k}` | `{_cell(repr(defaults[k]))}` | {_cell(DESCRIPTIONS[k])} |" for k in keys]
+    return "\n".join(lines) + "\n"
+
+
+def reference() -> str:
+    """docs/config.md as it should read now; raises SystemExit naming every undocumented key."""
+    sys.path.insert(0, ROOT)
+    from ushard.config import default_config
+
+    defaults = flat_defaults(default_config())
+    unknown_groups = sorted({k.split(".")[0] for k in defaults} - set(GROUPS))
+    found = problems(defaults) + [f"group {g!r} has no entry in GROUPS" for g in unknown_groups]
+    if found:
+        raise SystemExit("config_reference: " + "; ".join(found))
+    return render(defaults)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="fail if docs/config.md is not current")
+    args = parser.parse_args(argv)
+    text = reference()
+    if args.check:
+        with open(OUTPUT, encoding="utf-8") as f:
+            if f.read() != text:
+                print(f"{OUTPUT} is stale; run python tools/config_reference.py", file=sys.stderr)
+                return 1
+        return 0
+    with open(OUTPUT, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {OUTPUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
