@@ -1,5 +1,5 @@
 """Hugging Face checkpoints: tiny random models built with transformers (Llama untied and tied with GQA,
-Llama 3.1 RoPE scaling, Mistral) give the same logits through `ushard.from_hf` as through transformers;
+Llama 3.1 RoPE scaling, Mistral, Mixtral with 4 experts, top 2) give the same logits through `ushard.from_hf` as through transformers;
 HF -> ushard -> HF -> ushard is exact; `ushard convert` both ways; fine-tuning from an imported
 checkpoint (`checkpoint.init_from`) starts at the loss transformers computes on the same batch; what
 ushard cannot compute is refused in one sentence naming the field.
@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 
 import ushard
 from ushard import hf
-from ushard.models.config import ModelConfig, RopeScaling
+from ushard.models.config import ModelConfig, MoEConfig, RopeScaling
 from ushard.models.definition import model_definition
 from ushard.trained import TrainedModel
 
@@ -30,7 +30,8 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              num_key_value_heads=2, rms_norm_eps=1e-6)
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 16}  # small, so a 24-token input meets all three bands
-KINDS = ("llama", "llama_tied", "llama31", "mistral")
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
+KINDS = ("llama", "llama_tied", "llama31", "mistral", "mixtral")
 
 
 def relative_error(a, b) -> float:
@@ -45,6 +46,8 @@ def torch_model(kind: str):
     torch.manual_seed(KINDS.index(kind))
     if kind == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**SIZES, sliding_window=None))
+    elif kind == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**SIZES, **MIXTRAL, sliding_window=None))
     else:
         extra = {"tie_word_embeddings": kind == "llama_tied"}
         if kind == "llama31":
@@ -55,7 +58,7 @@ def torch_model(kind: str):
             if weight.ndim == 1:
                 weight.copy_(1 + 0.1 * torch.randn_like(weight))
             else:
-                weight.copy_(torch.randn_like(weight) / weight.shape[1] ** 0.5)
+                weight.copy_(torch.randn_like(weight) / weight.shape[-1] ** 0.5)  # [..., out, in]
     return model.eval()
 
 
@@ -96,6 +99,31 @@ def test_logits_match_transformers(checkpoints, kind):
         unscaled = TrainedModel(model_definition(cfg.replace(rope_scaling=RopeScaling())), imported.params,
                                 imported.layout, 0, None, None)
         assert relative_error(unscaled(TOKENS), expected) > 1e-2
+    if kind == "mixtral":  # Mixtral's routing; without renormalised gates the logits are wrong
+        assert imported.model.cfg.moe == MoEConfig(num_experts=4, top_k=2, **hf.MIXTRAL_ROUTING)
+        other = imported.model.cfg.replace(moe=MoEConfig(num_experts=4, top_k=2, normalize_gates=False))
+        unnormalised = TrainedModel(model_definition(other), imported.params, imported.layout, 0, None, None)
+        assert relative_error(unnormalised(TOKENS), expected) > 1e-2
+
+
+def test_mixtral_loaded_over_expert_and_fsdp_axes_matches_transformers(checkpoints):
+    """The experts split over mesh.expert (2: two experts per device), the rest ZeRO-3 over fsdp (4),
+    as a training run with checkpoint.init_from lays them out; tokens reach their experts by all-to-all."""
+    from ushard.config import MESH_AXES
+    from ushard.mesh import build_mesh
+    from ushard.sharding import Layout
+    from ushard.trained import abstract_params
+
+    directory, model = checkpoints["mixtral"]
+    cfg = hf.model_config(hf.read_config(directory), directory, **hf.IMPORT_SETTINGS)
+    mesh = build_mesh({axis: {"expert": 2, "fsdp": 4}.get(axis, 1) for axis in MESH_AXES})
+    layout = Layout.create(mesh, 3, n_kv_heads=cfg.n_kv_heads)
+    params = hf.load_params(directory, cfg, abstract_params(model_definition(cfg), layout))
+    w_gate = params["blocks"]["mlp"]["experts"]["w_gate"]
+    assert w_gate.shape == (2, 4, 64, 128) and w_gate.sharding.spec[1] == "expert"
+    assert w_gate.addressable_shards[0].data.shape[1] == 2
+    spread = TrainedModel(model_definition(cfg), params, layout, 0, None, None)
+    assert relative_error(spread(TOKENS), torch_logits(model, TOKENS)) <= 1e-4
 
 
 def test_fused_layouts_loaded_over_eight_devices_match_transformers(checkpoints):
@@ -115,7 +143,7 @@ def hf_tensors(directory) -> dict:
     return tensors
 
 
-@pytest.mark.parametrize("kind, fused", [("llama31", False), ("llama_tied", True)])
+@pytest.mark.parametrize("kind, fused", [("llama31", False), ("llama_tied", True), ("mixtral", True)])
 def test_round_trip_is_exact_and_transformers_loads_the_export(checkpoints, tmp_path, kind, fused):
     import transformers
 
