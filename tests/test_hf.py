@@ -235,6 +235,7 @@ def test_finetune_from_an_imported_checkpoint_starts_at_transformers_loss(checkp
     status, out, err = cli("convert", "--from-hf", directory, "--to", converted)
     assert status == 0, err
     assert "--config.checkpoint.init_from=" in out and "--config.model.norm_eps=1e-06" in out
+    assert "moe." not in out  # a dense model: the MoE settings stay the run's defaults
     status, out, err = cli("train", *FINETUNE, f"--config.data.paths={text_file}",
                            f"--config.checkpoint.init_from={converted}", "--workdir", run)
     assert status == 0, err
@@ -280,13 +281,31 @@ SMALL = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_he
                     compute_dtype="float32")
 
 
+SMALL_MOE = SMALL.replace(moe=MoEConfig(num_experts=4, top_k=2))
+
+
+def random_params(cfg: ModelConfig, routing_bias: float = 0.0):
+    """Random parameters of `cfg`; MoE routing biases all `routing_bias`."""
+    rng = np.random.default_rng(0)
+    model = model_definition(cfg)
+    return jax.tree.map(lambda s, is_bias: jax.numpy.asarray(np.full(s.shape, routing_bias, s.dtype) if is_bias
+                                                             else rng.normal(size=s.shape).astype(s.dtype)),
+                        model.shapes, model.expert_biases)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A checkpoint of SMALL's random parameters written by ushard itself (no transformers needed)."""
     directory = tmp_path_factory.mktemp("saved")
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(s.dtype), model_definition(SMALL).shapes)
-    hf.save_hf(jax.tree.map(jax.numpy.asarray, params), SMALL, str(directory))
+    hf.save_hf(random_params(SMALL), SMALL, str(directory))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def saved_moe(tmp_path_factory):
+    """SMALL_MOE's random parameters as a Mixtral checkpoint written by ushard."""
+    directory = tmp_path_factory.mktemp("saved_moe")
+    hf.save_hf(random_params(SMALL_MOE), SMALL_MOE, str(directory))
     return str(directory)
 
 
@@ -301,7 +320,7 @@ def edited(saved, tmp_path, **changes) -> str:
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"model_type": "qwen2"}, r"model_type=\"qwen2\" is not supported: ushard imports llama, mistral\."),
+    ({"model_type": "qwen2"}, r"model_type=\"qwen2\" is not supported: ushard imports llama, mistral, mixtral\."),
     ({"head_dim": 32}, r"head_dim=32 is not supported: ushard's head_dim is hidden_size / num_attention_heads = 16\."),
     ({"attention_bias": True}, r"attention_bias=true is not supported: ushard's projections have no biases\."),
     ({"mlp_bias": True}, r"mlp_bias=true is not supported"),
@@ -318,6 +337,71 @@ def edited(saved, tmp_path, **changes) -> str:
 def test_what_ushard_cannot_compute_is_refused_naming_the_field(saved, tmp_path, changes, match):
     with pytest.raises(ushard.UserError, match=match):
         ushard.from_hf(edited(saved, tmp_path, **changes))
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"router_jitter_noise": 0.01}, r"router_jitter_noise=0\.01 is not supported: ushard's router adds no noise\."),
+    ({"num_local_experts": 2.5}, r"num_local_experts=2\.5 is not supported: it must be a whole number\."),
+    ({"num_local_experts": 6}, r"has no tensor model\.layers\.0\.block_sparse_moe\.experts\.4\.w1\.weight \(and 11 more\)"),
+    ({"num_local_experts": 3}, r"tensor model\.layers\.0\.block_sparse_moe\.gate\.weight is \[4, 64\], but config\.json's "
+                               r"sizes make it \[3, 64\]"),
+])
+def test_what_ushard_cannot_compute_of_mixtral_is_refused(saved_moe, tmp_path, changes, match):
+    with pytest.raises(ushard.UserError, match=match):
+        ushard.from_hf(edited(saved_moe, tmp_path, **changes))
+
+
+def test_mixtral_written_by_ushard_reads_back_with_its_routing(saved_moe):
+    config = hf.read_config(saved_moe)
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["intermediate_size"] == 128
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["router_jitter_noise"]) == (4, 2, 0.0)
+    imported = ushard.from_hf(saved_moe, moe={"dispatch": "ragged", "aux_loss_weight": 0.0})  # how, not what
+    assert imported.model.cfg.moe == MoEConfig(num_experts=4, top_k=2, **hf.MIXTRAL_ROUTING, dispatch="ragged",
+                                               aux_loss_weight=0.0)
+    assert not np.any(np.asarray(imported.params["blocks"]["mlp"]["bias"]))
+    for a, b in zip(jax.tree.leaves(imported.params), jax.tree.leaves(random_params(SMALL_MOE))):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ushard.UserError, match=r"model\.moe\.top_k of a Hugging Face checkpoint comes from its "
+                                               r"config\.json; leave it out\."):
+        ushard.from_hf(saved_moe, moe={"top_k": 1})
+
+
+@pytest.mark.parametrize("moe, routing_bias, match", [
+    (dict(score_func="sigmoid"), 0.0, r"model\.moe\.score_func='sigmoid' cannot be exported: Hugging Face's Mixtral, "
+                                      r"the one MoE architecture ushard writes, has score_func='softmax'\."),
+    (dict(num_shared_experts=1), 0.0, r"model\.moe\.num_shared_experts=1 cannot be exported"),
+    (dict(), 0.5, r"routing biases \(model\.moe\.bias_update_rate\) are not zero, and Hugging Face's Mixtral router"),
+])
+def test_what_mixtral_cannot_compute_is_not_exported(tmp_path, moe, routing_bias, match):
+    cfg = SMALL.replace(moe=MoEConfig(num_experts=4, top_k=2, **moe))
+    with pytest.raises(ushard.UserError, match=match):
+        hf.save_hf(random_params(cfg, routing_bias), cfg, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_a_mixtral_both_ways(saved_moe, tmp_path):
+    converted, exported = str(tmp_path / "converted"), str(tmp_path / "exported")
+    status, out, err = cli("convert", "--from-hf", saved_moe, "--to", converted)
+    assert status == 0, err
+    for setting in ("moe.num_experts=4", "moe.top_k=2", "moe.score_func=softmax", "moe.normalize_gates=True",
+                    "moe.capacity_factor=0.0", "moe.every=1", "d_ff=128"):
+        assert f"--config.model.{setting} " in out + " "
+    assert "aux_loss_weight" not in out and "dispatch" not in out  # how it trains: the run's choice
+    status, _, err = cli("convert", "--from", converted, "--to-hf", exported)
+    assert status == 0, err
+    original, written = hf_tensors(saved_moe), hf_tensors(exported)
+    assert set(written) == set(original) and all(np.array_equal(written[n], v) for n, v in original.items())
+
+
+def test_init_from_a_mixtral_compares_the_routing_only(saved_moe):
+    from ushard.training.init_from import initial_params
+    from ushard.trained import abstract_params, inference_layout
+
+    with pytest.raises(ushard.UserError, match=r"holds another model: model\.moe\.top_k=2 there but 1 here; set"):
+        initial_params(saved_moe, SMALL_MOE.replace(moe=MoEConfig(num_experts=4, top_k=1)), target=None)
+    run = SMALL_MOE.replace(moe=MoEConfig(num_experts=4, top_k=2, aux_loss_weight=0.1))
+    params = initial_params(saved_moe, run, abstract_params(model_definition(run), inference_layout()))
+    assert np.array_equal(np.asarray(params["blocks"]["mlp"]["router"]), np.asarray(random_params(SMALL_MOE)["blocks"]["mlp"]["router"]))
 
 
 def test_both_rope_spellings_and_hf_defaults_are_read(saved, tmp_path):

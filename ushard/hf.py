@@ -187,7 +187,6 @@ def hf_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict:
     if scaling.type == "llama3":
         rope_scaling = {"rope_type": "llama3", **{k: v for k, v in dataclasses.asdict(scaling).items() if k != "type"}}
     if cfg.moe.num_experts:
-        check_mixtral_routing(cfg)
         kind = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": cfg.expert_d_ff,
                 "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
                 "router_jitter_noise": 0.0, "sliding_window": None}
@@ -517,7 +516,9 @@ def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, 
     config.json and model.safetensors, or shards and an index past `max_file_bytes`. `dtype`: the
     weights' dtype on disk (default: the parameters')."""
     dtype = dtype or cfg.param_dtype
-    _check_no_routing_bias(params, model_definition(cfg))
+    if cfg.moe.num_experts:
+        check_mixtral_routing(cfg)
+        _check_no_routing_bias(params, model_definition(cfg))
     if dtype not in DTYPE_NAMES:
         raise UserError(f"dtype={dtype!r} is not one safetensors export takes; choose one of: {', '.join(DTYPE_NAMES)}.")
     np_dtype = np.dtype(DTYPE_NAMES[dtype])
