@@ -143,6 +143,13 @@ def hf_tensors(directory) -> dict:
     return tensors
 
 
+def assert_same_hf_tensors(expected_directory, directory):
+    expected, written = hf_tensors(expected_directory), hf_tensors(directory)
+    assert set(written) == set(expected)
+    for name, value in expected.items():
+        assert written[name].dtype == value.dtype and np.array_equal(written[name], value), name
+
+
 @pytest.mark.parametrize("kind, fused", [("llama31", False), ("llama_tied", True), ("mixtral", True)])
 def test_round_trip_is_exact_and_transformers_loads_the_export(checkpoints, tmp_path, kind, fused):
     import transformers
@@ -152,10 +159,7 @@ def test_round_trip_is_exact_and_transformers_loads_the_export(checkpoints, tmp_
     exported = tmp_path / "exported"
     hf.save_hf(first.params, first.model.cfg, str(exported), max_file_bytes=64 * 1024)  # several shards
     assert (exported / hf.INDEX_FILE).is_file()
-    original, written = hf_tensors(directory), hf_tensors(exported)
-    assert set(written) == set(original)
-    for name, value in original.items():
-        assert written[name].dtype == value.dtype and np.array_equal(written[name], value), name
+    assert_same_hf_tensors(directory, exported)
     second = ushard.from_hf(str(exported), fused_qkv=fused, fused_mlp=fused)
     assert second.model.cfg == first.model.cfg
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
@@ -351,7 +355,7 @@ def test_what_ushard_cannot_compute_of_mixtral_is_refused(saved_moe, tmp_path, c
         ushard.from_hf(edited(saved_moe, tmp_path, **changes))
 
 
-def test_mixtral_written_by_ushard_reads_back_with_its_routing(saved_moe):
+def test_mixtral_written_by_ushard_reads_back_with_its_routing(saved_moe, tmp_path):
     config = hf.read_config(saved_moe)
     assert config["architectures"] == ["MixtralForCausalLM"] and config["intermediate_size"] == 128
     assert (config["num_local_experts"], config["num_experts_per_tok"], config["router_jitter_noise"]) == (4, 2, 0.0)
@@ -364,6 +368,14 @@ def test_mixtral_written_by_ushard_reads_back_with_its_routing(saved_moe):
     with pytest.raises(ushard.UserError, match=r"model\.moe\.top_k of a Hugging Face checkpoint comes from its "
                                                r"config\.json; leave it out\."):
         ushard.from_hf(saved_moe, moe={"top_k": 1})
+    # A capacity only limits training batches: exported with a note, the weights as they are.
+    capped = imported.model.cfg.replace(moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25))
+    notes = []
+    ushard.to_hf(TrainedModel(model_definition(capped), imported.params, imported.layout, 0, None, None),
+                 str(tmp_path / "capped"), log=notes.append)
+    assert notes == ["note: model.moe.capacity_factor=1.25 is not exported: transformers' Mixtral routes every token "
+                     "to its experts (as ushard does with capacity_factor=0)."]
+    assert_same_hf_tensors(saved_moe, tmp_path / "capped")
 
 
 @pytest.mark.parametrize("moe, routing_bias, match", [
@@ -389,8 +401,7 @@ def test_convert_a_mixtral_both_ways(saved_moe, tmp_path):
     assert "aux_loss_weight" not in out and "dispatch" not in out  # how it trains: the run's choice
     status, _, err = cli("convert", "--from", converted, "--to-hf", exported)
     assert status == 0, err
-    original, written = hf_tensors(saved_moe), hf_tensors(exported)
-    assert set(written) == set(original) and all(np.array_equal(written[n], v) for n, v in original.items())
+    assert_same_hf_tensors(saved_moe, exported)
 
 
 def test_init_from_a_mixtral_compares_the_routing_only(saved_moe):
