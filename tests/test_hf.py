@@ -1,8 +1,9 @@
 """Hugging Face checkpoints: tiny random models built with transformers (Llama untied and tied with GQA,
-Llama 3.1 RoPE scaling, Mistral) give the same logits through `ushard.from_hf` as through transformers;
-HF -> ushard -> HF -> ushard is exact; `ushard convert` both ways; fine-tuning from an imported
-checkpoint (`checkpoint.init_from`) starts at the loss transformers computes on the same batch; what
-ushard cannot compute is refused in one sentence naming the field.
+Llama 3.1 RoPE scaling, Mistral, Mixtral with 4 experts, top 2) give the same logits through
+`ushard.from_hf` as through transformers; HF -> ushard -> HF -> ushard is exact; `ushard convert` both
+ways; fine-tuning from an imported checkpoint (`checkpoint.init_from`) starts at the loss transformers
+computes on the same batch; what ushard cannot compute is refused in one sentence naming the field (on
+export too: an MoE model that Mixtral cannot compute).
 
 The tests that need torch and transformers (the `hf` extra) are skipped without them.
 """
@@ -21,7 +22,7 @@ from safetensors.numpy import load_file
 
 import ushard
 from ushard import hf
-from ushard.models.config import ModelConfig, RopeScaling
+from ushard.models.config import ModelConfig, MoEConfig, RopeScaling
 from ushard.models.definition import model_definition
 from ushard.trained import TrainedModel
 
@@ -30,7 +31,8 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              num_key_value_heads=2, rms_norm_eps=1e-6)
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 16}  # small, so a 24-token input meets all three bands
-KINDS = ("llama", "llama_tied", "llama31", "mistral")
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
+KINDS = ("llama", "llama_tied", "llama31", "mistral", "mixtral")
 
 
 def relative_error(a, b) -> float:
@@ -45,6 +47,8 @@ def torch_model(kind: str):
     torch.manual_seed(KINDS.index(kind))
     if kind == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**SIZES, sliding_window=None))
+    elif kind == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**SIZES, **MIXTRAL, sliding_window=None))
     else:
         extra = {"tie_word_embeddings": kind == "llama_tied"}
         if kind == "llama31":
@@ -55,7 +59,7 @@ def torch_model(kind: str):
             if weight.ndim == 1:
                 weight.copy_(1 + 0.1 * torch.randn_like(weight))
             else:
-                weight.copy_(torch.randn_like(weight) / weight.shape[1] ** 0.5)
+                weight.copy_(torch.randn_like(weight) / weight.shape[-1] ** 0.5)  # [..., out, in]
     return model.eval()
 
 
@@ -96,6 +100,31 @@ def test_logits_match_transformers(checkpoints, kind):
         unscaled = TrainedModel(model_definition(cfg.replace(rope_scaling=RopeScaling())), imported.params,
                                 imported.layout, 0, None, None)
         assert relative_error(unscaled(TOKENS), expected) > 1e-2
+    if kind == "mixtral":  # Mixtral's routing; without renormalised gates the logits are wrong
+        assert imported.model.cfg.moe == MoEConfig(num_experts=4, top_k=2, **hf.MIXTRAL_ROUTING)
+        other = imported.model.cfg.replace(moe=MoEConfig(num_experts=4, top_k=2, normalize_gates=False))
+        unnormalised = TrainedModel(model_definition(other), imported.params, imported.layout, 0, None, None)
+        assert relative_error(unnormalised(TOKENS), expected) > 1e-2
+
+
+def test_mixtral_loaded_over_expert_and_fsdp_axes_matches_transformers(checkpoints):
+    """The experts split over mesh.expert (2: two experts per device), the rest ZeRO-3 over fsdp (4),
+    as a training run with checkpoint.init_from lays them out; tokens reach their experts by all-to-all."""
+    from ushard.config import MESH_AXES
+    from ushard.mesh import build_mesh
+    from ushard.sharding import Layout
+    from ushard.trained import abstract_params
+
+    directory, model = checkpoints["mixtral"]
+    cfg = hf.model_config(hf.read_config(directory), directory, **hf.IMPORT_SETTINGS)
+    mesh = build_mesh({axis: {"expert": 2, "fsdp": 4}.get(axis, 1) for axis in MESH_AXES})
+    layout = Layout.create(mesh, 3, n_kv_heads=cfg.n_kv_heads)
+    params = hf.load_params(directory, cfg, abstract_params(model_definition(cfg), layout))
+    w_gate = params["blocks"]["mlp"]["experts"]["w_gate"]
+    assert w_gate.shape == (2, 4, 64, 128) and w_gate.sharding.spec[1] == "expert"
+    assert w_gate.addressable_shards[0].data.shape[1] == 2
+    spread = TrainedModel(model_definition(cfg), params, layout, 0, None, None)
+    assert relative_error(spread(TOKENS), torch_logits(model, TOKENS)) <= 1e-4
 
 
 def test_fused_layouts_loaded_over_eight_devices_match_transformers(checkpoints):
@@ -115,7 +144,14 @@ def hf_tensors(directory) -> dict:
     return tensors
 
 
-@pytest.mark.parametrize("kind, fused", [("llama31", False), ("llama_tied", True)])
+def assert_same_hf_tensors(expected_directory, directory):
+    expected, written = hf_tensors(expected_directory), hf_tensors(directory)
+    assert set(written) == set(expected)
+    for name, value in expected.items():
+        assert written[name].dtype == value.dtype and np.array_equal(written[name], value), name
+
+
+@pytest.mark.parametrize("kind, fused", [("llama31", False), ("llama_tied", True), ("mixtral", True)])
 def test_round_trip_is_exact_and_transformers_loads_the_export(checkpoints, tmp_path, kind, fused):
     import transformers
 
@@ -124,10 +160,7 @@ def test_round_trip_is_exact_and_transformers_loads_the_export(checkpoints, tmp_
     exported = tmp_path / "exported"
     hf.save_hf(first.params, first.model.cfg, str(exported), max_file_bytes=64 * 1024)  # several shards
     assert (exported / hf.INDEX_FILE).is_file()
-    original, written = hf_tensors(directory), hf_tensors(exported)
-    assert set(written) == set(original)
-    for name, value in original.items():
-        assert written[name].dtype == value.dtype and np.array_equal(written[name], value), name
+    assert_same_hf_tensors(directory, exported)
     second = ushard.from_hf(str(exported), fused_qkv=fused, fused_mlp=fused)
     assert second.model.cfg == first.model.cfg
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
@@ -207,6 +240,7 @@ def test_finetune_from_an_imported_checkpoint_starts_at_transformers_loss(checkp
     status, out, err = cli("convert", "--from-hf", directory, "--to", converted)
     assert status == 0, err
     assert "--config.checkpoint.init_from=" in out and "--config.model.norm_eps=1e-06" in out
+    assert "moe." not in out  # a dense model: the MoE settings stay the run's defaults
     status, out, err = cli("train", *FINETUNE, f"--config.data.paths={text_file}",
                            f"--config.checkpoint.init_from={converted}", "--workdir", run)
     assert status == 0, err
@@ -252,13 +286,31 @@ SMALL = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_he
                     compute_dtype="float32")
 
 
+SMALL_MOE = SMALL.replace(moe=MoEConfig(num_experts=4, top_k=2))
+
+
+def random_params(cfg: ModelConfig, routing_bias: float = 0.0):
+    """Random parameters of `cfg`; MoE routing biases all `routing_bias`."""
+    rng = np.random.default_rng(0)
+    model = model_definition(cfg)
+    return jax.tree.map(lambda s, is_bias: jax.numpy.asarray(np.full(s.shape, routing_bias, s.dtype) if is_bias
+                                                             else rng.normal(size=s.shape).astype(s.dtype)),
+                        model.shapes, model.expert_biases)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A checkpoint of SMALL's random parameters written by ushard itself (no transformers needed)."""
     directory = tmp_path_factory.mktemp("saved")
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(s.dtype), model_definition(SMALL).shapes)
-    hf.save_hf(jax.tree.map(jax.numpy.asarray, params), SMALL, str(directory))
+    hf.save_hf(random_params(SMALL), SMALL, str(directory))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def saved_moe(tmp_path_factory):
+    """SMALL_MOE's random parameters as a Mixtral checkpoint written by ushard."""
+    directory = tmp_path_factory.mktemp("saved_moe")
+    hf.save_hf(random_params(SMALL_MOE), SMALL_MOE, str(directory))
     return str(directory)
 
 
@@ -273,7 +325,7 @@ def edited(saved, tmp_path, **changes) -> str:
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"model_type": "qwen2"}, r"model_type=\"qwen2\" is not supported: ushard imports llama, mistral\."),
+    ({"model_type": "qwen2"}, r"model_type=\"qwen2\" is not supported: ushard imports llama, mistral, mixtral\."),
     ({"head_dim": 32}, r"head_dim=32 is not supported: ushard's head_dim is hidden_size / num_attention_heads = 16\."),
     ({"attention_bias": True}, r"attention_bias=true is not supported: ushard's projections have no biases\."),
     ({"mlp_bias": True}, r"mlp_bias=true is not supported"),
@@ -290,6 +342,79 @@ def edited(saved, tmp_path, **changes) -> str:
 def test_what_ushard_cannot_compute_is_refused_naming_the_field(saved, tmp_path, changes, match):
     with pytest.raises(ushard.UserError, match=match):
         ushard.from_hf(edited(saved, tmp_path, **changes))
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"router_jitter_noise": 0.01}, r"router_jitter_noise=0\.01 is not supported: ushard's router adds no noise\."),
+    ({"num_local_experts": 2.5}, r"num_local_experts=2\.5 is not supported: it must be a whole number\."),
+    ({"num_local_experts": 6}, r"has no tensor model\.layers\.0\.block_sparse_moe\.experts\.4\.w1\.weight \(and 11 more\)"),
+    ({"num_local_experts": 3}, r"tensor model\.layers\.0\.block_sparse_moe\.gate\.weight is \[4, 64\], but config\.json's "
+                               r"sizes make it \[3, 64\]"),
+])
+def test_what_ushard_cannot_compute_of_mixtral_is_refused(saved_moe, tmp_path, changes, match):
+    with pytest.raises(ushard.UserError, match=match):
+        ushard.from_hf(edited(saved_moe, tmp_path, **changes))
+
+
+def test_mixtral_written_by_ushard_reads_back_with_its_routing(saved_moe, tmp_path):
+    config = hf.read_config(saved_moe)
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["intermediate_size"] == 128
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["router_jitter_noise"]) == (4, 2, 0.0)
+    imported = ushard.from_hf(saved_moe, moe={"dispatch": "ragged", "aux_loss_weight": 0.0})  # how, not what
+    assert imported.model.cfg.moe == MoEConfig(num_experts=4, top_k=2, **hf.MIXTRAL_ROUTING, dispatch="ragged",
+                                               aux_loss_weight=0.0)
+    assert not np.any(np.asarray(imported.params["blocks"]["mlp"]["bias"]))
+    for a, b in zip(jax.tree.leaves(imported.params), jax.tree.leaves(random_params(SMALL_MOE))):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ushard.UserError, match=r"model\.moe\.top_k of a Hugging Face checkpoint comes from its "
+                                               r"config\.json; leave it out\."):
+        ushard.from_hf(saved_moe, moe={"top_k": 1})
+    # A capacity only limits training batches: exported with a note, the weights as they are.
+    capped = imported.model.cfg.replace(moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25))
+    notes = []
+    ushard.to_hf(TrainedModel(model_definition(capped), imported.params, imported.layout, 0, None, None),
+                 str(tmp_path / "capped"), log=notes.append)
+    assert notes == ["note: model.moe.capacity_factor=1.25 is not exported: transformers' Mixtral routes every token "
+                     "to its experts (as ushard does with capacity_factor=0)."]
+    assert_same_hf_tensors(saved_moe, tmp_path / "capped")
+
+
+@pytest.mark.parametrize("moe, routing_bias, match", [
+    (dict(score_func="sigmoid"), 0.0, r"model\.moe\.score_func='sigmoid' cannot be exported: Hugging Face's Mixtral, "
+                                      r"the one MoE architecture ushard writes, has score_func='softmax'\."),
+    (dict(num_shared_experts=1), 0.0, r"model\.moe\.num_shared_experts=1 cannot be exported"),
+    (dict(), 0.5, r"routing biases \(model\.moe\.bias_update_rate\) are not zero, and Hugging Face's Mixtral router"),
+])
+def test_what_mixtral_cannot_compute_is_not_exported(tmp_path, moe, routing_bias, match):
+    cfg = SMALL.replace(moe=MoEConfig(num_experts=4, top_k=2, **moe))
+    with pytest.raises(ushard.UserError, match=match):
+        hf.save_hf(random_params(cfg, routing_bias), cfg, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_a_mixtral_both_ways(saved_moe, tmp_path):
+    converted, exported = str(tmp_path / "converted"), str(tmp_path / "exported")
+    status, out, err = cli("convert", "--from-hf", saved_moe, "--to", converted)
+    assert status == 0, err
+    for setting in ("moe.num_experts=4", "moe.top_k=2", "moe.score_func=softmax", "moe.normalize_gates=True",
+                    "moe.capacity_factor=0.0", "moe.every=1", "d_ff=128"):
+        assert f"--config.model.{setting} " in out + " "
+    assert "aux_loss_weight" not in out and "dispatch" not in out  # how it trains: the run's choice
+    status, _, err = cli("convert", "--from", converted, "--to-hf", exported)
+    assert status == 0, err
+    assert_same_hf_tensors(saved_moe, exported)
+
+
+def test_init_from_a_mixtral_compares_the_routing_only(saved_moe):
+    from ushard.training.init_from import initial_params
+    from ushard.trained import abstract_params, inference_layout
+
+    with pytest.raises(ushard.UserError, match=r"holds another model: model\.moe\.top_k=2 there but 1 here; set"):
+        initial_params(saved_moe, SMALL_MOE.replace(moe=MoEConfig(num_experts=4, top_k=1)), target=None)
+    run = SMALL_MOE.replace(moe=MoEConfig(num_experts=4, top_k=2, aux_loss_weight=0.1))
+    params = initial_params(saved_moe, run, abstract_params(model_definition(run), inference_layout()))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(random_params(SMALL_MOE))):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_both_rope_spellings_and_hf_defaults_are_read(saved, tmp_path):

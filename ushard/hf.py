@@ -1,10 +1,13 @@
-"""Hugging Face checkpoints in and out: Llama 2, Llama 3 and 3.1-3.3, Mistral.
+"""Hugging Face checkpoints in and out: Llama 2, Llama 3 and 3.1-3.3, Mistral, Mixtral.
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. ushard's Llama computes the same function as transformers'
 `LlamaForCausalLM` given the same weights (rotate-half RoPE, 1/sqrt(head_dim) scale, RMSNorm weight
 after normalising), so import and export are a renaming of tensors plus transposes and reshapes: HF
 stores a linear layer as [out, in], ushard as [in, ...out] with heads split out, layers stacked.
+Mixtral is that model with an MoE block (ushard/models/moe.py) in every layer, routed as transformers'
+`MixtralForCausalLM` routes: softmax over all experts in float32, the top k, their gates renormalised
+to sum 1, no drops; each expert's HF tensors are one slice of the stacked experts' weights.
 
 - `model_config` reads the architecture from config.json (both spellings of the RoPE settings:
   top-level `rope_theta` / `rope_scaling` as published checkpoints have them, and transformers 5's
@@ -34,15 +37,21 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ushard.errors import UserError
-from ushard.models.config import ModelConfig, RopeScaling
+from ushard.models.config import ModelConfig, MoEConfig, RopeScaling
 from ushard.models.definition import ModelDef, dotted, model_definition
 from ushard.trained import TrainedModel, abstract_params, inference_layout, load_model
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral")
 ROPE_TYPES = ("default", "llama3")  # transformers' rope_type values ushard computes
 # The model settings a Hugging Face config decides; the others say how ushard computes and trains.
 HF_SETTINGS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "rope_scaling",
-               "norm_eps", "tie_embeddings")
+               "norm_eps", "tie_embeddings", "moe")  # of `moe`, those that define the function: see decided_by_hf
+# transformers' MixtralConfig defaults where they differ from Llama's, for a config.json that omits them.
+MIXTRAL_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2}
+# How Mixtral routes, as model.moe settings: every layer MoE, softmax scores, the top k renormalised,
+# dropless, no shared experts, no group limit.
+MIXTRAL_ROUTING = {"score_func": "softmax", "normalize_gates": True, "routed_scale": 1.0, "capacity_factor": 0.0,
+                   "num_shared_experts": 0, "every": 1, "first_dense_layers": 0, "num_groups": 1, "top_groups": 1}
 # An imported model computes in float32 unless asked otherwise, like transformers' from_pretrained.
 IMPORT_SETTINGS = {"compute_dtype": "float32", "param_dtype": "float32"}
 INDEX_FILE = "model.safetensors.index.json"
@@ -99,6 +108,28 @@ def _check_expressible(hf: dict, directory: str) -> None:
     if hf.get("quantization_config"):
         _refuse(directory, "quantization_config", hf["quantization_config"].get("quant_method", "?"),
                 "ushard imports unquantized weights")
+    if model_type == "mixtral":
+        for key in ("num_local_experts", "num_experts_per_tok"):
+            if not isinstance(hf[key], int):
+                _refuse(directory, key, hf[key], "it must be a whole number")
+        if hf.get("router_jitter_noise", 0.0):
+            _refuse(directory, "router_jitter_noise", hf["router_jitter_noise"], "ushard's router adds no noise")
+
+
+def decided_by_hf(key: str) -> bool:
+    """Whether a model setting (dotted, as `ModelConfig.settings` names it) comes from a Hugging Face
+    config.json: the architecture, not how it is computed or trained (model.moe.aux_loss_weight, ...)."""
+    if key.startswith("moe."):
+        return key not in ModelConfig.IMPLEMENTATION_SETTINGS
+    return key.split(".")[0] in HF_SETTINGS
+
+
+def _moe(hf: dict, settings: dict) -> MoEConfig:
+    """model.moe of the checkpoint: Mixtral's routing, or none (a dense model); `settings`: the others."""
+    if hf["model_type"] != "mixtral":
+        return MoEConfig(**settings)
+    return MoEConfig(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], **MIXTRAL_ROUTING,
+                     **settings)
 
 
 def _rope(hf: dict, directory: str) -> tuple[float, RopeScaling]:
@@ -126,8 +157,12 @@ def _rope(hf: dict, directory: str) -> tuple[float, RopeScaling]:
 def model_config(hf: dict, directory: str, **settings) -> ModelConfig:
     """ushard's model settings for the checkpoint whose config.json is `hf`; `settings` set the others
     (dtypes, fused layouts, remat, ...). Raises UserError for what ushard cannot compute."""
+    if hf.get("model_type") == "mixtral":
+        hf = {**MIXTRAL_DEFAULTS, **hf}
     _check_expressible(hf, directory)
-    decided = [k for k in settings if k in HF_SETTINGS]
+    moe_settings = dict(settings.pop("moe", None) or {})
+    named = [*settings, *(f"moe.{k}" for k in moe_settings)]
+    decided = [k for k in named if decided_by_hf(k)]
     if decided:
         raise UserError(f"model.{decided[0]} of a Hugging Face checkpoint comes from its config.json; leave it out.")
     theta, scaling = _rope(hf, directory)
@@ -137,7 +172,7 @@ def model_config(hf: dict, directory: str, **settings) -> ModelConfig:
             n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             d_ff=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default, not ushard's
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **settings,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=_moe(hf, moe_settings), **settings,
         )
     except TypeError as e:  # a keyword ModelConfig does not have
         raise UserError(f"not a model setting: {e}.") from None
@@ -145,19 +180,35 @@ def model_config(hf: dict, directory: str, **settings) -> ModelConfig:
 
 def hf_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict:
     """config.json for ushard's model `cfg` as a `LlamaForCausalLM` (Mistral without a sliding window is
-    one too), in the top-level RoPE spelling that transformers 4 and 5 both read."""
+    one too) or, with experts, a `MixtralForCausalLM`, in the top-level RoPE spelling that transformers
+    4 and 5 both read."""
     scaling = cfg.rope_scaling
     rope_scaling = None
     if scaling.type == "llama3":
         rope_scaling = {"rope_type": "llama3", **{k: v for k, v in dataclasses.asdict(scaling).items() if k != "type"}}
+    if cfg.moe.num_experts:
+        kind = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": cfg.expert_d_ff,
+                "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
+                "router_jitter_noise": 0.0, "sliding_window": None}
+    else:
+        kind = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "intermediate_size": cfg.d_ff}
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+        **kind, "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": rope_scaling, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
         "mlp_bias": False, "max_position_embeddings": max_positions, "torch_dtype": dtype,
     }
+
+
+def check_mixtral_routing(cfg: ModelConfig) -> None:
+    """Refuses to export an MoE model that transformers' Mixtral would compute differently. The drop
+    rule is let through: it only limits a training batch; the export routes dropless."""
+    for key, mixtral in MIXTRAL_ROUTING.items():
+        value = getattr(cfg.moe, key)
+        if key != "capacity_factor" and value != mixtral:
+            raise UserError(f"model.moe.{key}={value!r} cannot be exported: Hugging Face's Mixtral, the one MoE "
+                            f"architecture ushard writes, has {key}={mixtral!r}.")
 
 
 # --------------------------------------------------------------------------- the name map
@@ -208,24 +259,38 @@ def tensor_map(cfg: ModelConfig) -> list[Tensor]:
                      Tensor(layer + "self_attn.v_proj.weight", "blocks.attn.wqkv", part=(2, q_per_kv + 1, q_per_kv + 2))]
     else:
         attention = [Tensor(layer + f"self_attn.{x}_proj.weight", f"blocks.attn.w{x}") for x in "qkv"]
-    if cfg.fused_mlp:  # gate, then up
-        gate_up = [Tensor(layer + "mlp.gate_proj.weight", "blocks.mlp.w_gate_up", part=(1, 0, 1)),
-                   Tensor(layer + "mlp.up_proj.weight", "blocks.mlp.w_gate_up", part=(1, 1, 2))]
-    else:
-        gate_up = [Tensor(layer + f"mlp.{x}_proj.weight", f"blocks.mlp.w_{x}") for x in ("gate", "up")]
+    mlp = _mixtral_tensors(cfg.moe.num_experts) if cfg.moe.num_experts else _dense_mlp_tensors(cfg.fused_mlp)
     tensors = [
         Tensor("model.embed_tokens.weight", "embedding", transposed=False),
         Tensor(layer + "input_layernorm.weight", "blocks.attn_norm.scale"),
         *attention,
         Tensor(layer + "self_attn.o_proj.weight", "blocks.attn.wo", rows=2),
         Tensor(layer + "post_attention_layernorm.weight", "blocks.mlp_norm.scale"),
-        *gate_up,
-        Tensor(layer + "mlp.down_proj.weight", "blocks.mlp.w_down"),
+        *mlp,
         Tensor("model.norm.weight", "final_norm.scale"),
     ]
     if not cfg.tie_embeddings:
         tensors.append(Tensor("lm_head.weight", "lm_head"))
     return tensors
+
+
+def _dense_mlp_tensors(fused: bool) -> list[Tensor]:
+    layer = "model.layers.{layer}."
+    if fused:  # gate, then up
+        gate_up = [Tensor(layer + "mlp.gate_proj.weight", "blocks.mlp.w_gate_up", part=(1, 0, 1)),
+                   Tensor(layer + "mlp.up_proj.weight", "blocks.mlp.w_gate_up", part=(1, 1, 2))]
+    else:
+        gate_up = [Tensor(layer + f"mlp.{x}_proj.weight", f"blocks.mlp.w_{x}") for x in ("gate", "up")]
+    return [*gate_up, Tensor(layer + "mlp.down_proj.weight", "blocks.mlp.w_down")]
+
+
+def _mixtral_tensors(num_experts: int) -> list[Tensor]:
+    """A Mixtral layer's MoE block: the router, then each expert's w1 (gate), w2 (down), w3 (up), each
+    one expert's slice (along the `experts` axis) of the stacked experts' weight."""
+    block = "model.layers.{layer}.block_sparse_moe."
+    experts = [Tensor(block + f"experts.{e}.{w}.weight", f"blocks.mlp.experts.{param}", rows=2, part=(0, e, e + 1))
+               for e in range(num_experts) for w, param in (("w1", "w_gate"), ("w2", "w_down"), ("w3", "w_up"))]
+    return [Tensor(block + "gate.weight", "blocks.mlp.router"), *experts]
 
 
 def _named(tensors: list[Tensor], n_layers: int):
@@ -375,9 +440,18 @@ def load_params(directory: str, cfg: ModelConfig, target):
     by_param: dict[str, list[Tensor]] = {}
     for t in tensor_map(cfg):
         by_param.setdefault(t.param, []).append(t)
+
+    def load(path, target, is_bias):  # MoE routing biases are ushard's own (auxiliary-loss-free balancing)
+        return _zeros(target) if is_bias else _load_param(files, by_param[dotted(path)], target)
+
     with SafetensorsFiles(directory) as files:
         check_tensors(files, cfg, model)
-        return jax.tree_util.tree_map_with_path(lambda path, s: _load_param(files, by_param[dotted(path)], s), target)
+        return jax.tree_util.tree_map_with_path(load, target, model.expert_biases)
+
+
+def _zeros(target: jax.ShapeDtypeStruct) -> jax.Array:
+    return jax.make_array_from_callback(target.shape, target.sharding,
+                                        lambda index: np.zeros(target.shape, target.dtype)[index])
 
 
 # --------------------------------------------------------------------------- writing
@@ -417,6 +491,14 @@ def _hf_tensors(params, named):
         yield _hf_tensor(held[1][tensor.param], tensor)
 
 
+def _check_no_routing_bias(params, model: ModelDef) -> None:
+    """Refuses routing biases that steer the choice of experts: Mixtral's router has none."""
+    biases = [x for x, is_bias in zip(jax.tree.leaves(params), jax.tree.leaves(model.expert_biases)) if is_bias]
+    if any(np.any(_on_host(b)) for b in biases):
+        raise UserError("the model's MoE routing biases (model.moe.bias_update_rate) are not zero, and Hugging Face's "
+                        "Mixtral router has none: transformers would send tokens to other experts.")
+
+
 def _file_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
     """Consecutive tensors grouped into files of at most `max_bytes` (a larger tensor gets its own)."""
     groups, total = [[]], 0
@@ -434,6 +516,9 @@ def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, 
     config.json and model.safetensors, or shards and an index past `max_file_bytes`. `dtype`: the
     weights' dtype on disk (default: the parameters')."""
     dtype = dtype or cfg.param_dtype
+    if cfg.moe.num_experts:
+        check_mixtral_routing(cfg)
+        _check_no_routing_bias(params, model_definition(cfg))
     if dtype not in DTYPE_NAMES:
         raise UserError(f"dtype={dtype!r} is not one safetensors export takes; choose one of: {', '.join(DTYPE_NAMES)}.")
     np_dtype = np.dtype(DTYPE_NAMES[dtype])
@@ -492,7 +577,11 @@ def to_hf(model_or_workdir, path: str, dtype: str | None = None, log=print) -> N
     trained = model_or_workdir
     if not isinstance(trained, TrainedModel):
         trained = load_model(str(model_or_workdir), devices=_host_devices(), log=log)
-    save_hf(trained.params, trained.model.cfg, path, dtype, max_positions=_max_positions(trained))
+    cfg = trained.model.cfg
+    if cfg.moe.num_experts and cfg.moe.capacity_factor:
+        log(f"note: model.moe.capacity_factor={cfg.moe.capacity_factor} is not exported: transformers' Mixtral "
+            f"routes every token to its experts (as ushard does with capacity_factor=0).")
+    save_hf(trained.params, cfg, path, dtype, max_positions=_max_positions(trained))
 
 
 def _max_positions(trained: TrainedModel) -> int:
@@ -541,9 +630,10 @@ def convert_from_hf(hf_dir: str, workdir: str, log=print) -> None:
 def _hf_settings(cfg: ModelConfig) -> dict:
     """The config keys of the settings a Hugging Face checkpoint decides (the scaling's numbers only
     where it is used)."""
-    unscaled = cfg.rope_scaling.type == "none"
-    return {k: v for k, v in cfg.settings().items() if k.split(".")[0] in HF_SETTINGS
-            and not (unscaled and k.startswith("rope_scaling.") and k != "rope_scaling.type")}
+    unscaled, dense = cfg.rope_scaling.type == "none", not cfg.moe.num_experts
+    return {k: v for k, v in cfg.settings().items() if decided_by_hf(k)
+            and not (unscaled and k.startswith("rope_scaling.") and k != "rope_scaling.type")
+            and not (dense and k.startswith("moe."))}
 
 
 def convert_to_hf(workdir: str, hf_dir: str, dtype: str | None = None, log=print) -> None:

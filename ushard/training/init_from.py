@@ -23,7 +23,7 @@ def initial_params(path: str, model_cfg: ModelConfig, target, log=print):
     key = f"checkpoint.init_from={path}"
     if os.path.isfile(os.path.join(path, "config.json")):
         there = hf.model_config(hf.read_config(path), path)
-        differences = there.differences(model_cfg, only=hf.HF_SETTINGS)
+        differences = there.differences(model_cfg, function_only=True, only=hf.HF_SETTINGS)
         if differences:
             raise UserError(f"{key} holds another model: {'; '.join(differences)}; {SAME_MODEL} "
                             f"(`ushard convert --from-hf` prints them).")
