@@ -300,8 +300,6 @@ def test_broken_config_file(tmp_path, body, match):
          r"parameter blocks\.mlp\.experts\.w_down has a 'experts' dimension of 4, which does not split over mesh\.expert=8"),
         (["model.moe.num_experts=8", "model.moe.expert_d_ff=100", "mesh.tensor=8", "mesh.fsdp=1", "model.n_heads=8", "model.n_kv_heads=8", "model.d_model=192"],
          r"'expert_mlp' dimension of 100, which does not split over mesh\.tensor=8"),
-        (["mesh.pipeline=2", "mesh.fsdp=4", "model.attention_impl=cudnn"],
-         r"model\.attention_impl='cudnn' cannot run inside pipeline stages \(mesh\.pipeline=2\)"),
         (["mesh.pipeline=2", "model.moe.num_experts=8"], r"mesh\.pipeline=2 with an MoE model \(model\.moe\.num_experts=8\) is not supported yet"),
         # heads
         (["model.n_kv_heads=4"], r"model\.n_heads=6 is not divisible by model\.n_kv_heads=4"),

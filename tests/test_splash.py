@@ -47,6 +47,7 @@ def test_splash_matches_plain_attention_in_value_and_gradient():
     ("cudnn", "tpu", 2048, 1, r"^model.attention_impl='cudnn' is cuDNN flash attention, which runs on GPUs only, and these devices are tpu"),
     ("splash", "tpu", 1000, 1, r"needs train.seq_len to be a multiple of 128 .*; it is 1000\.$"),
     ("splash", "tpu", 2048, 2, r"with mesh.pipeline=2 is not supported yet"),
+    ("cudnn", "cpu", 2048, 2, r"model\.attention_impl='cudnn' cannot run inside pipeline stages \(mesh\.pipeline=2\)"),
 ])
 def test_a_kernel_the_platform_lacks_is_one_sentence(impl, platform, seq_len, stages, match):
     with pytest.raises(UserError, match=match):

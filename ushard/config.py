@@ -400,11 +400,6 @@ def check_pipeline(config, mesh: dict[str, int]) -> None:
             f"mesh.pipeline={stages} with mesh.sequence={mesh['sequence']} is not supported yet; split the "
             f"sequence without a pipeline, or the batch (data, fsdp) and tensor within the pipeline's stages."
         )
-    if config.model.attention_impl == "cudnn":
-        raise UserError(
-            f"model.attention_impl='cudnn' cannot run inside pipeline stages (mesh.pipeline={stages}): XLA's GPU "
-            f"compiler crashes on it there; use attention_impl='auto', which runs XLA attention in the stages."
-        )
     if config.model.moe.num_experts:
         # The routed experts are a shard_map of their own too (ushard/parallel/expert.py).
         raise UserError(

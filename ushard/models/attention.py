@@ -39,6 +39,10 @@ def check_impl(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1)
     """UserError for a kernel asked for on a platform that lacks it, or a layout it cannot take."""
     if impl not in KERNEL_PLATFORMS:
         return
+    if impl == "cudnn" and pipeline_stages > 1:  # whatever the platform: the config cannot run anywhere
+        raise UserError(f"model.attention_impl='cudnn' cannot run inside pipeline stages "
+                        f"(mesh.pipeline={pipeline_stages}): XLA's GPU compiler crashes on it there; use "
+                        f"attention_impl='auto', which runs XLA attention in the stages.")
     needs, name = KERNEL_PLATFORMS[impl]
     if platform != needs:
         raise UserError(f"model.attention_impl={impl!r} is {name}, which runs on {needs.upper()}s only, and these "
