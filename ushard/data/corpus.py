@@ -12,9 +12,9 @@ unit of the held-out split and of shuffling:
 
 A weighted mixture (data.weights: one weight per glob of data.paths) repeats each training piece of
 component i about f_i times an epoch, f_i = (its weight's share) / (its share of the training tokens):
-floor(f_i) times, and once more when a hash of the piece falls below the fraction. So component i
-makes up about its weight's share of every epoch, and the multiset of pieces, like everything here,
-depends only on the data settings. The held-out split is not reweighted.
+floor(f_i) times, and once more for the fraction of its pieces with the lowest hashes (so the rounding
+is off by at most one piece per component, whatever the paths). So component i makes up its weight's
+share of every epoch, and the multiset of pieces, like everything here, depends only on the data settings. The held-out split is not reweighted.
 """
 
 from __future__ import annotations
@@ -172,8 +172,15 @@ def mixture_repeats(components: np.ndarray, lengths: np.ndarray, scores: np.ndar
         raise UserError(f"the data.paths glob {empty!r} has no training tokens, so data.weights cannot give it a "
                         f"share; remove it or add data.")
     factor = (np.asarray(weights) / sum(weights)) * tokens.sum() / tokens
-    f = factor[components]
-    return (np.floor(f) + (scores < f - np.floor(f))).astype(np.int64)
+    # Stratified rounding: within each component, the pieces ranked lowest by score take the extra
+    # repeat, as many as the fraction asks. (A coin per piece would leave the share off by a few percent.)
+    order = np.lexsort((scores, components))
+    first_of_component = np.searchsorted(components[order], components[order])
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order)) - first_of_component
+    pieces = np.bincount(components, minlength=len(weights))
+    extra = np.round((factor - np.floor(factor)) * pieces)
+    return (np.floor(factor)[components] + (rank < extra[components])).astype(np.int64)
 
 
 def load_corpus(data_cfg) -> Corpus:
