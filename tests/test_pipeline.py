@@ -293,19 +293,53 @@ def test_one_f_one_b_memory_is_bounded_by_the_stages_gpipe_grows_with_the_microb
     assert_flat_and_growing(*[[toy_step_bytes(schedule, count) for count in (4, 8)] for schedule in ("1f1b", "gpipe")])
 
 
-def step_bytes(schedule, microbatches, rows_per_microbatch=2):
-    """Per-device bytes (arguments + temporaries) of the model's compiled loss and gradients on 2 stages."""
-    config = small_config(**{"mesh.pipeline": 2, "parallel.pipeline_schedule": schedule,
+def compiled_loss_and_grads(schedule, microbatches, rows_per_microbatch=2, fsdp=1):
+    """The model's compiled loss and gradients on 2 stages (x `fsdp`)."""
+    config = small_config(**{"mesh.pipeline": 2, "mesh.fsdp": fsdp, "parallel.pipeline_schedule": schedule,
                              "parallel.pipeline_microbatches": microbatches,
-                             "train.batch_size": rows_per_microbatch * microbatches})
-    setup = build(config, devices=jax.devices()[:2])
+                             "train.batch_size": rows_per_microbatch * microbatches * fsdp})
+    setup = build(config, devices=jax.devices()[:2 * fsdp])
     shape = (config.train.batch_size, config.train.seq_len)
     batch = {field: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.layout.batch) for field in BATCH_FIELDS}
-    compiled = setup.steps.loss_and_grads.lower(setup.steps.abstract_state().params, batch).compile()
-    return per_device_bytes(compiled.memory_analysis())
+    return setup.steps.loss_and_grads.lower(setup.steps.abstract_state().params, batch).compile()
+
+
+def step_bytes(schedule, microbatches, rows_per_microbatch=2):
+    """Per-device bytes (arguments + temporaries) of the model's compiled loss and gradients on 2 stages."""
+    return per_device_bytes(compiled_loss_and_grads(schedule, microbatches, rows_per_microbatch).memory_analysis())
 
 
 @pytest.mark.slow
 def test_the_models_memory_under_1f1b_is_bounded_by_the_stages():
     """The model's loss and gradients (measured: 1F1B 1.350 -> 1.360 MB, GPipe 5.26 -> 9.28 MB)."""
     assert_flat_and_growing(*[[step_bytes(schedule, count) for count in (4, 8)] for schedule in ("1f1b", "gpipe")])
+
+
+# --------------------------------------------------------------------------- data parallelism
+
+
+def loop_collectives(hlo: str) -> list[str]:
+    """The collectives (kind and replica groups, sorted) in what the compiled while loops run: their
+    bodies and every computation those call."""
+    computations = dict(re.findall(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}", hlo, re.S | re.M))
+    inside = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    frontier = list(inside)
+    while frontier:
+        for callee in re.findall(r"%([\w.\-]+)", computations.get(frontier.pop(), "")):
+            if callee in computations and callee not in inside:
+                inside.add(callee)
+                frontier.append(callee)
+    kinds = r"all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute"
+    return sorted(m.group(1) + " " + m.group(2) for name in inside
+                  for m in re.finditer(rf"= \S+ ({kinds})(?:-start)?\(.*?(replica_groups=\S+|source_target_pairs=\S+)",
+                                       computations[name]))
+
+
+def test_one_f_one_b_gathers_weights_and_reduces_gradients_once_per_step():
+    """fsdp=2 beside 2 stages adds no collective to 1F1B's tick loop: the stage's weights are gathered
+    before it and the data-parallel devices reduce their gradients after it, not once per microbatch.
+    (The loop's own collectives, the same in both, move activations between stages and reduce the
+    vocabulary-split embedding and loss over the stages.)"""
+    alone, beside_fsdp = (loop_collectives(compiled_loss_and_grads("1f1b", 4, fsdp=f).as_text()) for f in (1, 2))
+    assert alone and len(beside_fsdp) == len(alone), (alone, beside_fsdp)
+    assert not [c for c in beside_fsdp if c.startswith(("all-gather", "reduce-scatter"))], beside_fsdp

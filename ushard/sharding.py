@@ -125,6 +125,14 @@ class ZeroRules:
         replace = lambda rules: tuple((n, axes if n == name else a) for n, a in rules)  # noqa: E731
         return dataclasses.replace(self, **{kind: replace(self.table(kind)) for kind in KINDS})
 
+    def without_axes(self, axes) -> "ZeroRules":
+        """The same tables with the mesh `axes` taken out of every rule."""
+        def drop(rules):
+            kept = {n: tuple(a for a in mesh_axes(n, rules) if a not in axes) for n, _ in rules}
+            return tuple((n, kept[n] or None) for n, _ in rules)
+
+        return dataclasses.replace(self, **{kind: drop(self.table(kind)) for kind in KINDS})
+
 
 def mesh_axes(name: str | None, rules: Rules) -> tuple[str, ...]:
     """The mesh axes one logical name maps to, as a tuple (empty: not sharded)."""
@@ -188,6 +196,12 @@ class Layout:
         if weights_prepared:
             zero = dataclasses.replace(zero, keep_gathered=False)
         return Layout(mesh, zero, platform=self.platform)
+
+    def per_group(self, axes) -> "Layout":
+        """The layout for code vmapped over groups of rows, one group per device of the mesh `axes`
+        (`jax.vmap(..., spmd_axis_name=axes)` places the group dimension on them, so the rules inside
+        must not use them again)."""
+        return dataclasses.replace(self, zero=self.zero.without_axes(axes))
 
     @property
     def keep_gathered(self) -> bool:

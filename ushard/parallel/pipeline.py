@@ -163,15 +163,16 @@ def run_stages(stage, stack, x, args, layout: Layout):
 # --------------------------------------------------------------------------- 1F1B
 
 
-def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare=lambda chunk: chunk):
+def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare=lambda stack: stack):
     """Sums and gradients of Σ_m objective_m by the 1F1B schedule, without autodiff of the loop.
 
-    For microbatch m (rows of every `batch` leaf): x = first(outer, m); x, aux_i =
-    stage(prepare(chunk_i), x, m) for each chunk of layers in turn; (objective, sums) = last(outer, x,
-    Σ aux_i, m). `outer` are the parameters outside the stack, `stack` the stacked layers, `prepare`
-    what every microbatch needs of a chunk's weights (cast, gathered), done in each slot outside what is
-    differentiated, so that the residuals a stage keeps per microbatch do not hold copies of it.
-    Returns (sums summed over microbatches, d outer, d stack) with d = gradient of Σ_m objective_m.
+    For microbatch m (rows of every `batch` leaf): x = first(outer, m); x, aux_i = stage(chunk_i, x, m)
+    for each chunk of the prepared layers in turn; (objective, sums) = last(outer, x, Σ aux_i, m).
+    `outer` are the parameters outside the stack, `stack` the stacked layers. `prepare(stack)` casts
+    and places the stacked weights for compute (ZeRO-3: gathers them) and does nothing else: it runs
+    once per step, before the tick loop, and the weight gradients, accumulated in float32, are
+    returned in each weight's own dtype and layout. Returns (sums summed over microbatches, d outer,
+    d stack) with d = gradient of Σ_m objective_m.
 
     Each tick has two manual regions (a shard_map over the stage axis) that run only the layers: the
     forward slot, then the backward slot. Between them, outside, `first` runs on the microbatch that
@@ -180,22 +181,31 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
     a partially manual shard_map, not outside. The layout splits the vocabulary over the stage axis
     too (`vocab`, `act_vocab`), so every stage computes its share of the head and loss in every tick
     rather than the last stage all of it while the others wait.
+
+    Data parallelism: a microbatch's rows are split over the batch axes. Everything per microbatch runs
+    vmapped over groups of rows, one group per device of those axes (`spmd_axis_name`), and every
+    gradient accumulates per group: the data-parallel devices reduce their gradients once per step,
+    after the loop, rather than in every tick.
     """
     axis, stages, count = stage_axis(layout), layout.size("layers"), layout.pipeline.microbatches
-    chunks = virtual_stages(stack, stages, 1)
-    microbatches = jax.tree.map(lambda a: split_rows(a, count, layout), batch)
+    groups = Groups.of(layout)
+    with use_layout(layout):
+        weights = prepare(stack)
+    chunks = virtual_stages(weights, stages, 1)
+    microbatches = jax.tree.map(lambda a: groups.split(split_rows(a, count, layout), axis=1), batch)
     chained = carry_aux(stage)
-    on_stages = functools.partial(pin_to_stages, layout=layout, axis=axis)
+    on_stages = functools.partial(pin_to_stages, layout=layout, axis=axis, groups_at=1)
 
-    def rows(index):  # each stage's microbatch (IDLE: any, unused) -> [stages, rows, ...]
+    def rows(index):  # each stage's microbatch (IDLE: any, unused) -> [stages, groups, rows, ...]
         return on_stages(take(microbatches, index))
 
-    def on_every_stage(tree):  # a copy for each stage, [stages, ...] split over the stage axis
+    def on_every_stage(tree):  # a copy for each stage, [stages, groups, ...] split over the stage axis
         return on_stages(jax.tree.map(lambda a: jnp.broadcast_to(a, (stages, *a.shape)), tree))
 
     with use_layout(None):  # shapes only: no layout, so the stage's layers are not pipelined again
+        one = jax.tree.map(lambda a: a[0], take(microbatches, 0))  # one group's rows
         aux = jax.eval_shape(lambda c, o, mb: stage(c, first(o, mb), mb)[1],
-                             jax.tree.map(lambda c: c[0, 0], chunks), outer, take(microbatches, 0))
+                             jax.tree.map(lambda c: c[0, 0], chunks), outer, one)
 
     def enter(outer, mb):  # the activation entering stage 0: (x, no aux yet)
         return first(outer, mb), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
@@ -207,37 +217,90 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
     def enter_grads(outer, mb, d_activation):
         return jax.vjp(lambda o: enter(o, mb), outer)[1](d_activation)[0]
 
-    slots = StageSlots(chained, prepare, ring_size(stages), layout, axis)
+    # Per group of rows (one per device of the batch axes): [groups, ...] in and out.
+    enter_each, finish_each, enter_grads_each = (groups.each(fn, layout, shared=1) for fn in (enter, finish, enter_grads))
+    slots = StageSlots(chained, ring_size(stages), layout, axis, groups)
     idle, some = jnp.full((stages,), IDLE), take(microbatches, 0)
-    activation = jax.eval_shape(lambda o, mb: on_every_stage(enter(o, mb)), outer, some)
-    sums = jax.eval_shape(lambda o, mb: finish(o, enter(o, mb), mb)[0], outer, some)
+    activation = jax.eval_shape(lambda o, mb: on_every_stage(enter_each(o, mb)), outer, some)
+    sums = jax.eval_shape(lambda o, mb: finish_each(o, enter_each(o, mb), mb)[0], outer, some)
     ring = slots.ring_shapes(chunks, idle, rows(idle), activation)
 
     def tick(carry, table_row):
         received, d_received, ring, d_chunks, d_outer, sums = carry
         f, b = table_row[:, 0], table_row[:, 1]
-        entered = on_every_stage(enter(outer, take(microbatches, f[0])))
+        entered = on_every_stage(enter_each(outer, take(microbatches, f[0])))
         out, received, ring = slots.forward(chunks, f, rows(f), entered, received, ring)
         last_out = jax.tree.map(lambda a: a[-1], out)
-        sums_f, d_outer_head, d_out = finish(outer, last_out, take(microbatches, f[-1]))
+        sums_f, d_outer_head, d_out = finish_each(outer, last_out, take(microbatches, f[-1]))
         d_activation, d_received, d_chunks = slots.backward(chunks, b, rows(b), ring, on_every_stage(d_out),
                                                             d_received, d_chunks)
         first_d = jax.tree.map(lambda a: a[0], d_activation)
-        d_outer_embed = enter_grads(outer, take(microbatches, b[0]), first_d)
+        d_outer_embed = enter_grads_each(outer, take(microbatches, b[0]), first_d)
         ends, starts = f[-1] != IDLE, b[0] != IDLE
         d_outer = add(d_outer, add(keep_if(ends, d_outer_head), keep_if(starts, d_outer_embed)))
         return (received, d_received, ring, d_chunks, d_outer, add(sums, keep_if(ends, sums_f))), None
 
     zeros = functools.partial(zeros_on_stages, layout=layout, axis=axis)
-    carry = (zeros(activation), zeros(activation), zeros(ring), jax.tree.map(jnp.zeros_like, chunks),
-             jax.tree.map(jnp.zeros_like, outer), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), sums))
+    per_group = functools.partial(groups.zeros, layout=layout)  # [groups, ...]
+    carry = (zeros(activation, groups_at=1), zeros(activation, groups_at=1), zeros(ring, groups_at=2),
+             groups.zeros(groups.float32_grads(chunks, at=2), layout, None, axis), per_group(groups.grads(outer)),
+             per_group(sums))
     schedule = jnp.asarray(one_f_one_b_table(stages, count))
     (_, _, _, d_chunks, d_outer, sums), _ = jax.lax.scan(tick, carry, schedule)
-    return sums, d_outer, jax.tree.map(lambda g, w: g.reshape(w.shape), d_chunks, stack)
+    d_stack = jax.tree.map(lambda g, w: g.sum(axis=2).reshape(w.shape).astype(w.dtype), d_chunks, stack)
+    return groups.total(sums), groups.total(d_outer), d_stack
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The rows of a microbatch in groups, one per device of the batch's mesh axes, each group's work
+    vmapped with the group dimension on those axes: what is computed per group stays on its devices
+    until `total` adds the groups up."""
+
+    axes: tuple  # the batch's mesh axes
+    count: int  # devices over them
+
+    @classmethod
+    def of(cls, layout: Layout) -> "Groups":
+        return cls(layout.axes("act_batch"), layout.size("act_batch"))
+
+    def split(self, a, axis):
+        """[..., rows, ...] -> [..., groups, rows / groups, ...] at `axis`: each device's rows a group."""
+        return a.reshape(*a.shape[:axis], self.count, a.shape[axis] // self.count, *a.shape[axis + 1:])
+
+    def each(self, fn, layout: Layout, shared: int):
+        """fn vmapped over groups: its first `shared` arguments are the same for every group, the
+        others carry a leading group dimension, as do its results."""
+        def run(*args):
+            in_axes = (None,) * shared + (0,) * (len(args) - shared)
+            with use_layout(layout.per_group(self.axes)):
+                return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=self.axes or None)(*args)
+
+        return run
+
+    def grads(self, tree):
+        """Shapes of one gradient per group of `tree`: [groups, ...]."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.count, *a.shape), a.dtype), tree)
+
+    def float32_grads(self, tree, at: int):
+        """Shapes of one float32 gradient per group of `tree`, the group dimension at `at`."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*a.shape[:at], self.count, *a.shape[at:]), jnp.float32),
+                            tree)
+
+    def zeros(self, shapes, layout: Layout, *before):
+        """Zeros of `shapes`, their group dimension (after the dimensions `before` places) on the batch axes."""
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        return pin(zeros, layout, *before, self.axes or None)
+
+    @staticmethod
+    def total(tree):
+        return jax.tree.map(lambda a: a.sum(axis=0), tree)
 
 
 class StageSlots:
-    """The two manual regions of a 1F1B tick, over arrays with a leading stage dimension.
+    """The two manual regions of a 1F1B tick, over arrays with a leading stage dimension and a group
+    dimension (`Groups`) after it. The regions are manual over the batch axes too, so each device runs
+    the layers on its own rows and keeps its own gradients.
 
     forward(chunks, f, mb, entered, received, ring) -> (out, sent, ring): stage s runs its forward of
     microbatch f[s] on what entered (stage 0) or what it received, and keeps the residuals its backward
@@ -245,94 +308,113 @@ class StageSlots:
     f[s] mod `keep` of the ring.
     backward(chunks, b, mb, ring, d_out, d_received, d_chunks) -> (d_in, d_sent, d_chunks): stage s
     pulls back d_out (last stage: the head's gradient of this tick) or what it received through
-    microbatch b[s]'s kept residuals; weight gradients accumulate in d_chunks.
+    microbatch b[s]'s kept residuals; weight gradients accumulate per group in d_chunks (float32).
 
     The residuals are the leaves of the pullback `jax.vjp` returns (a pytree); those that are the
-    prepared weights themselves are not kept but passed again in the backward slot, which prepares
-    the weights anew (ZeRO-3: gathers them again, as a step without a pipeline does).
+    weights themselves are not kept but passed again in the backward slot.
     """
 
-    def __init__(self, chained, prepare, keep: int, layout: Layout, axis: str):
-        self.chained, self.prepare, self.keep, self.layout, self.axis = chained, prepare, keep, layout, axis
+    def __init__(self, chained, keep: int, layout: Layout, axis: str, groups: Groups):
+        self.chained, self.keep, self.layout, self.axis = chained, keep, layout, axis
+        self.manual = (axis, *groups.axes)
         self.pullback_tree = None  # set while tracing the forward slot: the pullback's structure,
-        self.weight_at = None  # and for each of its leaves, the prepared weight it is (or None)
+        self.weight_at = None  # and for each of its leaves, the weight it is (or None)
         stages = layout.size("layers")
         self.stages = stages
         forward_pairs = [(s, s + 1) for s in range(stages - 1)]
         self.forward_pairs, self.backward_pairs = forward_pairs, [(t, s) for s, t in forward_pairs]
-        stacked, chunk_spec = P(axis), P(None, axis)
-        mapped = functools.partial(jax.shard_map, mesh=layout.mesh, axis_names={axis})
-        self.forward = mapped(self._forward_body, in_specs=(chunk_spec,) + (stacked,) * 5, out_specs=(stacked,) * 3)
-        self.backward = mapped(self._backward_body, in_specs=(chunk_spec,) + (stacked,) * 5 + (chunk_spec,),
-                               out_specs=(stacked, stacked, chunk_spec))
-        self._residuals_only = mapped(self._residuals_body, in_specs=(chunk_spec,) + (stacked,) * 3,
-                                      out_specs=stacked)
+        on_groups = groups.axes or None
+        # [repeats, stages, ...] weights; [stages] microbatch indices; [stages, groups, ...] activations
+        # and microbatches; [stages, keep, groups, ...] the ring; [repeats, stages, groups, ...] gradients.
+        chunk, index, grouped = P(None, axis), P(axis), P(axis, on_groups)
+        ring, grads = P(axis, None, on_groups), P(None, axis, on_groups)
+        mapped = functools.partial(jax.shard_map, mesh=layout.mesh, axis_names=set(self.manual))
+        self.forward = mapped(self._forward_body, in_specs=(chunk, index, grouped, grouped, grouped, ring),
+                              out_specs=(grouped, grouped, ring))
+        self.backward = mapped(self._backward_body, in_specs=(chunk, index, grouped, ring, grouped, grouped, grads),
+                               out_specs=(grouped, grouped, grads))
+        self._residuals_only = mapped(self._residuals_body, in_specs=(chunk, index, grouped, grouped),
+                                      out_specs=grouped)
 
     def ring_shapes(self, chunks, f, mb, activation):
-        """Shapes of the ring: `keep` slots of one microbatch's residuals per stage."""
+        """Shapes of the ring: `keep` slots of one microbatch's residuals per stage, [stages, keep, groups, ...]."""
         residuals = jax.eval_shape(self._residuals_only, chunks, f, mb, activation)
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], self.keep, *a.shape[1:]), a.dtype), residuals)
 
-    def _forward_with_residuals(self, chunk, activation, mb):
-        """(the stage's output, the residuals of its pullback that are not prepared weights)."""
-        weights = self.prepare(chunk)
+    def _forward_with_residuals(self, weights, activation, mb):
+        """(the stage's output, the residuals of its pullback that are not the weights)."""
         out, pullback = jax.vjp(lambda w, a: self.chained(w, a, mb), weights, activation)
         leaves, self.pullback_tree = jax.tree.flatten(pullback)
         weight_leaves = jax.tree.leaves(weights)
         self.weight_at = [next((i for i, w in enumerate(weight_leaves) if leaf is w), None) for leaf in leaves]
         return out, [leaf for leaf, at in zip(leaves, self.weight_at) if at is None]
 
-    def _grads(self, chunk, residuals, d_out):
-        """(d chunk, d activation) from a microbatch's kept residuals."""
-        weights, to_chunk = jax.vjp(self.prepare, chunk)
+    def _grads(self, weights, residuals, d_out):
+        """(d weights, d activation) from a microbatch's kept residuals."""
         weight_leaves, kept = jax.tree.leaves(weights), iter(residuals)
         leaves = [next(kept) if at is None else weight_leaves[at] for at in self.weight_at]
-        d_weights, d_in = jax.tree.unflatten(self.pullback_tree, leaves)(d_out)
-        return to_chunk(d_weights)[0], d_in
+        return jax.tree.unflatten(self.pullback_tree, leaves)(d_out)
 
-    def _local(self, chunks, tree):
-        chunk = jax.tree.map(lambda c: c[0, 0], chunks)
-        return chunk, jax.tree.map(lambda a: a[0], tree)
+    def _inside(self):
+        """The layout of a stage's own rows: its layers unsplit, nothing over the manual axes."""
+        return use_layout(self.layout.inside_stage(weights_prepared=True).per_group(self.manual))
+
+    def _local(self, chunks, index, grouped):
+        """This device's chunk of weights, microbatch index, and rows of each grouped tree, all typed as
+        varying over every manual axis. For the weights this is what keeps their gradient on the
+        device: differentiating through the implicit cast instead would sum it over the batch axes."""
+        return (varying(jax.tree.map(lambda c: c[0, 0], chunks), self.manual), index[0],
+                *[varying(jax.tree.map(lambda a: a[0, 0], tree), self.manual) for tree in grouped])
 
     def _residuals_body(self, chunks, f, mb, activation):
-        chunk, (f, mb, activation) = self._local(chunks, (f, mb, activation))
-        with use_layout(self.layout.inside_stage(weights_prepared=True)):
-            residuals = zeros_of(lambda *a: self._forward_with_residuals(*a)[1], chunk, activation, mb, axis=self.axis)
-        return jax.tree.map(lambda a: a[None], residuals)
+        chunk, f, mb, activation = self._local(chunks, f, (mb, activation))
+        with self._inside():
+            residuals = zeros_of(lambda *a: self._forward_with_residuals(*a)[1], chunk, activation, mb, axis=self.manual)
+        return jax.tree.map(lambda a: a[None, None], residuals)
 
     def _forward_body(self, chunks, f, mb, entered, received, ring):
         index = jax.lax.axis_index(self.axis)
-        chunk, (f, mb, entered, received, ring) = self._local(chunks, (f, mb, entered, received, ring))
-        with use_layout(self.layout.inside_stage(weights_prepared=True)):
+        chunk, f, mb, entered, received = self._local(chunks, f, (mb, entered, received))
+        ring = jax.tree.map(lambda a: a[0, :, 0], ring)
+        with self._inside():
             activation = jax.tree.map(lambda a, r: jnp.where(index == 0, a, r), entered, received)
-            out, residuals = when(f != IDLE, self._forward_with_residuals, chunk, activation, mb, axis=self.axis)
+            out, residuals = when(f != IDLE, self._forward_with_residuals, chunk, activation, mb, axis=self.manual)
             ring = put(ring, jnp.maximum(f, 0) % self.keep, residuals, f != IDLE)
         sent = jax.lax.ppermute(out, self.axis, self.forward_pairs)
-        return jax.tree.map(lambda a: a[None], (out, sent, ring))
+        return *jax.tree.map(lambda a: a[None, None], (out, sent)), jax.tree.map(lambda a: a[None, :, None], ring)
 
     def _backward_body(self, chunks, b, mb, ring, d_out, d_received, d_chunks):
         index = jax.lax.axis_index(self.axis)
-        chunk, (b, mb, ring, d_out, d_received) = self._local(chunks, (b, mb, ring, d_out, d_received))
-        with use_layout(self.layout.inside_stage(weights_prepared=True)):
+        chunk, b, mb, d_out, d_received = self._local(chunks, b, (mb, d_out, d_received))
+        kept = take(jax.tree.map(lambda a: a[0, :, 0], ring), jnp.maximum(b, 0) % self.keep)
+        with self._inside():
             d_out = jax.tree.map(lambda h, r: jnp.where(index == self.stages - 1, h, r), d_out, d_received)
-            kept = take(ring, jnp.maximum(b, 0) % self.keep)
-            d_chunk, d_in = when(b != IDLE, self._grads, chunk, kept, d_out, axis=self.axis)
-        d_chunks = add(d_chunks, jax.tree.map(lambda g: g[None, None], d_chunk))
+            d_chunk, d_in = when(b != IDLE, self._grads, chunk, kept, d_out, axis=self.manual)
+        d_chunks = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype)[None, None, None], d_chunks, d_chunk)
         d_sent = jax.lax.ppermute(d_in, self.axis, self.backward_pairs)
-        return *jax.tree.map(lambda a: a[None], (d_in, d_sent)), d_chunks
+        return *jax.tree.map(lambda a: a[None, None], (d_in, d_sent)), d_chunks
 
 
-def pin_to_stages(tree, layout: Layout, axis: str):
-    """Leading dimension of every leaf split over the stage axis (the rest left to the compiler)."""
-    def pin(a):
-        spec = P(axis, *[P.UNCONSTRAINED] * (a.ndim - 1))
+def pin(tree, layout: Layout, *leading):
+    """The leading dimensions of every leaf split over the mesh axes `leading` names (the rest left to
+    the compiler)."""
+    def constrain(a):
+        spec = P(*leading, *[P.UNCONSTRAINED] * (a.ndim - len(leading)))
         return jax.lax.with_sharding_constraint(a, NamedSharding(layout.mesh, spec))
 
-    return jax.tree.map(pin, tree)
+    return jax.tree.map(constrain, tree)
 
 
-def zeros_on_stages(shapes, layout: Layout, axis: str):
-    return pin_to_stages(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), layout, axis)
+def pin_to_stages(tree, layout: Layout, axis: str, groups_at: int | None = None):
+    """Leading dimension of every leaf split over the stage axis; with `groups_at`, the group dimension
+    there (`Groups`) over the batch axes."""
+    if groups_at is None:
+        return pin(tree, layout, axis)
+    return pin(tree, layout, axis, *[None] * (groups_at - 1), layout.axes("act_batch") or None)
+
+
+def zeros_on_stages(shapes, layout: Layout, axis: str, groups_at: int | None = None):
+    return pin_to_stages(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), layout, axis, groups_at)
 
 
 def keep_if(condition, tree):
@@ -407,12 +489,16 @@ def when(predicate, fn, *operands, axis):
 
 
 def varying(tree, axis, zeros: bool = False):
-    """Marks values as differing between stages (shard_map's type check wants equal types in both
-    branches of a cond and around a scan); with `zeros`, zeros of the given shapes."""
+    """Marks values as differing between stages (the manual axis or axes `axis`: shard_map's type check
+    wants equal types in both branches of a cond and around a scan); with `zeros`, zeros of the given
+    shapes."""
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+
     def cast(x):
         if zeros:
             x = jnp.zeros(x.shape, x.dtype)
-        return x if axis in _varying_axes(x) else jax.lax.pcast(x, (axis,), to="varying")
+        missing = tuple(a for a in axes if a not in _varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
 
