@@ -4,6 +4,10 @@ import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The test models are tiny, so LLVM's optimisation passes are most of XLA's CPU compile time and buy
+# nothing here: without them the suite compiles in about half the time (same results).
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

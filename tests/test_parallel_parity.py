@@ -168,9 +168,22 @@ def packed_batches():
     return batches
 
 
+class LayoutResults(dict):
+    """run_layout's result for each layout, computed when a test first asks for it (so a subset of
+    the tests compiles only the layouts it reads)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def __missing__(self, name):
+        self[name] = run_layout(name, self.batches)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def results(packed_batches):
-    return {name: run_layout(name, packed_batches) for name in LAYOUTS}
+    return LayoutResults(packed_batches)
 
 
 def tree_relative_difference(a, b) -> float:
