@@ -14,7 +14,8 @@ A weighted mixture (data.weights: one weight per glob of data.paths) repeats eac
 component i about f_i times an epoch, f_i = (its weight's share) / (its share of the training tokens):
 floor(f_i) times, and once more for the fraction of its pieces with the lowest hashes (so the rounding
 is off by at most one piece per component, whatever the paths). So component i makes up its weight's
-share of every epoch, and the multiset of pieces, like everything here, depends only on the data settings. The held-out split is not reweighted.
+share of every epoch, and the multiset of pieces, like everything here, depends only on the data
+settings. The held-out split is not reweighted.
 """
 
 from __future__ import annotations

@@ -182,10 +182,11 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
     too (`vocab`, `act_vocab`), so every stage computes its share of the head and loss in every tick
     rather than the last stage all of it while the others wait.
 
-    Data parallelism: a microbatch's rows are split over the batch axes. Everything per microbatch runs
-    vmapped over groups of rows, one group per device of those axes (`spmd_axis_name`), and every
-    gradient accumulates per group: the data-parallel devices reduce their gradients once per step,
-    after the loop, rather than in every tick.
+    Data parallelism: a microbatch's rows are split over the batch axes, one group of rows per device
+    of those axes (`Groups`). The stage slots are manual over those axes too; embedding, head and loss
+    run vmapped over the groups (`spmd_axis_name`). Every gradient accumulates per group, so the
+    data-parallel devices reduce their gradients once per step, after the loop, rather than in every
+    tick.
     """
     axis, stages, count = stage_axis(layout), layout.size("layers"), layout.pipeline.microbatches
     groups = Groups.of(layout)
@@ -194,7 +195,7 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
     chunks = virtual_stages(weights, stages, 1)
     microbatches = jax.tree.map(lambda a: groups.split(split_rows(a, count, layout), axis=1), batch)
     chained = carry_aux(stage)
-    on_stages = functools.partial(pin_to_stages, layout=layout, axis=axis, groups_at=1)
+    on_stages = functools.partial(groups.pin, layout=layout, before=(axis,))  # [stages, groups, ...]
 
     def rows(index):  # each stage's microbatch (IDLE: any, unused) -> [stages, groups, rows, ...]
         return on_stages(take(microbatches, index))
@@ -240,11 +241,10 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
         d_outer = add(d_outer, add(keep_if(ends, d_outer_head), keep_if(starts, d_outer_embed)))
         return (received, d_received, ring, d_chunks, d_outer, add(sums, keep_if(ends, sums_f))), None
 
-    zeros = functools.partial(zeros_on_stages, layout=layout, axis=axis)
-    per_group = functools.partial(groups.zeros, layout=layout)  # [groups, ...]
-    carry = (zeros(activation, groups_at=1), zeros(activation, groups_at=1), zeros(ring, groups_at=2),
-             groups.zeros(groups.float32_grads(chunks, at=2), layout, None, axis), per_group(groups.grads(outer)),
-             per_group(sums))
+    zeros = functools.partial(groups.zeros, layout=layout)
+    carry = (zeros(activation, before=(axis,)), zeros(activation, before=(axis,)), zeros(ring, before=(axis, None)),
+             zeros(groups.shapes(chunks, at=2, dtype=jnp.float32), before=(None, axis)), zeros(groups.shapes(outer)),
+             zeros(sums))
     schedule = jnp.asarray(one_f_one_b_table(stages, count))
     (_, _, _, d_chunks, d_outer, sums), _ = jax.lax.scan(tick, carry, schedule)
     d_stack = jax.tree.map(lambda g, w: g.sum(axis=2).reshape(w.shape).astype(w.dtype), d_chunks, stack)
@@ -278,19 +278,23 @@ class Groups:
 
         return run
 
-    def grads(self, tree):
-        """Shapes of one gradient per group of `tree`: [groups, ...]."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.count, *a.shape), a.dtype), tree)
-
-    def float32_grads(self, tree, at: int):
-        """Shapes of one float32 gradient per group of `tree`, the group dimension at `at`."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*a.shape[:at], self.count, *a.shape[at:]), jnp.float32),
+    def shapes(self, tree, at: int = 0, dtype=None):
+        """Shapes of one copy of `tree` per group (e.g. a gradient accumulator), the group dimension
+        at `at`, in `dtype` (None: each leaf's own)."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*a.shape[:at], self.count, *a.shape[at:]), dtype or a.dtype),
                             tree)
 
-    def zeros(self, shapes, layout: Layout, *before):
-        """Zeros of `shapes`, their group dimension (after the dimensions `before` places) on the batch axes."""
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-        return pin(zeros, layout, *before, self.axes or None)
+    def pin(self, tree, layout: Layout, before=()):
+        """Every leaf's group dimension, after the dimensions `before` places on mesh axes (or None),
+        split over the batch axes; the rest left to the compiler."""
+        def constrain(a):
+            spec = P(*before, self.axes or None, *[P.UNCONSTRAINED] * (a.ndim - len(before) - 1))
+            return jax.lax.with_sharding_constraint(a, NamedSharding(layout.mesh, spec))
+
+        return jax.tree.map(constrain, tree)
+
+    def zeros(self, shapes, layout: Layout, before=()):
+        return self.pin(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), layout, before)
 
     @staticmethod
     def total(tree):
@@ -393,28 +397,6 @@ class StageSlots:
         d_chunks = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype)[None, None, None], d_chunks, d_chunk)
         d_sent = jax.lax.ppermute(d_in, self.axis, self.backward_pairs)
         return *jax.tree.map(lambda a: a[None, None], (d_in, d_sent)), d_chunks
-
-
-def pin(tree, layout: Layout, *leading):
-    """The leading dimensions of every leaf split over the mesh axes `leading` names (the rest left to
-    the compiler)."""
-    def constrain(a):
-        spec = P(*leading, *[P.UNCONSTRAINED] * (a.ndim - len(leading)))
-        return jax.lax.with_sharding_constraint(a, NamedSharding(layout.mesh, spec))
-
-    return jax.tree.map(constrain, tree)
-
-
-def pin_to_stages(tree, layout: Layout, axis: str, groups_at: int | None = None):
-    """Leading dimension of every leaf split over the stage axis; with `groups_at`, the group dimension
-    there (`Groups`) over the batch axes."""
-    if groups_at is None:
-        return pin(tree, layout, axis)
-    return pin(tree, layout, axis, *[None] * (groups_at - 1), layout.axes("act_batch") or None)
-
-
-def zeros_on_stages(shapes, layout: Layout, axis: str, groups_at: int | None = None):
-    return pin_to_stages(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), layout, axis, groups_at)
 
 
 def keep_if(condition, tree):
