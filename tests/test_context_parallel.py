@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ushard.mesh import build_mesh
-from ushard.models.attention import causal_attention
+from ushard.models.attention import attention_block, causal_attention
 from ushard.parallel import context
 from ushard.sharding import Layout, use_layout
 
@@ -77,6 +77,51 @@ def test_context_attention_matches_plain_attention(mode, n, seed, documents, zig
 
     want_loss, want_grads = loss_and_grads(reference_attention, q, k, v, segments, weights)
     got_loss, got_grads = loss_and_grads(split_attention, q, k, v, segments, weights)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
+    for name, got, want in zip("qkv", got_grads, want_grads):
+        assert np.linalg.norm(got - want) <= RTOL * np.linalg.norm(want), name
+
+
+def _flash_forward(q, k, v, causal):
+    """A block's (out, float32 lse) through the XLA block kernel, queries and keys aligned."""
+    index = jnp.arange(q.shape[1])[None]
+    return attention_block(q, k, v, index, index if causal else jnp.full_like(index, -1), None, None)
+
+
+def _flash_backward(q, k, v, out, lse, d_out, causal):
+    """Flash attention's backward of one block from the queries' final out and lse, in plain jnp:
+    the contract cuDNN's backward keeps (ushard/models/cudnn_blocks.py)."""
+    b, t, h, hd = q.shape
+    copies = h // k.shape[2]
+    k_all, v_all = (jnp.repeat(x, copies, axis=2) for x in (k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_all) / np.sqrt(hd)
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+    p = jnp.exp(scores - jnp.moveaxis(lse, 1, 2)[..., None])
+    d_p = jnp.einsum("bqhd,bkhd->bhqk", d_out, v_all)
+    d_s = p * (d_p - jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, 2)[..., None]) / np.sqrt(hd)
+    fold = lambda x: x.reshape(b, t, k.shape[2], copies, hd).sum(axis=3)  # noqa: E731  (GQA: heads sharing a K/V head)
+    return (jnp.einsum("bhqk,bkhd->bqhd", d_s, k_all), fold(jnp.einsum("bhqk,bqhd->bkhd", d_s, q)),
+            fold(jnp.einsum("bhqk,bqhd->bkhd", p, d_out)))
+
+
+FLASH_BLOCKS = context.FusedKernel(forward=_flash_forward, backward=_flash_backward)
+
+
+@pytest.mark.parametrize("n,seed", [(2, 6), (4, 7), (8, 8)])
+def test_ring_of_fused_blocks_matches_plain_attention(n, seed):
+    """The ring that runs a fused kernel's blocks (cuDNN on GPUs), here a jnp kernel with the same
+    contract: its output and gradients against the reference, causal without documents."""
+    q, k, v, _, weights = random_inputs(seed, n, documents=False)
+    layout = sequence_layout(n)
+
+    def split_attention(q, k, v, segments):
+        with use_layout(layout), context.context_parallel((q, k, v), "ring") as (q, k, v):
+            out = context.attention(q, k, v, None, attention_block, FLASH_BLOCKS)
+        return context.zigzag(out, n, inverse=True)
+
+    want_loss, want_grads = loss_and_grads(reference_attention, q, k, v, None, weights)
+    got_loss, got_grads = loss_and_grads(split_attention, q, k, v, None, weights)
     np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
     for name, got, want in zip("qkv", got_grads, want_grads):
         assert np.linalg.norm(got - want) <= RTOL * np.linalg.norm(want), name

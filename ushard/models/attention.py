@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ushard.errors import UserError
+from ushard.models.cudnn_blocks import CUDNN_BLOCKS
 from ushard.models.layers import BTD, fan_in_init, param, project, rope_frequencies, rotary
 from ushard.parallel import context
 from ushard.parallel.splash import LANES, splash_attention
@@ -64,15 +65,17 @@ def causal_attention(q, k, v, segment_ids, impl: str):
     the [T, T] scores and runs out of memory at real sizes).
 
     When the active layout splits the sequence, context parallelism (ushard/parallel/context.py) runs
-    `attention_block` on each device's blocks instead, whatever `impl` says: JAX's fused kernels give
-    no differentiable log-sum-exp to combine blocks with (docs/dev-notes.md).
+    each device's blocks: on cuDNN where `impl` resolves to it and the blocks are the zig-zag ring's
+    without a document mask (`CUDNN_BLOCKS`), else on `attention_block` (XLA), since JAX's public
+    kernels give no log-sum-exp to combine blocks with (docs/dev-notes.md).
     """
-    if context.is_split():
-        return context.attention(q, k, v, segment_ids, attention_block)
     layout = current_layout()
     platform = layout.platform if layout is not None else jax.default_backend()
     in_stage = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside a pipeline stage's shard_map
     impl = resolve_impl(impl, platform, q.dtype, q.shape[1], in_stage)
+    if context.is_split():
+        fused = CUDNN_BLOCKS if impl == "cudnn" and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16) else None
+        return context.attention(q, k, v, segment_ids, attention_block, fused)
     if impl == "splash":
         return splash_attention(q, k, v, segment_ids)
     mask = None

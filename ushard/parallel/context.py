@@ -27,12 +27,20 @@ device), and both are computed branch-free; the first step skips the fully maske
 Packed data: a query sees a key when the key's original index is not after the query's and both
 carry the same segment id; the segment ids travel with the keys. A block in which a query sees no
 key gives that query lse = -inf and adds nothing.
+
+Fused kernels. The ring above differentiates through `kernel`, which must give a differentiable lse;
+JAX's fused kernels do not. A `FusedKernel` (cuDNN's flash attention on GPUs) is used instead by the
+zig-zag ring without document masking, where every block is a causal diagonal or a full block of
+equal halves: its forward returns the block's float32 lse, and its backward is flash attention's,
+fed the *final* output and lse of the queries, which makes each block's gradients exact on their
+own (`_fused_ring_attention`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -135,17 +143,36 @@ class _Ring:
         return jax.tree.map(lambda x: jax.lax.ppermute(x, self.axes, perm), tree)
 
 
-def attention(q, k, v, segment_ids, kernel):
+@dataclass(frozen=True)
+class FusedKernel:
+    """A fused attention kernel for blocks of equal length, given as its two halves.
+
+    `forward(q, k, v, causal) -> (out, lse)`: out in q's dtype, lse [B, T, heads] float32 (the
+    log-sum-exp of each query's scaled scores); `causal`: query i sees keys 0..i, else every key.
+    `backward(q, k, v, out, lse, d_out, causal) -> (dq, dk, dv)`: flash attention's backward, where
+    out and lse are the queries' final ones over all blocks, so the block's gradients are its exact
+    share of the whole attention's.
+    """
+
+    forward: Callable
+    backward: Callable
+
+
+def attention(q, k, v, segment_ids, kernel, fused: FusedKernel | None = None):
     """Causal attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd], the sequence split over
     the active layout's `act_length` axes, each device running `kernel` on its blocks.
 
     `segment_ids` [B, T] (or None: no document masking). The other dimensions keep the layout's
-    shardings (batch over data/fsdp, heads over tensor), so this composes with those axes.
+    shardings (batch over data/fsdp, heads over tensor), so this composes with those axes. `fused`,
+    where given, runs the blocks of the zig-zag ring instead when there is no document mask (the
+    only blocks it can take); everything else runs on `kernel`.
     """
     layout = current_layout()
     split = _ACTIVE.get()
     ring = _Ring(layout.axes("act_length"), layout.size("act_length"), split.zigzag)
     body = _ring_attention if split.mode == "ring" else _gathered_attention
+    if fused is not None and split.mode == "ring" and split.zigzag and segment_ids is None:
+        kernel, body = fused, _fused_ring_attention
     q_spec, kv_spec = layout.spec(Q_NAMES), layout.spec(KV_NAMES)
     operands, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
     if segment_ids is not None:
@@ -225,12 +252,14 @@ def _merge(acc, partials):
     return acc
 
 
-def _around_ring(ring, kv, visit, carry=None):
+def _around_ring(ring, kv, visit, carry=None, unroll: bool = False):
     """carry = visit(kv, src, diagonal, carry) for every device's key/value block, the local one first.
 
     The blocks travel one device on per step; the transfer of the next block is issued before the
-    current one is used, so they can overlap. Steps 1 .. n-2 run in a `lax.scan` (program size flat
-    in n); the last is outside it, so no block is sent further than needed.
+    current one is used, so they can overlap. Steps 1 .. n-2 run in a `lax.scan` (program size and,
+    on XLA's CPU backend, memory flat in n); the last is outside it, so no block is sent further than
+    needed. `unroll`: no step in a while loop, where XLA's GPU compiler crashed on cuDNN blocks
+    (SIGSEGV, JAX 0.11.2, n = 4; docs/dev-notes.md).
     """
     me, n = ring.index(), ring.size
     carry = visit(kv, me, True, carry)
@@ -240,7 +269,7 @@ def _around_ring(ring, kv, visit, carry=None):
         kv, carry = state
         return (ring.shift(kv), visit(kv, (me - s) % n, False, carry)), None
 
-    (kv, carry), _ = jax.lax.scan(step, (kv, carry), jnp.arange(1, n - 1))
+    (kv, carry), _ = jax.lax.scan(step, (kv, carry), jnp.arange(1, n - 1), unroll=unroll)
     return visit(kv, (me - (n - 1)) % n, False, carry)
 
 
@@ -285,3 +314,89 @@ def _ring_attention(kernel, ring, q, k, v, segments):
 
     attend.defvjp(forward, backward)
     return attend(q, k, v, segments)
+
+
+# --------------------------------------------------------------------------- ring of fused blocks
+
+
+def _halves(x):
+    """x [B, T, ...] cut along T into this device's early and late chunk (zig-zag order)."""
+    h = x.shape[1] // 2
+    return x[:, :h], x[:, h:]
+
+
+def _join(lo, hi):
+    return jnp.concatenate([lo, hi], axis=1)
+
+
+def _choose(before, a, b):
+    """a where the visiting block comes from an earlier device, else b (trees of arrays)."""
+    return jax.tree.map(lambda x, y: jnp.where(before, x, y), a, b)
+
+
+def _fused_ring_attention(fused, ring, q, k, v, segments=None):
+    """The zig-zag ring (`_blocks` says which quarter blocks are needed) on a `FusedKernel`.
+
+    At home: early x early and late x late are causal diagonals, late x early is full. Visiting a
+    block: my late chunk sees its early chunk whole; if it comes from an earlier device my early
+    chunk sees its early chunk too, else my late chunk sees its late chunk, and both cases are one
+    full block, picked by selects. Halves are combined in float32 by the online softmax (`_merge`).
+    """
+
+    def block(q, k, v, causal):
+        out, lse = fused.forward(q, k, v, causal)
+        return out.astype(jnp.float32), lse
+
+    def visit(q, kv, src, diagonal, acc):
+        (q_lo, q_hi), (k_lo, k_hi), (v_lo, v_hi) = _halves(q), _halves(kv[0]), _halves(kv[1])
+        if diagonal:
+            return block(q_lo, k_lo, v_lo, True), _merge(block(q_hi, k_lo, v_lo, False), [block(q_hi, k_hi, v_hi, True)])
+        lo, hi = acc
+        before = src < ring.index()
+        hi = _merge(hi, [block(q_hi, k_lo, v_lo, False)])
+        either = block(*_choose(before, (q_lo, k_lo, v_lo), (q_hi, k_hi, v_hi)), False)
+        return _choose(before, _merge(lo, [either]), lo), _choose(before, hi, _merge(hi, [either]))
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return forward(q, k, v)[0]
+
+    def forward(q, k, v):
+        lo, hi = _around_ring(ring, (k, v), lambda *args: visit(q, *args), unroll=True)
+        out, lse = _join(lo[0], hi[0]).astype(q.dtype), _join(lo[1], hi[1])
+        return out, (q, k, v, out, lse)
+
+    def backward(residuals, d_out):
+        q, k, v, out, lse = residuals
+        d_out = d_out.astype(q.dtype)
+        rows_lo, rows_hi = zip(*(_halves(x) for x in (q, out, lse, d_out)))
+
+        def grads(rows, k, v, causal):
+            q, out, lse, d_out = rows
+            return [g.astype(jnp.float32) for g in fused.backward(q, k, v, out, lse, d_out, causal)]
+
+        def visit_back(kv, src, diagonal, acc):
+            """This block's share of dQ (kept) and of its dK, dV (which travel on with it, home after the
+            last step, as in `_ring_attention`)."""
+            (k_lo, k_hi), (v_lo, v_hi) = _halves(kv[0]), _halves(kv[1])
+            late_early = grads(rows_hi, k_lo, v_lo, False)  # needed at every step
+            if diagonal:
+                early, late = grads(rows_lo, k_lo, v_lo, True), grads(rows_hi, k_hi, v_hi, True)
+                dq = (early[0], late_early[0] + late[0])
+                dk, dv = (_join(early[i] + late_early[i], late[i]) for i in (1, 2))
+            else:
+                (dq_lo, dq_hi), dk_travel, dv_travel = acc
+                before = src < ring.index()
+                rows = _choose(before, rows_lo, rows_hi)
+                either = grads(rows, *_choose(before, (k_lo, v_lo), (k_hi, v_hi)), False)
+                zero = jnp.zeros_like(either[0])
+                dq = (dq_lo + jnp.where(before, either[0], zero), dq_hi + late_early[0] + jnp.where(before, zero, either[0]))
+                dk, dv = (_join(late_early[i] + jnp.where(before, either[i], 0), jnp.where(before, 0, either[i])) for i in (1, 2))
+                dk, dv = dk + dk_travel, dv + dv_travel
+            return (dq, *ring.shift((dk, dv)))
+
+        (dq_lo, dq_hi), dk, dv = _around_ring(ring, (k, v), visit_back, unroll=True)
+        return _join(dq_lo, dq_hi).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    attend.defvjp(forward, backward)
+    return attend(q, k, v)
