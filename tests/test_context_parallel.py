@@ -50,6 +50,15 @@ def loss_and_grads(attention, q, k, v, segments, weights):
     return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attention(q, k, v, segments) * weights), argnums=(0, 1, 2)))(q, k, v)
 
 
+def assert_matches_reference(attention, q, k, v, segments, weights):
+    """`attention`'s loss and gradients equal the one-device reference's, to RTOL."""
+    want_loss, want_grads = loss_and_grads(reference_attention, q, k, v, segments, weights)
+    got_loss, got_grads = loss_and_grads(attention, q, k, v, segments, weights)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
+    for name, got, want in zip("qkv", got_grads, want_grads):
+        assert np.linalg.norm(got - want) <= RTOL * np.linalg.norm(want), name
+
+
 # (mode, sequence ways, seed, documents, zig-zag order)
 CASES = [
     ("ring", 2, 0, True, True),
@@ -75,11 +84,7 @@ def test_context_attention_matches_plain_attention(mode, n, seed, documents, zig
                 out = causal_attention(q, k, v, segments, "xla")
             return context.zigzag(out, n, inverse=True)
 
-    want_loss, want_grads = loss_and_grads(reference_attention, q, k, v, segments, weights)
-    got_loss, got_grads = loss_and_grads(split_attention, q, k, v, segments, weights)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
-    for name, got, want in zip("qkv", got_grads, want_grads):
-        assert np.linalg.norm(got - want) <= RTOL * np.linalg.norm(want), name
+    assert_matches_reference(split_attention, q, k, v, segments, weights)
 
 
 def _flash_forward(q, k, v, causal):
@@ -120,11 +125,7 @@ def test_ring_of_fused_blocks_matches_plain_attention(n, seed):
             out = context.attention(q, k, v, None, attention_block, FLASH_BLOCKS)
         return context.zigzag(out, n, inverse=True)
 
-    want_loss, want_grads = loss_and_grads(reference_attention, q, k, v, None, weights)
-    got_loss, got_grads = loss_and_grads(split_attention, q, k, v, None, weights)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
-    for name, got, want in zip("qkv", got_grads, want_grads):
-        assert np.linalg.norm(got - want) <= RTOL * np.linalg.norm(want), name
+    assert_matches_reference(split_attention, q, k, v, None, weights)
 
 
 def test_zigzag_gives_device_i_chunks_i_and_its_mirror():

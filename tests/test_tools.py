@@ -1,13 +1,16 @@
 """tools/: kernels of a profiled step attributed to HLO instructions (hlo_ops.py); the matmuls whose
-ceilings tools/ceilings.py measures; the pipeline schedule drawn by tools/pipeline_schedule.py."""
+ceilings tools/ceilings.py measures; the pipeline schedule drawn by tools/pipeline_schedule.py; bench.py's
+refusal of a variant without a label."""
 
 import os
+import subprocess
 import sys
 
 import jax
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+sys.path.insert(0, TOOLS)
 
 import ceilings  # noqa: E402
 import pipeline_schedule  # noqa: E402
@@ -111,3 +114,11 @@ def test_pipeline_schedule_draws_what_a_config_chose(tmp_path, capsys):
                             "--microbatches", "16", "--out", str(out)])
     assert "1f1b: 4 stages, 16 microbatches\nbubble 15.8%; a stage holds up to 7 " in capsys.readouterr().out
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_refuses_a_variant_without_a_label():
+    """A --variant without LABEL= is one sentence and exit 2 (it was a traceback), before any run starts."""
+    bench = os.path.join(TOOLS, "bench.py")
+    result = subprocess.run([sys.executable, bench, "--variant", "fsdp2"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "has no label" in result.stderr and "Traceback" not in result.stderr

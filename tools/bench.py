@@ -144,6 +144,9 @@ def main() -> None:
         print(json.dumps(run_ushard_once(args.config, overrides, args.steps, args.warmup, args.breakdown)), flush=True)
         return
 
+    unnamed = [v for v in args.variant if "=" not in v or not v.split("=", 1)[0]]
+    if unnamed:
+        parser.error(f"--variant {unnamed[0]!r} has no label: write LABEL=\"--config.a=b ...\" (LABEL= alone for no overrides)")
     variants = [v.split("=", 1) for v in args.variant] or [["ushard", ""]]
     results = []
     for label, extra in variants:
