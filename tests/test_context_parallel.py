@@ -87,21 +87,23 @@ def test_context_attention_matches_plain_attention(mode, n, seed, documents, zig
     assert_matches_reference(split_attention, q, k, v, segments, weights)
 
 
-def _flash_forward(q, k, v, causal):
+def _flash_forward(q, k, v, causal, q_segments, k_segments):
     """A block's (out, float32 lse) through the XLA block kernel, queries and keys aligned."""
     index = jnp.arange(q.shape[1])[None]
-    return attention_block(q, k, v, index, index if causal else jnp.full_like(index, -1), None, None)
+    return attention_block(q, k, v, index, index if causal else jnp.full_like(index, -1), q_segments, k_segments)
 
 
-def _flash_backward(q, k, v, out, lse, d_out, causal):
+def _flash_backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
     """Flash attention's backward of one block from the queries' final out and lse, in plain jnp:
-    the contract cuDNN's backward keeps (ushard/models/cudnn_blocks.py)."""
+    the contract cuDNN's and splash's backward kernels keep (ushard/models/cudnn_blocks.py)."""
     b, t, h, hd = q.shape
     copies = h // k.shape[2]
     k_all, v_all = (jnp.repeat(x, copies, axis=2) for x in (k, v))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_all) / np.sqrt(hd)
-    if causal:
-        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+    visible = jnp.tril(jnp.ones((t, t), bool)) if causal else jnp.ones((t, t), bool)
+    if q_segments is not None:
+        visible = visible & (q_segments[:, None, :, None] == k_segments[:, None, None, :])
+    scores = jnp.where(visible, scores, -jnp.inf)
     p = jnp.exp(scores - jnp.moveaxis(lse, 1, 2)[..., None])
     d_p = jnp.einsum("bqhd,bkhd->bhqk", d_out, v_all)
     d_s = p * (d_p - jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, 2)[..., None]) / np.sqrt(hd)
@@ -110,22 +112,28 @@ def _flash_backward(q, k, v, out, lse, d_out, causal):
             fold(jnp.einsum("bhqk,bqhd->bkhd", p, d_out)))
 
 
-FLASH_BLOCKS = context.FusedKernel(forward=_flash_forward, backward=_flash_backward)
+FLASH_BLOCKS = context.FusedKernel(forward=_flash_forward, backward=_flash_backward, segments=True)
 
 
-@pytest.mark.parametrize("n,seed", [(2, 6), (4, 7), (8, 8)])
-def test_ring_of_fused_blocks_matches_plain_attention(n, seed):
-    """The ring that runs a fused kernel's blocks (cuDNN on GPUs), here a jnp kernel with the same
-    contract: its output and gradients against the reference, causal without documents."""
-    q, k, v, _, weights = random_inputs(seed, n, documents=False)
+def ring_of(blocks, n):
+    """Attention with the sequence split n ways, the ring's blocks on the fused kernel `blocks`, in
+    the train step's zig-zag order and back."""
     layout = sequence_layout(n)
 
     def split_attention(q, k, v, segments):
-        with use_layout(layout), context.context_parallel((q, k, v), "ring") as (q, k, v):
-            out = context.attention(q, k, v, None, attention_block, FLASH_BLOCKS)
+        with use_layout(layout), context.context_parallel((q, k, v, segments), "ring") as (q, k, v, segments):
+            out = context.attention(q, k, v, segments, attention_block, blocks)
         return context.zigzag(out, n, inverse=True)
 
-    assert_matches_reference(split_attention, q, k, v, None, weights)
+    return split_attention
+
+
+@pytest.mark.parametrize("n,seed,documents", [(2, 6, False), (4, 7, False), (8, 8, False), (2, 9, True), (4, 10, True)])
+def test_ring_of_fused_blocks_matches_plain_attention(n, seed, documents):
+    """The ring that runs a fused kernel's blocks (cuDNN on GPUs, splash on TPUs), here a jnp kernel
+    with the same contract: its output and gradients against the reference."""
+    q, k, v, segments, weights = random_inputs(seed, n, documents)
+    assert_matches_reference(ring_of(FLASH_BLOCKS, n), q, k, v, segments, weights)
 
 
 def test_zigzag_gives_device_i_chunks_i_and_its_mirror():

@@ -62,3 +62,19 @@ def test_auto_picks_each_platforms_kernel():
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192) == "cudnn"
     assert resolve_impl("auto", "gpu", jnp.float32, 8192) == "xla"
     assert resolve_impl("auto", "cpu", jnp.bfloat16, 8192) == "xla"
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_ring_of_splash_blocks_matches_plain_attention(documents):
+    """Splash as the ring's block kernel (interpreted), sequence split 2 ways, grouped K/V heads, with
+    and without documents (some of them wholly outside a block's keys)."""
+    from test_context_parallel import assert_matches_reference, ring_of
+
+    from ushard.parallel.splash import splash_blocks
+
+    n, t, heads, kv_heads, hd = 2, 512, 4, 2, 16  # each device's halves: one 128-lane block
+    rng = np.random.default_rng(1)
+    normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    q, k, v, weights = normal(1, t, heads, hd), normal(1, t, kv_heads, hd), normal(1, t, kv_heads, hd), normal(1, t, heads, hd)
+    segments = jnp.asarray(1 + np.cumsum(rng.random((1, t)) < 0.01, axis=1), jnp.int32) if documents else None
+    assert_matches_reference(ring_of(splash_blocks(interpret=True), n), q, k, v, segments, weights)

@@ -17,12 +17,20 @@ from ushard.metrics import peak_flops
 LAYERS = 2
 GATHERS = {"all-gather": 2 * LAYERS * 7}  # ZeRO-3: each of q, k, v, o, gate, up, down, forward and backward
 SPLASH = {"train.seq_len": 128}  # whole blocks of 128: `auto` attention is splash attention on TPUs
+# Splash kernels in the step: forward, dq and dkv, once per layer loop each; none with XLA attention.
+# The ring (sequence=2, each device's half-chunks one 128-lane block) runs splash on its blocks: 5
+# forward blocks a layer (3 at home, 2 visiting) and a dq and a dkv kernel for each in the backward,
+# documents masked (the default).
+SPLASH_KERNELS, RING_KERNELS = 3, 5 + 2 * 5
 LAYOUTS = {
-    "fsdp8": ("v5p:2x2x2", 1, {"mesh.fsdp": 8, **SPLASH}, GATHERS),
-    "data2_fsdp4": ("v5p:2x2x2", 1, {"mesh.data": 2, "mesh.fsdp": 4}, GATHERS),
+    "fsdp8": ("v5p:2x2x2", 1, {"mesh.fsdp": 8, **SPLASH}, GATHERS, SPLASH_KERNELS),
+    "data2_fsdp4": ("v5p:2x2x2", 1, {"mesh.data": 2, "mesh.fsdp": 4}, GATHERS, 0),
     # Megatron: attention's and the MLP's outputs all-reduced, forward and backward.
-    "tensor2_fsdp4": ("v5p:2x2x2", 1, {"mesh.tensor": 2, "mesh.fsdp": 4, **SPLASH}, {"all-reduce": 2 * LAYERS * 2}),
-    "two_slices_data2_fsdp8": ("v5p:2x2x2", 2, {"mesh.data": 2, "mesh.dcn.data": 2, "mesh.fsdp": 8}, GATHERS),
+    "tensor2_fsdp4": ("v5p:2x2x2", 1, {"mesh.tensor": 2, "mesh.fsdp": 4, **SPLASH}, {"all-reduce": 2 * LAYERS * 2}, SPLASH_KERNELS),
+    "two_slices_data2_fsdp8": ("v5p:2x2x2", 2, {"mesh.data": 2, "mesh.dcn.data": 2, "mesh.fsdp": 8}, GATHERS, 0),
+    # Ring attention: keys and values sent on in the forward, their gradients in the backward, each layer.
+    "sequence2_fsdp4": ("v5p:2x2x2", 1, {"mesh.sequence": 2, "mesh.fsdp": 4, "train.seq_len": 512},
+                        {"collective-permute": 2 * LAYERS}, RING_KERNELS),
 }
 
 
@@ -30,7 +38,7 @@ LAYOUTS = {
 def compiled():
     """Each layout's train step, compiled once for the module (bf16 compute, as on a real TPU)."""
     out = {}
-    for name, (topology, slices, layout, _) in LAYOUTS.items():
+    for name, (topology, slices, layout, *_) in LAYOUTS.items():
         tpu_devices(topology, slices)  # skips without libtpu
         config = small_config(**{"model.compute_dtype": "bfloat16", "model.n_layers": LAYERS, **layout})
         out[name] = ushard.compile_for(config, topology=topology, num_slices=slices)
@@ -46,9 +54,7 @@ def test_the_train_step_compiles_for_the_topology(compiled, name):
     per_step = collectives_per_step(step.as_text())
     for kind, fewest in LAYOUTS[name][3].items():
         assert per_step[kind][0] >= fewest, kind
-    # Splash attention's forward, dq and dkv kernels, once per layer loop each (the rest: XLA attention).
-    kernels = step.as_text().count('custom_call_target="tpu_custom_call"')
-    assert kernels == (3 if "train.seq_len" in LAYOUTS[name][2] else 0)
+    assert step.as_text().count('custom_call_target="tpu_custom_call"') == LAYOUTS[name][4]
     assert "memory per device" in summary(step) and "all-gather" in summary(step)
 
 

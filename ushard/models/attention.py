@@ -12,7 +12,7 @@ from ushard.errors import UserError
 from ushard.models.cudnn_blocks import CUDNN_BLOCKS
 from ushard.models.layers import BTD, fan_in_init, param, project, rope_frequencies, rotary
 from ushard.parallel import context
-from ushard.parallel.splash import LANES, splash_attention
+from ushard.parallel.splash import LANES, splash_attention, splash_blocks
 from ushard.sharding import constrain, current_layout, gathered, split_ways
 
 Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
@@ -65,23 +65,33 @@ def causal_attention(q, k, v, segment_ids, impl: str):
     the [T, T] scores and runs out of memory at real sizes).
 
     When the active layout splits the sequence, context parallelism (ushard/parallel/context.py) runs
-    each device's blocks: on cuDNN where `impl` resolves to it and the blocks are the zig-zag ring's
-    without a document mask (`CUDNN_BLOCKS`), else on `attention_block` (XLA), since JAX's public
-    kernels give no log-sum-exp to combine blocks with (docs/dev-notes.md).
+    each device's blocks: on cuDNN or splash where `impl` resolves to it and the blocks are the zig-zag
+    ring's without a document mask (`ring_block_kernel`), else on `attention_block` (XLA), since JAX's
+    public kernels give no log-sum-exp to combine blocks with (docs/dev-notes.md).
     """
     layout = current_layout()
     platform = layout.platform if layout is not None else jax.default_backend()
     in_stage = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside a pipeline stage's shard_map
     impl = resolve_impl(impl, platform, q.dtype, q.shape[1], in_stage)
     if context.is_split():
-        fused = CUDNN_BLOCKS if impl == "cudnn" and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16) else None
-        return context.attention(q, k, v, segment_ids, attention_block, fused)
+        return context.attention(q, k, v, segment_ids, attention_block, ring_block_kernel(impl, q.dtype, q.shape[1]))
     if impl == "splash":
         return splash_attention(q, k, v, segment_ids)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+
+
+def ring_block_kernel(impl: str, dtype, length: int):
+    """The fused kernel for the blocks of context parallelism's ring (`context.FusedKernel`) that the
+    resolved `impl` gives, or None for XLA blocks: cuDNN in 16-bit compute; splash where each device's
+    half-chunks of a `length`-token sequence fill whole 128-lane blocks."""
+    if impl == "cudnn" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return CUDNN_BLOCKS
+    if impl == "splash" and (length // (2 * context.ways())) % LANES == 0:
+        return splash_blocks()
+    return None
 
 
 def attention_block(q, k, v, q_index, k_index, q_segments, k_segments):

@@ -29,15 +29,22 @@ def _mask(causal: bool):
     return mask_type.CAUSAL if causal else mask_type.NO_MASK
 
 
-def _forward(q, k, v, causal):
+def _no_documents(*segments):
+    if any(s is not None for s in segments):  # the ring passes none: CUDNN_BLOCKS says segments=False
+        raise ValueError("the ring's cuDNN blocks take no segment ids")
+
+
+def _forward(q, k, v, causal, q_segments=None, k_segments=None):
     """(out [B, T, heads, hd] in q's dtype, lse [B, T, heads] float32) of one block."""
+    _no_documents(q_segments, k_segments)
     out, lse = _cudnn().dot_product_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]), mask_type=_mask(causal),
                                               qkv_layout="BTNH", return_residual=True)
     return out, jnp.swapaxes(lse, 1, 2)  # cuDNN's statistics are [B, heads, T]
 
 
-def _backward(q, k, v, out, lse, d_out, causal):
+def _backward(q, k, v, out, lse, d_out, causal, q_segments=None, k_segments=None):
     """(dq, dk, dv) of one block, given the queries' final output and lse over every block."""
+    _no_documents(q_segments, k_segments)
     fa = _cudnn()
     unused = jnp.zeros(0, q.dtype)  # no bias, sequence lengths, offsets or page tables
     return fa._dot_product_attention_bwd_p_wrapper.bind(

@@ -29,11 +29,11 @@ carry the same segment id; the segment ids travel with the keys. A block in whic
 key gives that query lse = -inf and adds nothing.
 
 Fused kernels. The ring above differentiates through `kernel`, which must give a differentiable lse;
-JAX's fused kernels do not. A `FusedKernel` (cuDNN's flash attention on GPUs) is used instead by the
-zig-zag ring without document masking, where every block is a causal diagonal or a full block of
-equal halves: its forward returns the block's float32 lse, and its backward is flash attention's,
+JAX's fused kernels do not. A `FusedKernel` (cuDNN's flash attention on GPUs, splash attention on
+TPUs) is used instead by the zig-zag ring, where every block is a causal diagonal or a full block
+of equal halves: its forward returns the block's float32 lse, and its backward is flash attention's,
 fed the *final* output and lse of the queries, which makes each block's gradients exact on their
-own (`_fused_ring_attention`).
+own (`_fused_ring_attention`). Splash also takes document masks; cuDNN's blocks run without one.
 """
 
 from __future__ import annotations
@@ -147,15 +147,22 @@ class _Ring:
 class FusedKernel:
     """A fused attention kernel for blocks of equal length, given as its two halves.
 
-    `forward(q, k, v, causal) -> (out, lse)`: out in q's dtype, lse [B, T, heads] float32 (the
-    log-sum-exp of each query's scaled scores); `causal`: query i sees keys 0..i, else every key.
-    `backward(q, k, v, out, lse, d_out, causal) -> (dq, dk, dv)`: flash attention's backward, where
-    out and lse are the queries' final ones over all blocks, so the block's gradients are its exact
-    share of the whole attention's.
+    `forward(q, k, v, causal, q_segments, k_segments) -> (out, lse)`: out in q's dtype, lse [B, T,
+    heads] float32 (the log-sum-exp of each query's scaled scores); `causal`: query i sees keys 0..i,
+    else every key; segment ids [B, T] (None: no document mask) restrict each query to its own
+    document's keys. `backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments) -> (dq, dk,
+    dv)`: flash attention's backward, where out and lse are the queries' final ones over all blocks,
+    so the block's gradients are its exact share of the whole attention's. A query that sees no key
+    of a block must get an lse far below any real one (its weight in the merge is then 0).
+    `segments`: whether it takes segment ids (else it runs only without a document mask). `typed`:
+    whether its outputs carry `shard_map`'s varying-axes types (cuDNN's do; a Pallas kernel's do
+    not, and the ring's shard_map then skips that check).
     """
 
     forward: Callable
     backward: Callable
+    segments: bool = False
+    typed: bool = True
 
 
 def attention(q, k, v, segment_ids, kernel, fused: FusedKernel | None = None):
@@ -164,15 +171,16 @@ def attention(q, k, v, segment_ids, kernel, fused: FusedKernel | None = None):
 
     `segment_ids` [B, T] (or None: no document masking). The other dimensions keep the layout's
     shardings (batch over data/fsdp, heads over tensor), so this composes with those axes. `fused`,
-    where given, runs the blocks of the zig-zag ring instead when there is no document mask (the
-    only blocks it can take); everything else runs on `kernel`.
+    where given, runs the blocks of the zig-zag ring instead (with a document mask only if it takes
+    segment ids); everything else runs on `kernel`.
     """
     layout = current_layout()
     split = _ACTIVE.get()
     ring = _Ring(layout.axes("act_length"), layout.size("act_length"), split.zigzag)
     body = _ring_attention if split.mode == "ring" else _gathered_attention
-    if fused is not None and split.mode == "ring" and split.zigzag and segment_ids is None:
-        kernel, body = fused, _fused_ring_attention
+    check_vma = True
+    if fused is not None and split.mode == "ring" and split.zigzag and (segment_ids is None or fused.segments):
+        kernel, body, check_vma = fused, _fused_ring_attention, fused.typed
     q_spec, kv_spec = layout.spec(Q_NAMES), layout.spec(KV_NAMES)
     operands, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
     if segment_ids is not None:
@@ -181,7 +189,7 @@ def attention(q, k, v, segment_ids, kernel, fused: FusedKernel | None = None):
     def local(q, k, v, segments=None):
         return body(kernel, ring, q, k, v, segments)
 
-    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=q_spec)(*operands)
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=q_spec, check_vma=check_vma)(*operands)
 
 
 # --------------------------------------------------------------------------- all-gather
@@ -320,9 +328,16 @@ def _ring_attention(kernel, ring, q, k, v, segments):
 
 
 def _halves(x):
-    """x [B, T, ...] cut along T into this device's early and late chunk (zig-zag order)."""
+    """x [B, T, ...] cut along T into this device's early and late chunk (zig-zag order); None stays None."""
+    if x is None:
+        return None, None
     h = x.shape[1] // 2
     return x[:, :h], x[:, h:]
+
+
+def _split(arrays):
+    """A tuple of [B, T, ...] arrays (or None) as (its early halves, its late halves)."""
+    return tuple(zip(*(_halves(x) for x in arrays)))
 
 
 def _join(lo, hi):
@@ -341,54 +356,55 @@ def _fused_ring_attention(fused, ring, q, k, v, segments=None):
     block: my late chunk sees its early chunk whole; if it comes from an earlier device my early
     chunk sees its early chunk too, else my late chunk sees its late chunk, and both cases are one
     full block, picked by selects. Halves are combined in float32 by the online softmax (`_merge`).
+    Queries travel as (q, segment ids), keys as (k, v, segment ids); the ids are None without a
+    document mask.
     """
 
-    def block(q, k, v, causal):
-        out, lse = fused.forward(q, k, v, causal)
+    def block(queries, keys, causal):
+        (q, q_segments), (k, v, k_segments) = queries, keys
+        out, lse = fused.forward(q, k, v, causal, q_segments, k_segments)
         return out.astype(jnp.float32), lse
 
-    def visit(q, kv, src, diagonal, acc):
-        (q_lo, q_hi), (k_lo, k_hi), (v_lo, v_hi) = _halves(q), _halves(kv[0]), _halves(kv[1])
+    def visit(queries, keys, src, diagonal, acc):
+        (q_lo, q_hi), (k_lo, k_hi) = _split(queries), _split(keys)
         if diagonal:
-            return block(q_lo, k_lo, v_lo, True), _merge(block(q_hi, k_lo, v_lo, False), [block(q_hi, k_hi, v_hi, True)])
+            return block(q_lo, k_lo, True), _merge(block(q_hi, k_lo, False), [block(q_hi, k_hi, True)])
         lo, hi = acc
         before = src < ring.index()
-        hi = _merge(hi, [block(q_hi, k_lo, v_lo, False)])
-        either = block(*_choose(before, (q_lo, k_lo, v_lo), (q_hi, k_hi, v_hi)), False)
+        hi = _merge(hi, [block(q_hi, k_lo, False)])
+        either = block(*_choose(before, (q_lo, k_lo), (q_hi, k_hi)), False)
         return _choose(before, _merge(lo, [either]), lo), _choose(before, hi, _merge(hi, [either]))
 
     @jax.custom_vjp
-    def attend(q, k, v):
-        return forward(q, k, v)[0]
+    def attend(q, k, v, segments):
+        return forward(q, k, v, segments)[0]
 
-    def forward(q, k, v):
-        lo, hi = _around_ring(ring, (k, v), lambda *args: visit(q, *args), unroll=True)
+    def forward(q, k, v, segments):
+        lo, hi = _around_ring(ring, (k, v, segments), lambda *args: visit((q, segments), *args), unroll=True)
         out, lse = _join(lo[0], hi[0]).astype(q.dtype), _join(lo[1], hi[1])
-        return out, (q, k, v, out, lse)
+        return out, (q, k, v, segments, out, lse)
 
     def backward(residuals, d_out):
-        q, k, v, out, lse = residuals
-        d_out = d_out.astype(q.dtype)
-        rows_lo, rows_hi = zip(*(_halves(x) for x in (q, out, lse, d_out)))
+        q, k, v, segments, out, lse = residuals
+        rows_lo, rows_hi = _split((q, out, lse, d_out.astype(q.dtype), segments))
 
-        def grads(rows, k, v, causal):
-            q, out, lse, d_out = rows
-            return [g.astype(jnp.float32) for g in fused.backward(q, k, v, out, lse, d_out, causal)]
+        def grads(rows, keys, causal):
+            (q, out, lse, d_out, q_segments), (k, v, k_segments) = rows, keys
+            return [g.astype(jnp.float32) for g in fused.backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments)]
 
-        def visit_back(kv, src, diagonal, acc):
+        def visit_back(keys, src, diagonal, acc):
             """This block's share of dQ (kept) and of its dK, dV (which travel on with it, home after the
             last step, as in `_ring_attention`)."""
-            (k_lo, k_hi), (v_lo, v_hi) = _halves(kv[0]), _halves(kv[1])
-            late_early = grads(rows_hi, k_lo, v_lo, False)  # needed at every step
+            k_lo, k_hi = _split(keys)
+            late_early = grads(rows_hi, k_lo, False)  # needed at every step
             if diagonal:
-                early, late = grads(rows_lo, k_lo, v_lo, True), grads(rows_hi, k_hi, v_hi, True)
+                early, late = grads(rows_lo, k_lo, True), grads(rows_hi, k_hi, True)
                 dq = (early[0], late_early[0] + late[0])
                 dk, dv = (_join(early[i] + late_early[i], late[i]) for i in (1, 2))
             else:
                 (dq_lo, dq_hi), dk_travel, dv_travel = acc
                 before = src < ring.index()
-                rows = _choose(before, rows_lo, rows_hi)
-                either = grads(rows, *_choose(before, (k_lo, v_lo), (k_hi, v_hi)), False)
+                either = grads(*_choose(before, (rows_lo, k_lo), (rows_hi, k_hi)), False)
                 zero = jnp.zeros_like(either[0])
                 dq = (dq_lo + jnp.where(before, either[0], zero), dq_hi + late_early[0] + jnp.where(before, zero, either[0]))
                 dk, dv = (_join(late_early[i] + jnp.where(before, either[i], 0), jnp.where(before, 0, either[i])) for i in (1, 2))
@@ -397,8 +413,8 @@ def _fused_ring_attention(fused, ring, q, k, v, segments=None):
             # ring's largest transfer), at the cost of one rounding per hop.
             return (dq, *ring.shift((dk.astype(k.dtype), dv.astype(v.dtype))))
 
-        (dq_lo, dq_hi), dk, dv = _around_ring(ring, (k, v), visit_back, unroll=True)
-        return _join(dq_lo, dq_hi).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        (dq_lo, dq_hi), dk, dv = _around_ring(ring, (k, v, segments), visit_back, unroll=True)
+        return _join(dq_lo, dq_hi).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attend.defvjp(forward, backward)
-    return attend(q, k, v)
+    return attend(q, k, v, segments)

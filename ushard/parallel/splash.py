@@ -11,6 +11,10 @@ as they are.
 
 On a machine without a TPU the kernel runs only in Pallas's interpreter (`interpret=True`), which
 is how the tests check it against plain attention.
+
+`splash_blocks` is the same kernel as the blocks of context parallelism's ring
+(`context.FusedKernel`): its forward keeps the log-sum-exp it computes anyway, and its backward
+kernels are called with the queries' final output and log-sum-exp over all blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ushard.parallel.context import KV_NAMES, Q_NAMES, TOKEN_NAMES
+from ushard.parallel.context import KV_NAMES, Q_NAMES, TOKEN_NAMES, FusedKernel
 from ushard.sharding import current_layout
 
 LANES = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
@@ -39,13 +43,61 @@ def _splash():
     return splash_attention
 
 
-def _kernel(heads: int, length: int, interpret: bool):
-    """The splash kernel for one row: q [heads, T, hd], k and v [kv_heads, T, hd], causal."""
+def _kernel(heads: int, length: int, interpret: bool, causal: bool = True, save_residuals: bool = False):
+    """The splash kernel for one row: q [heads, T, hd], k and v [kv_heads, T, hd], causal or full."""
     splash, b = _splash(), block_size(length)
     sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                               block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
-    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
-    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    shape = (length, length)
+    mask = splash.MultiHeadMask([splash.CausalMask(shape) if causal else splash.FullMask(shape)] * heads)
+    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, save_residuals=save_residuals,
+                                  interpret=interpret)
+
+
+def _heads_major(x):
+    return jnp.swapaxes(x, 1, 2)  # [B, T, h, ...] <-> [B, h, T, ...], the kernel's order
+
+
+def splash_blocks(interpret: bool = False) -> FusedKernel:
+    """Splash attention as the ring's block kernel (see `context.FusedKernel`); `interpret`: run in
+    Pallas's interpreter (no TPU). The backward calls splash's own backward kernels through its
+    internal `_splash_attention_bwd` (JAX 0.10.2), handing them the final output and lse."""
+
+    def documents(q_segments, k_segments):
+        return None if q_segments is None else _splash().SegmentIds(q=q_segments, kv=k_segments)
+
+    def forward(q, k, v, causal, q_segments=None, k_segments=None):
+        heads, length, head_dim = q.shape[2], q.shape[1], q.shape[3]
+        kernel = _kernel(heads, length, interpret, causal, save_residuals=True)
+        q = q * (1.0 / math.sqrt(head_dim))  # the kernel does not scale the scores
+
+        def row(q, k, v, q_segments, k_segments):
+            return kernel(q, k, v, segment_ids=documents(q_segments, k_segments))
+
+        out, (lse,) = jax.vmap(row)(_heads_major(q), _heads_major(k), _heads_major(v), q_segments, k_segments)
+        return _heads_major(out).astype(q.dtype), jnp.swapaxes(lse, 1, 2)
+
+    def backward(q, k, v, out, lse, d_out, causal, q_segments=None, k_segments=None):
+        from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import _splash_attention_bwd
+
+        heads, length, head_dim = q.shape[2], q.shape[1], q.shape[3]
+        kernel = _kernel(heads, length, interpret, causal)
+        options = kernel.kwargs
+        scale = 1.0 / math.sqrt(head_dim)
+
+        def row(q, k, v, out, lse, d_out, q_segments, k_segments):
+            residuals = (q, k, v, documents(q_segments, k_segments), None, out, lse, kernel.dq_mask_info,
+                         kernel.dkv_mask_info)
+            grads = _splash_attention_bwd(False, options["mask_value"], options["is_mqa"], options["block_sizes"], None,
+                                          options["mask_function"], options["attn_logits_soft_cap"], interpret,
+                                          residuals, d_out)
+            return grads[3:6]  # after the three mask infos: dq, dk, dv
+
+        dq, dk, dv = jax.vmap(row)(_heads_major(q * scale), _heads_major(k), _heads_major(v), _heads_major(out.astype(q.dtype)),
+                                   jnp.swapaxes(lse, 1, 2), _heads_major(d_out), q_segments, k_segments)
+        return tuple(_heads_major(g) for g in (dq * scale, dk, dv))
+
+    return FusedKernel(forward=forward, backward=backward, segments=True, typed=False)
 
 
 def _local_attention(q, k, v, segment_ids, interpret: bool):
