@@ -115,25 +115,28 @@ def _flash_backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
 FLASH_BLOCKS = context.FusedKernel(forward=_flash_forward, backward=_flash_backward, segments=True)
 
 
-def ring_of(blocks, n):
-    """Attention with the sequence split n ways, the ring's blocks on the fused kernel `blocks`, in
-    the train step's zig-zag order and back."""
+def split_on(blocks, n, mode="ring"):
+    """Attention with the sequence split n ways in `mode`, the blocks on the fused kernel `blocks`,
+    in the train step's zig-zag order and back."""
     layout = sequence_layout(n)
 
     def split_attention(q, k, v, segments):
-        with use_layout(layout), context.context_parallel((q, k, v, segments), "ring") as (q, k, v, segments):
+        with use_layout(layout), context.context_parallel((q, k, v, segments), mode) as (q, k, v, segments):
             out = context.attention(q, k, v, segments, attention_block, blocks)
         return context.zigzag(out, n, inverse=True)
 
     return split_attention
 
 
-@pytest.mark.parametrize("n,seed,documents", [(2, 6, False), (4, 7, False), (8, 8, False), (2, 9, True), (4, 10, True)])
-def test_ring_of_fused_blocks_matches_plain_attention(n, seed, documents):
-    """The ring that runs a fused kernel's blocks (cuDNN on GPUs, splash on TPUs), here a jnp kernel
-    with the same contract: its output and gradients against the reference."""
+@pytest.mark.parametrize("mode,n,seed,documents", [
+    ("ring", 2, 6, False), ("ring", 4, 7, False), ("ring", 8, 8, False), ("ring", 2, 9, True), ("ring", 4, 10, True),
+    ("all_gather", 2, 11, False), ("all_gather", 4, 12, True),
+])
+def test_fused_blocks_match_plain_attention(mode, n, seed, documents):
+    """Context parallelism on a fused kernel's blocks (cuDNN on GPUs, splash on TPUs), here a jnp
+    kernel with the same contract: its output and gradients against the reference."""
     q, k, v, segments, weights = random_inputs(seed, n, documents)
-    assert_matches_reference(ring_of(FLASH_BLOCKS, n), q, k, v, segments, weights)
+    assert_matches_reference(split_on(FLASH_BLOCKS, n, mode), q, k, v, segments, weights)
 
 
 def test_zigzag_gives_device_i_chunks_i_and_its_mirror():

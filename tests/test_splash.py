@@ -64,11 +64,11 @@ def test_auto_picks_each_platforms_kernel():
     assert resolve_impl("auto", "cpu", jnp.bfloat16, 8192) == "xla"
 
 
-@pytest.mark.parametrize("documents", [False, True])
-def test_ring_of_splash_blocks_matches_plain_attention(documents):
-    """Splash as the ring's block kernel (interpreted), sequence split 2 ways, grouped K/V heads, with
-    and without documents (some of them wholly outside a block's keys)."""
-    from test_context_parallel import assert_matches_reference, ring_of
+@pytest.mark.parametrize("mode,documents", [("ring", False), ("ring", True), ("all_gather", True)])
+def test_splash_blocks_of_a_split_sequence_match_plain_attention(mode, documents):
+    """Splash as context parallelism's block kernel (interpreted), sequence split 2 ways, grouped K/V
+    heads, with and without documents (some of them wholly outside a block's keys)."""
+    from test_context_parallel import assert_matches_reference, split_on
 
     from ushard.parallel.splash import splash_blocks
 
@@ -77,4 +77,4 @@ def test_ring_of_splash_blocks_matches_plain_attention(documents):
     normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
     q, k, v, weights = normal(1, t, heads, hd), normal(1, t, kv_heads, hd), normal(1, t, kv_heads, hd), normal(1, t, heads, hd)
     segments = jnp.asarray(1 + np.cumsum(rng.random((1, t)) < 0.01, axis=1), jnp.int32) if documents else None
-    assert_matches_reference(ring_of(splash_blocks(interpret=True), n), q, k, v, segments, weights)
+    assert_matches_reference(split_on(splash_blocks(interpret=True), n, mode), q, k, v, segments, weights)

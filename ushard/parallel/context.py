@@ -30,16 +30,19 @@ key gives that query lse = -inf and adds nothing.
 
 Fused kernels. The ring above differentiates through `kernel`, which must give a differentiable lse;
 JAX's fused kernels do not. A `FusedKernel` (cuDNN's flash attention on GPUs, splash attention on
-TPUs) is used instead by the zig-zag ring, where every block is a causal diagonal or a full block
+TPUs) is used instead in the zig-zag order, where every block is a causal diagonal or a full block
 of equal halves: its forward returns the block's float32 lse, and its backward is flash attention's,
 fed the *final* output and lse of the queries, which makes each block's gradients exact on their
-own (`_fused_ring_attention`). Splash also takes document masks; cuDNN's blocks run without one.
+own (`_fused_attention`). The blocks come around the ring, or in "all_gather" mode out of one
+all-gather (then the blocks' dK, dV are reduce-scattered). Splash also takes document masks;
+cuDNN's blocks run without one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -171,16 +174,17 @@ def attention(q, k, v, segment_ids, kernel, fused: FusedKernel | None = None):
 
     `segment_ids` [B, T] (or None: no document masking). The other dimensions keep the layout's
     shardings (batch over data/fsdp, heads over tensor), so this composes with those axes. `fused`,
-    where given, runs the blocks of the zig-zag ring instead (with a document mask only if it takes
-    segment ids); everything else runs on `kernel`.
+    where given, runs the blocks in the zig-zag order instead, in either mode (with a document mask
+    only if it takes segment ids); everything else runs on `kernel`.
     """
     layout = current_layout()
     split = _ACTIVE.get()
     ring = _Ring(layout.axes("act_length"), layout.size("act_length"), split.zigzag)
     body = _ring_attention if split.mode == "ring" else _gathered_attention
     check_vma = True
-    if fused is not None and split.mode == "ring" and split.zigzag and (segment_ids is None or fused.segments):
-        kernel, body, check_vma = fused, _fused_ring_attention, fused.typed
+    if fused is not None and split.zigzag and (segment_ids is None or fused.segments):
+        body = functools.partial(_fused_attention, gather=split.mode == "all_gather")
+        kernel, check_vma = fused, fused.typed
     q_spec, kv_spec = layout.spec(Q_NAMES), layout.spec(KV_NAMES)
     operands, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
     if segment_ids is not None:
@@ -349,16 +353,33 @@ def _choose(before, a, b):
     return jax.tree.map(lambda x, y: jnp.where(before, x, y), a, b)
 
 
-def _fused_ring_attention(fused, ring, q, k, v, segments=None):
-    """The zig-zag ring (`_blocks` says which quarter blocks are needed) on a `FusedKernel`.
+def _gathered_visits(ring, kv, visit, carry=None):
+    """carry = visit(kv, src, diagonal, carry) for every device's key/value block, the local one first,
+    as `_around_ring` visits them, but each block sliced out of one all-gather of them all."""
+    me, t = ring.index(), jax.tree.leaves(kv)[0].shape[1]
+    everything = jax.tree.map(lambda x: jax.lax.all_gather(x, ring.axes, axis=1, tiled=True), kv)
+    carry = visit(kv, me, True, carry)
+    for step in range(1, ring.size):
+        src = (me - step) % ring.size
+        block = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, src * t, t, axis=1), everything)
+        carry = visit(block, src, False, carry)
+    return carry
 
-    At home: early x early and late x late are causal diagonals, late x early is full. Visiting a
-    block: my late chunk sees its early chunk whole; if it comes from an earlier device my early
-    chunk sees its early chunk too, else my late chunk sees its late chunk, and both cases are one
-    full block, picked by selects. Halves are combined in float32 by the online softmax (`_merge`).
-    Queries travel as (q, segment ids), keys as (k, v, segment ids); the ids are None without a
-    document mask.
+
+def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False):
+    """Zig-zag context-parallel attention (`_blocks` says which quarter blocks are needed) on a
+    `FusedKernel`; the key/value blocks come around the ring, or (`gather`) out of one all-gather.
+
+    At home: early x early and late x late are causal diagonals, late x early is full. Another
+    device's block: my late chunk sees its early chunk whole; if it comes from an earlier device my
+    early chunk sees its early chunk too, else my late chunk sees its late chunk, and both cases are
+    one full block, picked by selects. Halves are combined in float32 by the online softmax
+    (`_merge`). Queries go as (q, segment ids), keys as (k, v, segment ids); the ids are None without
+    a document mask.
     """
+
+    def visits(keys, visit):
+        return _gathered_visits(ring, keys, visit) if gather else _around_ring(ring, keys, visit, unroll=True)
 
     def block(queries, keys, causal):
         (q, q_segments), (k, v, k_segments) = queries, keys
@@ -380,41 +401,57 @@ def _fused_ring_attention(fused, ring, q, k, v, segments=None):
         return forward(q, k, v, segments)[0]
 
     def forward(q, k, v, segments):
-        lo, hi = _around_ring(ring, (k, v, segments), lambda *args: visit((q, segments), *args), unroll=True)
+        lo, hi = visits((k, v, segments), lambda *args: visit((q, segments), *args))
         out, lse = _join(lo[0], hi[0]).astype(q.dtype), _join(lo[1], hi[1])
         return out, (q, k, v, segments, out, lse)
 
     def backward(residuals, d_out):
         q, k, v, segments, out, lse = residuals
         rows_lo, rows_hi = _split((q, out, lse, d_out.astype(q.dtype), segments))
+        t = k.shape[1]
 
         def grads(rows, keys, causal):
             (q, out, lse, d_out, q_segments), (k, v, k_segments) = rows, keys
             return [g.astype(jnp.float32) for g in fused.backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments)]
 
-        def visit_back(keys, src, diagonal, acc):
-            """This block's share of dQ (kept) and of its dK, dV (which travel on with it, home after the
-            last step, as in `_ring_attention`)."""
+        def block_grads(keys, src, diagonal, dq):
+            """dQ with this block's share added (early and late halves), and the block's own dK, dV."""
             k_lo, k_hi = _split(keys)
-            late_early = grads(rows_hi, k_lo, False)  # needed at every step
+            late_early = grads(rows_hi, k_lo, False)  # needed for every block
             if diagonal:
                 early, late = grads(rows_lo, k_lo, True), grads(rows_hi, k_hi, True)
-                dq = (early[0], late_early[0] + late[0])
-                dk, dv = (_join(early[i] + late_early[i], late[i]) for i in (1, 2))
-            else:
-                (dq_lo, dq_hi), dk_travel, dv_travel = acc
-                before = src < ring.index()
-                either = grads(*_choose(before, (rows_lo, k_lo), (rows_hi, k_hi)), False)
-                zero = jnp.zeros_like(either[0])
-                dq = (dq_lo + jnp.where(before, either[0], zero), dq_hi + late_early[0] + jnp.where(before, zero, either[0]))
-                dk, dv = (_join(late_early[i] + jnp.where(before, either[i], 0), jnp.where(before, 0, either[i])) for i in (1, 2))
-                dk, dv = dk + dk_travel, dv + dv_travel
-            # They travel in K's and V's own dtype: in bfloat16 training, half the bytes of float32 (the
-            # ring's largest transfer), at the cost of one rounding per hop.
+                return (early[0], late_early[0] + late[0]), *(_join(early[i] + late_early[i], late[i]) for i in (1, 2))
+            before = src < ring.index()
+            either = grads(*_choose(before, (rows_lo, k_lo), (rows_hi, k_hi)), False)
+            zero = jnp.zeros_like(either[0])
+            dq = (dq[0] + jnp.where(before, either[0], zero), dq[1] + late_early[0] + jnp.where(before, zero, either[0]))
+            return dq, *(_join(late_early[i] + jnp.where(before, either[i], 0), jnp.where(before, 0, either[i])) for i in (1, 2))
+
+        def travel(keys, src, diagonal, acc):
+            """Around the ring, a block's dK, dV travel on with it and reach home after the last step (as
+            in `_ring_attention`), in K's and V's own dtype: in bfloat16 training half the bytes of
+            float32 (the ring's largest transfer), at the cost of one rounding per hop."""
+            dq, dk, dv = block_grads(keys, src, diagonal, None if acc is None else acc[0])
+            if acc is not None:
+                dk, dv = dk + acc[1], dv + acc[2]
             return (dq, *ring.shift((dk.astype(k.dtype), dv.astype(v.dtype))))
 
-        (dq_lo, dq_hi), dk, dv = _around_ring(ring, (k, v, segments), visit_back, unroll=True)
-        return _join(dq_lo, dq_hi).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+        def collect(keys, src, diagonal, acc):
+            """From the all-gather, each block's dK, dV add into a buffer of all of them, reduce-scattered
+            after the last block (the all-gather's transpose)."""
+            dq, dk, dv = block_grads(keys, src, diagonal, None if acc is None else acc[0])
+            everything = acc[1:] if acc is not None else [jnp.zeros((x.shape[0], ring.size * t, *x.shape[2:]), jnp.float32)
+                                                          for x in (dk, dv)]
+            add = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+                whole, jax.lax.dynamic_slice_in_dim(whole, src * t, t, axis=1) + part, src * t, axis=1)
+            return dq, add(everything[0], dk), add(everything[1], dv)
+
+        if gather:
+            dq, dk, dv = _gathered_visits(ring, (k, v, segments), collect)
+            dk, dv = (jax.lax.psum_scatter(x.astype(y.dtype), ring.axes, scatter_dimension=1, tiled=True) for x, y in ((dk, k), (dv, v)))
+        else:
+            dq, dk, dv = _around_ring(ring, (k, v, segments), travel, unroll=True)
+        return _join(*dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attend.defvjp(forward, backward)
     return attend(q, k, v, segments)
