@@ -166,3 +166,27 @@ def test_ring_backward_memory_does_not_grow_with_the_ring():
     assert ring[1] <= 1.05 * ring[0], ring
     # The measurement can see growth: all-gather holds every device's keys and values.
     assert gathered[1] >= 1.5 * gathered[0], gathered
+
+
+@pytest.mark.parametrize("impl, dtype, length, ways, documents, fused, says", [
+    ("cudnn", jnp.bfloat16, 8192, 4, False, True, "cuDNN flash attention"),
+    ("cudnn", jnp.bfloat16, 8192, 4, True, False, "cuDNN's blocks take no document mask"),
+    ("cudnn", jnp.float32, 8192, 4, False, False, "16-bit inputs only"),
+    ("splash", jnp.bfloat16, 8192, 4, True, True, "splash attention"),
+    ("splash", jnp.bfloat16, 4096 + 512, 4, False, False, "train.seq_len / 8, to be a multiple of 128"),
+    ("xla", jnp.bfloat16, 8192, 4, False, False, "XLA attention"),
+])
+def test_split_blocks_say_which_kernel_runs_them_and_why_not(impl, dtype, length, ways, documents, fused, says):
+    from ushard.models.attention import split_blocks
+
+    kernel, description = split_blocks(impl, dtype, length, ways, documents)
+    assert (kernel is not None) == fused and says in description
+
+
+def test_the_start_up_report_says_what_runs_a_split_sequences_blocks():
+    from conftest import small_config
+
+    from ushard.build import build
+
+    setup = build(small_config(**{"mesh.sequence": 2, "mesh.fsdp": 1}), devices=jax.devices()[:2])
+    assert "context parallelism: ring over 2 devices, blocks on XLA attention" in setup.describe()

@@ -14,7 +14,7 @@ import optax
 from ushard.config import validate
 from ushard.mesh import build_mesh
 from ushard.metrics import flops_per_token
-from ushard.models.attention import check_impl
+from ushard.models.attention import check_impl, resolve_impl, split_blocks
 from ushard.models.config import ModelConfig
 from ushard.models.definition import ModelDef, model_definition
 from ushard.parallel.pipeline import PipelineSchedule, bubble_fraction
@@ -56,9 +56,20 @@ class Setup:
         return (
             f"ushard: {size} on {self.mesh.size} {platform} "
             f"device(s), mesh {shape}, ZeRO-{self.config.parallel.zero_stage}\n{self._describe_pipeline()}"
+            f"{self._describe_context()}"
             f"parameter layout (logical axis -> mesh axes):\n{format_rules(self.layout.zero.params)}"
             + "".join(f"\nnote: {line}" for line in self.notes)
         )
+
+    def _describe_context(self) -> str:
+        ways = self.layout.size("act_length")
+        if ways == 1:
+            return ""
+        cfg, length = self.model_config, self.config.train.seq_len
+        impl = resolve_impl(cfg.attention_impl, self.mesh.devices.flat[0].platform, cfg.compute_dtype, length,
+                            in_stage=self.layout.pipeline is not None)
+        _, blocks = split_blocks(impl, cfg.compute_dtype, length, ways, cfg.document_mask)
+        return f"context parallelism: {self.config.parallel.context_parallel} over {ways} devices, blocks on {blocks}\n"
 
     def _describe_pipeline(self) -> str:
         pipe = self.layout.pipeline

@@ -65,16 +65,17 @@ def causal_attention(q, k, v, segment_ids, impl: str):
     the [T, T] scores and runs out of memory at real sizes).
 
     When the active layout splits the sequence, context parallelism (ushard/parallel/context.py) runs
-    each device's blocks: on cuDNN or splash where `impl` resolves to it and the blocks are the zig-zag
-    ring's without a document mask (`ring_block_kernel`), else on `attention_block` (XLA), since JAX's
-    public kernels give no log-sum-exp to combine blocks with (docs/dev-notes.md).
+    each device's blocks: on cuDNN or splash where `impl` resolves to it and they can take the blocks
+    (`split_blocks`), else on `attention_block` (XLA), since JAX's public kernels give no log-sum-exp
+    to combine blocks with (docs/dev-notes.md).
     """
     layout = current_layout()
     platform = layout.platform if layout is not None else jax.default_backend()
     in_stage = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside a pipeline stage's shard_map
     impl = resolve_impl(impl, platform, q.dtype, q.shape[1], in_stage)
     if context.is_split():
-        return context.attention(q, k, v, segment_ids, attention_block, ring_block_kernel(impl, q.dtype, q.shape[1]))
+        fused, _ = split_blocks(impl, q.dtype, q.shape[1], context.ways(), segment_ids is not None)
+        return context.attention(q, k, v, segment_ids, attention_block, fused)
     if impl == "splash":
         return splash_attention(q, k, v, segment_ids)
     mask = None
@@ -83,15 +84,22 @@ def causal_attention(q, k, v, segment_ids, impl: str):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 
 
-def ring_block_kernel(impl: str, dtype, length: int):
-    """The fused kernel for the blocks of context parallelism's ring (`context.FusedKernel`) that the
-    resolved `impl` gives, or None for XLA blocks: cuDNN in 16-bit compute; splash where each device's
-    half-chunks of a `length`-token sequence fill whole 128-lane blocks."""
-    if impl == "cudnn" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-        return CUDNN_BLOCKS
-    if impl == "splash" and (length // (2 * context.ways())) % LANES == 0:
-        return splash_blocks()
-    return None
+def split_blocks(impl: str, dtype, length: int, ways: int, documents: bool) -> tuple[context.FusedKernel | None, str]:
+    """The fused kernel (`context.FusedKernel`) that runs the blocks of a `length`-token sequence split
+    `ways` ways, for the resolved `impl`, or None for XLA blocks; and what runs them, in words (the
+    start-up report says it, so a fallback is never silent)."""
+    if impl == "cudnn":
+        if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+            return None, "XLA attention (cuDNN takes 16-bit inputs only)"
+        if documents:
+            return None, "XLA attention (cuDNN's blocks take no document mask; model.document_mask=true)"
+        return CUDNN_BLOCKS, "cuDNN flash attention"
+    if impl == "splash":
+        if (length // (2 * ways)) % LANES:
+            return None, (f"XLA attention (splash needs each device's two chunks, train.seq_len / {2 * ways}, "
+                          f"to be a multiple of {LANES} tokens)")
+        return splash_blocks(), "splash attention"
+    return None, "XLA attention"
 
 
 def attention_block(q, k, v, q_index, k_index, q_segments, k_segments):
