@@ -66,8 +66,7 @@ class Setup:
         if ways == 1:
             return ""
         cfg, length = self.model_config, self.config.train.seq_len
-        impl = resolve_impl(cfg.attention_impl, self.mesh.devices.flat[0].platform, cfg.compute_dtype, length,
-                            in_stage=self.layout.pipeline is not None)
+        impl = resolve_impl(cfg.attention_impl, self.mesh.devices.flat[0].platform, cfg.compute_dtype, length)
         _, blocks = split_blocks(impl, cfg.compute_dtype, length, ways, cfg.document_mask)
         return f"context parallelism: {self.config.parallel.context_parallel} over {ways} devices, blocks on {blocks}\n"
 

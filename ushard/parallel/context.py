@@ -145,6 +145,10 @@ class _Ring:
         perm = [(j, (j + 1) % self.size) for j in range(self.size)]
         return jax.tree.map(lambda x: jax.lax.ppermute(x, self.axes, perm), tree)
 
+    def gather(self, tree):
+        """Every array of `tree` [B, T, ...] (None stays None) gathered from all devices, [B, n T, ...]."""
+        return jax.tree.map(lambda x: jax.lax.all_gather(x, self.axes, axis=1, tiled=True), tree)
+
 
 @dataclass(frozen=True)
 class FusedKernel:
@@ -201,18 +205,36 @@ def attention(q, k, v, segment_ids, kernel, fused: FusedKernel | None = None):
 
 def _gathered_attention(kernel, ring, q, k, v, segments):
     """Local queries over every device's keys and values, gathered; autodiff reduce-scatters dK, dV."""
-    gather = lambda x: None if x is None else jax.lax.all_gather(x, ring.axes, axis=1, tiled=True)  # noqa: E731
     t = q.shape[1]
     k_index = jnp.concatenate([ring.token_index(j, t) for j in range(ring.size)], axis=1)
-    out, _ = kernel(q, gather(k), gather(v), ring.token_index(ring.index(), t), k_index, segments, gather(segments))
+    k, v, k_segments = ring.gather((k, v, segments))
+    out, _ = kernel(q, k, v, ring.token_index(ring.index(), t), k_index, segments, k_segments)
     return out.astype(q.dtype)
 
 
 # --------------------------------------------------------------------------- ring
 
 
-def _rows(x, start, stop):
-    return None if x is None else x[:, start:stop]
+def _halves(x):
+    """x [B, T, ...] cut along T into this device's early and late chunk (zig-zag order); None stays None."""
+    if x is None:
+        return None, None
+    h = x.shape[1] // 2
+    return x[:, :h], x[:, h:]
+
+
+def _split(arrays):
+    """A tuple of [B, T, ...] arrays (or None) as (its early halves, its late halves)."""
+    return tuple(zip(*(_halves(x) for x in arrays)))
+
+
+def _join(lo, hi):
+    return jnp.concatenate([lo, hi], axis=1)
+
+
+def _choose(before, a, b):
+    """a where the visiting block comes from an earlier device, else b (trees of arrays)."""
+    return jax.tree.map(lambda x, y: jnp.where(before, x, y), a, b)
 
 
 def _blocks(kernel, ring, diagonal, q, segments, kv, src):
@@ -226,27 +248,27 @@ def _blocks(kernel, ring, diagonal, q, segments, kv, src):
     q_index, k_index = ring.token_index(me, t), ring.token_index(src, t)
     if not ring.zigzag:
         return [kernel(q, k, v, q_index, k_index, segments, k_segments)]
-    h = t // 2
-    lo = lambda x: _rows(x, 0, h)  # noqa: E731  (this device's early chunk)
-    hi = lambda x: _rows(x, h, t)  # noqa: E731  (its late chunk)
+    queries_lo, queries_hi = _split((q, q_index, segments))
+    keys_lo, keys_hi = _split((k, v, k_index, k_segments))
+
+    def call(queries, keys):
+        (q, q_index, q_segments), (k, v, k_index, k_segments) = queries, keys
+        return kernel(q, k, v, q_index, k_index, q_segments, k_segments)
+
     if diagonal:
         # early x early is causal, late x (early, late) is too; early x late is masked: skipped.
-        early = kernel(lo(q), lo(k), lo(v), lo(q_index), lo(k_index), lo(segments), lo(k_segments))
-        late = kernel(hi(q), k, v, hi(q_index), k_index, hi(segments), k_segments)
-        return [jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), early, late)]
+        early, late = call(queries_lo, keys_lo), call(queries_hi, (k, v, k_index, k_segments))
+        return [jax.tree.map(_join, early, late)]
     # Another device's chunks: my late chunk sees its early chunk whole. If it comes before me, my
     # early chunk sees its early chunk too; otherwise my late chunk sees its late chunk. The rest is
     # masked. Both cases are one block of the same shape, chosen by selects (no branch).
     before = src < me
-    pick = lambda a, b: None if a is None else jnp.where(before, a, b)  # noqa: E731
-    always = kernel(hi(q), lo(k), lo(v), hi(q_index), lo(k_index), hi(segments), lo(k_segments))
-    either = kernel(pick(lo(q), hi(q)), pick(lo(k), hi(k)), pick(lo(v), hi(v)), pick(lo(q_index), hi(q_index)),
-                    pick(lo(k_index), hi(k_index)), pick(lo(segments), hi(segments)), pick(lo(k_segments), hi(k_segments)))
+    always = call(queries_hi, keys_lo)
+    either = call(*_choose(before, (queries_lo, keys_lo), (queries_hi, keys_hi)))
     nothing = jax.tree.map(jnp.zeros_like, always[0]), jnp.full_like(always[1], -jnp.inf)
-    join = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
     return [
-        jax.tree.map(join, nothing, always),
-        jax.tree.map(lambda e, n: jnp.where(before, join(e, n), join(n, e)), either, nothing),
+        jax.tree.map(_join, nothing, always),
+        jax.tree.map(lambda e, n: jnp.where(before, _join(e, n), _join(n, e)), either, nothing),
     ]
 
 
@@ -331,33 +353,11 @@ def _ring_attention(kernel, ring, q, k, v, segments):
 # --------------------------------------------------------------------------- ring of fused blocks
 
 
-def _halves(x):
-    """x [B, T, ...] cut along T into this device's early and late chunk (zig-zag order); None stays None."""
-    if x is None:
-        return None, None
-    h = x.shape[1] // 2
-    return x[:, :h], x[:, h:]
-
-
-def _split(arrays):
-    """A tuple of [B, T, ...] arrays (or None) as (its early halves, its late halves)."""
-    return tuple(zip(*(_halves(x) for x in arrays)))
-
-
-def _join(lo, hi):
-    return jnp.concatenate([lo, hi], axis=1)
-
-
-def _choose(before, a, b):
-    """a where the visiting block comes from an earlier device, else b (trees of arrays)."""
-    return jax.tree.map(lambda x, y: jnp.where(before, x, y), a, b)
-
-
 def _gathered_visits(ring, kv, visit, carry=None):
     """carry = visit(kv, src, diagonal, carry) for every device's key/value block, the local one first,
     as `_around_ring` visits them, but each block sliced out of one all-gather of them all."""
     me, t = ring.index(), jax.tree.leaves(kv)[0].shape[1]
-    everything = jax.tree.map(lambda x: jax.lax.all_gather(x, ring.axes, axis=1, tiled=True), kv)
+    everything = ring.gather(kv)
     carry = visit(kv, me, True, carry)
     for step in range(1, ring.size):
         src = (me - step) % ring.size
