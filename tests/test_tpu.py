@@ -18,10 +18,10 @@ LAYERS = 2
 GATHERS = {"all-gather": 2 * LAYERS * 7}  # ZeRO-3: each of q, k, v, o, gate, up, down, forward and backward
 SPLASH = {"train.seq_len": 128}  # whole blocks of 128: `auto` attention is splash attention on TPUs
 # Splash kernels in the step: forward, dq and dkv, once per layer loop each; none with XLA attention.
-# The ring (sequence=2, each device's half-chunks one 128-lane block) runs splash on its blocks: 5
-# forward blocks a layer (3 at home, 2 visiting) and a dq and a dkv kernel for each in the backward,
-# documents masked (the default).
-SPLASH_KERNELS, RING_KERNELS = 3, 5 + 2 * 5
+# The ring (sequence=2, each device's half-chunks one 128-lane block) runs splash on its blocks: 3
+# forward blocks a layer (1 causal at home, 2 visiting) and a dq and a dkv kernel for each in the
+# backward, documents masked (the default).
+SPLASH_KERNELS, RING_KERNELS = 3, 3 + 2 * 3
 LAYOUTS = {
     "fsdp8": ("v5p:2x2x2", 1, {"mesh.fsdp": 8, **SPLASH}, GATHERS, SPLASH_KERNELS),
     "data2_fsdp4": ("v5p:2x2x2", 1, {"mesh.data": 2, "mesh.fsdp": 4}, GATHERS, 0),

@@ -370,7 +370,7 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False):
     """Zig-zag context-parallel attention (`_blocks` says which quarter blocks are needed) on a
     `FusedKernel`; the key/value blocks come around the ring, or (`gather`) out of one all-gather.
 
-    At home: early x early and late x late are causal diagonals, late x early is full. Another
+    At home the local chunks (early, late) are in token order: one causal block of both. Another
     device's block: my late chunk sees its early chunk whole; if it comes from an earlier device my
     early chunk sees its early chunk too, else my late chunk sees its late chunk, and both cases are
     one full block, picked by selects. Halves are combined in float32 by the online softmax
@@ -387,9 +387,9 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False):
         return out.astype(jnp.float32), lse
 
     def visit(queries, keys, src, diagonal, acc):
+        if diagonal:  # the local chunks are in token order, so at home attention is one causal block
+            return _split(block(queries, keys, True))
         (q_lo, q_hi), (k_lo, k_hi) = _split(queries), _split(keys)
-        if diagonal:
-            return block(q_lo, k_lo, True), _merge(block(q_hi, k_lo, False), [block(q_hi, k_hi, True)])
         lo, hi = acc
         before = src < ring.index()
         hi = _merge(hi, [block(q_hi, k_lo, False)])
@@ -407,7 +407,8 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False):
 
     def backward(residuals, d_out):
         q, k, v, segments, out, lse = residuals
-        rows_lo, rows_hi = _split((q, out, lse, d_out.astype(q.dtype), segments))
+        rows = (q, out, lse, d_out.astype(q.dtype), segments)
+        rows_lo, rows_hi = _split(rows)
         t = k.shape[1]
 
         def grads(rows, keys, causal):
@@ -416,11 +417,11 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False):
 
         def block_grads(keys, src, diagonal, dq):
             """dQ with this block's share added (early and late halves), and the block's own dK, dV."""
-            k_lo, k_hi = _split(keys)
-            late_early = grads(rows_hi, k_lo, False)  # needed for every block
             if diagonal:
-                early, late = grads(rows_lo, k_lo, True), grads(rows_hi, k_hi, True)
-                return (early[0], late_early[0] + late[0]), *(_join(early[i] + late_early[i], late[i]) for i in (1, 2))
+                dq, dk, dv = grads(rows, keys, True)
+                return _halves(dq), dk, dv
+            k_lo, k_hi = _split(keys)
+            late_early = grads(rows_hi, k_lo, False)
             before = src < ring.index()
             either = grads(*_choose(before, (rows_lo, k_lo), (rows_hi, k_hi)), False)
             zero = jnp.zeros_like(either[0])
