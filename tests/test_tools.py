@@ -1,6 +1,6 @@
 """tools/: kernels of a profiled step attributed to HLO instructions (hlo_ops.py); the matmuls whose
-ceilings tools/ceilings.py measures; the pipeline schedule drawn by tools/pipeline_schedule.py; bench.py's
-refusal of a variant without a label."""
+ceilings tools/ceilings.py measures; the pipeline schedule drawn by tools/pipeline_schedule.py; the
+ring-transfer probe (tools/p2p_overlap.py); bench.py's refusal of a variant without a label."""
 
 import os
 import subprocess
@@ -122,3 +122,13 @@ def test_bench_refuses_a_variant_without_a_label():
     result = subprocess.run([sys.executable, bench, "--variant", "fsdp2"], capture_output=True, text=True)
     assert result.returncode == 2
     assert "has no label" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_p2p_overlap_times_a_ring_of_every_device():
+    import p2p_overlap
+
+    r = p2p_overlap.measure(rows=1, tokens=16, heads=2, head_dim=8, hops=2, matmul=16)
+    assert r["devices"] == len(jax.devices()) > 1
+    for key in ("ppermute_ms", "ppermute_gb_s", "matmul_ms", "both_ms", "all_gather_gb_s"):
+        assert 0 < r[key] < float("inf"), key
+    assert abs(r["hidden"]) < float("inf")

@@ -1,0 +1,104 @@
+"""Does a ring transfer hide under compute on this machine? The measurement behind the ring's floor.
+
+    python tools/p2p_overlap.py [--rows 4 --tokens 8192 --heads 16 --head-dim 128 --hops 8 --matmul 8192]
+
+Over all local devices in one ring, times with device-side waits (`block_until_ready`), each after
+a warm-up:
+- `ppermute`: K and V of one device ([rows, tokens, heads, head_dim] bfloat16 each; the defaults are
+  one `bench_1b` ring step at 32k tokens over 4 GPUs) sent one device on, `--hops` times;
+- `matmul`: `--hops` square bfloat16 matmuls of size `--matmul`, which need no transfer;
+- `both`: the two in one program, each hop's transfer independent of its matmul, so XLA may run them
+  at once (its schedule puts the matmul between the transfer's start and done);
+- `all_gather`: K and V gathered from every device once.
+It prints the transfer's bandwidth per device and how much of the shorter of the two the combined
+program hid: 0% means the transfers and the matmuls ran one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+def _seconds(fn, *args, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats
+
+
+def measure(rows: int, tokens: int, heads: int, head_dim: int, hops: int, matmul: int) -> dict:
+    devices = jax.devices()
+    n = len(devices)
+    mesh = Mesh(devices, ("ring",))
+    perm = [(j, (j + 1) % n) for j in range(n)]
+    by_tokens, by_rows = P(None, "ring"), P("ring")
+
+    def shift(k, v):
+        return jax.lax.ppermute(k, "ring", perm), jax.lax.ppermute(v, "ring", perm)
+
+    def transfers(k, v):
+        for _ in range(hops):
+            k, v = shift(k, v)
+        return k, v
+
+    def matmuls(a):
+        for _ in range(hops):
+            a = jnp.tanh(a @ a)  # tanh keeps the values bounded over the hops
+        return a
+
+    def both(k, v, a):
+        for _ in range(hops):
+            k, v = shift(k, v)
+            a = jnp.tanh(a @ a)
+        return k, v, a
+
+    def gathered(k, v):
+        return tuple(jax.lax.all_gather(x, "ring", axis=1, tiled=True).sum(1) for x in (k, v))
+
+    def mapped(fn, in_specs, out_specs):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+    kv = jax.device_put(jnp.ones((rows, tokens * n, heads, head_dim), jnp.bfloat16), NamedSharding(mesh, by_tokens))
+    a = jax.device_put(jnp.full((matmul * n, matmul), 0.01, jnp.bfloat16), NamedSharding(mesh, by_rows))
+    t_transfer = _seconds(mapped(transfers, (by_tokens, by_tokens), (by_tokens, by_tokens)), kv, kv)
+    t_matmul = _seconds(mapped(matmuls, (by_rows,), by_rows), a)
+    t_both = _seconds(mapped(both, (by_tokens, by_tokens, by_rows), (by_tokens, by_tokens, by_rows)), kv, kv, a)
+    t_gather = _seconds(mapped(gathered, (by_tokens, by_tokens), (P(), P())), kv, kv)
+    block_bytes = 2 * rows * tokens * heads * head_dim * 2  # K and V, bfloat16
+    return {
+        "devices": n,
+        "ppermute_ms": 1e3 * t_transfer,
+        "ppermute_gb_s": hops * block_bytes / t_transfer / 1e9,
+        "matmul_ms": 1e3 * t_matmul,
+        "both_ms": 1e3 * t_both,
+        "hidden": (t_transfer + t_matmul - t_both) / min(t_transfer, t_matmul),
+        "all_gather_gb_s": (n - 1) * block_bytes / t_gather / 1e9,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens of one device's block")
+    parser.add_argument("--heads", type=int, default=16, help="K/V heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--hops", type=int, default=8)
+    parser.add_argument("--matmul", type=int, default=8192, help="side of each square matmul")
+    args = parser.parse_args()
+    if len(jax.devices()) < 2:
+        raise SystemExit(f"p2p_overlap needs two or more devices to make a ring; this machine has {len(jax.devices())}.")
+    r = measure(args.rows, args.tokens, args.heads, args.head_dim, args.hops, args.matmul)
+    print(f"{r['devices']} devices: ppermute {r['ppermute_gb_s']:.0f} GB/s ({r['ppermute_ms']:.1f} ms), "
+          f"matmuls {r['matmul_ms']:.1f} ms, both {r['both_ms']:.1f} ms: {100 * r['hidden']:.0f}% hidden; "
+          f"all-gather {r['all_gather_gb_s']:.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
