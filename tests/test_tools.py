@@ -2,6 +2,7 @@
 ceilings tools/ceilings.py measures; the pipeline schedule drawn by tools/pipeline_schedule.py; the
 ring-transfer probe (tools/p2p_overlap.py); bench.py's refusal of a variant without a label."""
 
+import json
 import os
 import subprocess
 import sys
@@ -132,3 +133,26 @@ def test_p2p_overlap_times_a_ring_of_every_device():
     for key in ("ppermute_ms", "ppermute_gb_s", "matmul_ms", "both_ms", "all_gather_gb_s"):
         assert 0 < r[key] < float("inf"), key
     assert abs(r["hidden"]) < float("inf")
+
+
+def test_p2p_overlap_runs_as_one_process_per_device():
+    """`--processes 2`: two local processes joined by jax.distributed make one ring of their devices."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, os.path.join(TOOLS, "p2p_overlap.py"), "--processes", "2", "--rows", "1",
+                          "--tokens", "16", "--heads", "2", "--head-dim", "8", "--hops", "2", "--matmul", "16"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "2 devices in 2 process(es): ppermute" in out.stdout
+
+
+def test_bench_runs_a_variant_as_one_process_per_device():
+    """`--processes 2`: the variant trains as two processes of one device each, and process 0 reports
+    a step over both (tokens/s of the global batch)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, os.path.join(TOOLS, "bench.py"), "--config", "configs/tiny.py", "--steps", "1",
+                          "--warmup", "1", "--processes", "2", "--variant", "fsdp2=--config.mesh.fsdp=2"],
+                         cwd=os.path.dirname(TOOLS), env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:]
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+    assert result["name"] == "fsdp2" and "error" not in result
+    assert result["devices"].startswith("2 x ") and result["tokens_per_s"] > 0

@@ -1,10 +1,12 @@
 """Benchmark: train a config for a fixed number of steps on whatever devices exist, print throughput.
 
     python tools/bench.py --config configs/bench_1b.py [--config.a.b=v ...] [--steps 10] [--warmup 3]
-        [--variant LABEL="--config.a.b=v ..."]... [--peers jax,torch]
+        [--variant LABEL="--config.a.b=v ..."]... [--peers jax,torch] [--processes N]
 
 Each ushard variant and each peer (tools/peer_jax.py, tools/peer_torch.py) runs in its own process, so
-one cannot inherit another's memory. The last thing printed is one table: tokens/s, TFLOP/s per device,
+one cannot inherit another's memory. With `--processes N` each ushard variant runs as N local
+processes of one GPU each, joined by `jax.distributed`, as a cluster launcher runs them (one
+process driving every GPU is the default). The last thing printed is one table: tokens/s, TFLOP/s per device,
 MFU against the chip's datasheet bf16 dense peak, and peak memory of the busiest device. FLOPs are counted as in
 ushard/metrics.py (6*N + causal attention), the same formula the peers use.
 """
@@ -19,16 +21,23 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
+import local_processes  # tools/, this script's folder
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: int, breakdown: bool = False) -> dict:
+def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: int, breakdown: bool = False,
+                    processes: tuple[str, int, int] | None = None) -> dict:
     """Times `steps` training steps after `warmup` untimed ones, in this process.
 
     With `breakdown`, also times the forward + backward pass alone (`Steps.loss_and_grads`), so that
-    the rest of a step (gradient norm, clipping, AdamW) is the difference.
+    the rest of a step (gradient norm, clipping, AdamW) is the difference. `processes`: (coordinator
+    address, number of processes, this one's id) of a multi-process run this process joins.
     """
     import jax
+    from jax.experimental import multihost_utils
 
     sys.path.insert(0, os.path.dirname(HERE))
     from ushard import xla_flags
@@ -37,6 +46,8 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
 
     config = load_config(config_name, overrides)
     xla_flags.apply(config)  # before the backend starts
+    if processes:
+        jax.distributed.initialize(*processes)
     trainer = Trainer(config)
     state = trainer.steps.init(config.train.seed)
     batches = trainer.global_batches(warmup + steps)
@@ -58,8 +69,8 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     tokens_per_s = config.train.batch_size * config.train.seq_len / step_time
     tflops = trainer.setup.flops_per_token * tokens_per_s / trainer.setup.mesh.size / 1e12
     # The busiest device's peak: pipeline stages (and expert groups) do not hold the same.
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
-    peak = max((p for p in peaks if p is not None), default=None)
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") or 0 for d in jax.local_devices()]
+    peak = int(np.max(multihost_utils.process_allgather(np.int64(max(peaks))))) or None  # of every process's devices
     extra = {}
     if breakdown:
         grads_fn = trainer.steps.loss_and_grads.lower(state.params, batches[0]).compile()
@@ -92,6 +103,21 @@ def _subprocess_json(label: str, cmd: list[str], env: dict | None = None) -> dic
         return {"name": label, "error": f"exit {proc.returncode}"}
     result = json.loads(lines[-1])
     result["name"] = label
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def _processes_json(label: str, cmd: list[str], env: dict, processes: int) -> dict:
+    """`cmd` (a `--one` run) as `processes` local processes of one device each; the result is process 0's."""
+    print(f"--- {label}: {processes} processes, {' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(cmd)}", flush=True)
+    children = local_processes.start(cmd, processes, env, stdout=subprocess.PIPE, text=True)
+    outputs = [child.communicate()[0] for child in children]
+    lines = [line for line in outputs[0].splitlines() if line.startswith("{")]
+    failed = next((child.returncode for child in children if child.returncode), 0)
+    if failed or not lines:
+        print(outputs[0][-3000:], flush=True)
+        return {"name": label, "error": f"exit {failed}"}
+    result = {**json.loads(lines[-1]), "name": label}
     print(json.dumps(result), flush=True)
     return result
 
@@ -133,7 +159,10 @@ def main() -> None:
                         help='LABEL="[ENV=value ...] --config.a=b ..." (repeatable; ENV: environment for that run)')
     parser.add_argument("--peers", default="", help="comma-separated: jax,torch")
     parser.add_argument("--breakdown", action="store_true", help="also time forward+backward alone")
+    parser.add_argument("--processes", type=int, default=1, help="run each variant as N local processes, one GPU each")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # run in this process
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)  # with --one: the multi-process run it joins
+    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args()
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
@@ -141,8 +170,13 @@ def main() -> None:
     overrides = [o[len("--config."):] for o in overrides]
 
     if args.one:
-        print(json.dumps(run_ushard_once(args.config, overrides, args.steps, args.warmup, args.breakdown)), flush=True)
+        processes = (args.coordinator, args.processes, args.process_id) if args.coordinator else None
+        result = run_ushard_once(args.config, overrides, args.steps, args.warmup, args.breakdown, processes)
+        if not processes or args.process_id == 0:
+            print(json.dumps(result), flush=True)
         return
+    if args.processes < 1:
+        parser.error(f"--processes must be 1 or more; it is {args.processes}")
 
     unnamed = [v for v in args.variant if "=" not in v or not v.split("=", 1)[0]]
     if unnamed:
@@ -155,7 +189,7 @@ def main() -> None:
         words = shlex.split(extra)
         env = dict(w.split("=", 1) for w in words if not w.startswith("--"))
         cmd += ["--config." + o for o in overrides] + [w for w in words if w.startswith("--")]
-        results.append(_subprocess_json(label, cmd, env))
+        results.append(_processes_json(label, cmd, env, args.processes) if args.processes > 1 else _subprocess_json(label, cmd, env))
     for peer in filter(None, args.peers.split(",")):
         results.append(_subprocess_json(f"peer_{peer}", peer_command(peer, args.config, overrides, args.steps, args.warmup)))
     print_table(results)

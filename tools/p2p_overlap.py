@@ -1,9 +1,11 @@
 """Does a ring transfer hide under compute on this machine? The measurement behind the ring's floor.
 
     python tools/p2p_overlap.py [--rows 4 --tokens 8192 --heads 16 --head-dim 128 --hops 8 --matmul 8192]
+    python tools/p2p_overlap.py --processes 4   # the same ring, one process per GPU of this host
 
-Over all local devices in one ring, times with device-side waits (`block_until_ready`), each after
-a warm-up:
+Over all devices in one ring (one process driving every local device, or with `--processes N` that
+many local processes of one device each, joined by `jax.distributed`, as a cluster launcher runs
+them), times with device-side waits (`block_until_ready`), each after a warm-up:
 - `ppermute`: K and V of one device ([rows, tokens, heads, head_dim] bfloat16 each; the defaults are
   one `bench_1b` ring step at 32k tokens over 4 GPUs) sent one device on, `--hops` times;
 - `matmul`: `--hops` square bfloat16 matmuls of size `--matmul`, which need no transfer;
@@ -17,11 +19,15 @@ program hid: 0% means the transfers and the matmuls ran one after the other.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import local_processes  # tools/, this script's folder
 
 
 def _seconds(fn, *args, repeats: int = 5) -> float:
@@ -65,8 +71,12 @@ def measure(rows: int, tokens: int, heads: int, head_dim: int, hops: int, matmul
     def mapped(fn, in_specs, out_specs):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
-    kv = jax.device_put(jnp.ones((rows, tokens * n, heads, head_dim), jnp.bfloat16), NamedSharding(mesh, by_tokens))
-    a = jax.device_put(jnp.full((matmul * n, matmul), 0.01, jnp.bfloat16), NamedSharding(mesh, by_rows))
+    def filled(shape, value, spec):  # built shard by shard: each process makes only its own devices' part
+        return jax.make_array_from_callback(shape, NamedSharding(mesh, spec),
+                                            lambda index: np.full(shape, value, jnp.bfloat16)[index])
+
+    kv = filled((rows, tokens * n, heads, head_dim), 1.0, by_tokens)
+    a = filled((matmul * n, matmul), 0.01, by_rows)
     t_transfer = _seconds(mapped(transfers, (by_tokens, by_tokens), (by_tokens, by_tokens)), kv, kv)
     t_matmul = _seconds(mapped(matmuls, (by_rows,), by_rows), a)
     t_both = _seconds(mapped(both, (by_tokens, by_tokens, by_rows), (by_tokens, by_tokens, by_rows)), kv, kv, a)
@@ -91,13 +101,22 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--hops", type=int, default=8)
     parser.add_argument("--matmul", type=int, default=8192, help="side of each square matmul")
+    parser.add_argument("--processes", type=int, help="run as this many local processes, one device each")
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)  # set by --processes for its children
+    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.processes and args.process_id is None:
+        children = local_processes.start([sys.executable, __file__, *sys.argv[1:]], args.processes)
+        sys.exit(next((code for code in (child.wait() for child in children) if code), 0))
+    if args.processes:
+        jax.distributed.initialize(args.coordinator, args.processes, args.process_id)
     if len(jax.devices()) < 2:
         raise SystemExit(f"p2p_overlap needs two or more devices to make a ring; this machine has {len(jax.devices())}.")
     r = measure(args.rows, args.tokens, args.heads, args.head_dim, args.hops, args.matmul)
-    print(f"{r['devices']} devices: ppermute {r['ppermute_gb_s']:.0f} GB/s ({r['ppermute_ms']:.1f} ms), "
-          f"matmuls {r['matmul_ms']:.1f} ms, both {r['both_ms']:.1f} ms: {100 * r['hidden']:.0f}% hidden; "
-          f"all-gather {r['all_gather_gb_s']:.0f} GB/s")
+    if jax.process_index() == 0:
+            print(f"{r['devices']} devices in {jax.process_count()} process(es): ppermute {r['ppermute_gb_s']:.0f} GB/s "
+              f"({r['ppermute_ms']:.1f} ms), matmuls {r['matmul_ms']:.1f} ms, both {r['both_ms']:.1f} ms: "
+              f"{100 * r['hidden']:.0f}% hidden; all-gather {r['all_gather_gb_s']:.0f} GB/s")
 
 
 if __name__ == "__main__":
