@@ -130,7 +130,7 @@ def test_p2p_overlap_times_a_ring_of_every_device():
 
     r = p2p_overlap.measure(rows=1, tokens=16, heads=2, head_dim=8, hops=2, matmul=16)
     assert r["devices"] == len(jax.devices()) > 1
-    for key in ("ppermute_ms", "ppermute_gb_s", "matmul_ms", "both_ms", "all_gather_gb_s"):
+    for key in ("ppermute_ms", "ppermute_gb_s", "two_way_gb_s", "matmul_ms", "both_ms", "all_gather_gb_s"):
         assert 0 < r[key] < float("inf"), key
     assert abs(r["hidden"]) < float("inf")
 

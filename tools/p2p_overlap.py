@@ -11,9 +11,12 @@ them), times with device-side waits (`block_until_ready`), each after a warm-up:
 - `matmul`: `--hops` square bfloat16 matmuls of size `--matmul`, which need no transfer;
 - `both`: the two in one program, each hop's transfer independent of its matmul, so XLA may run them
   at once (its schedule puts the matmul between the transfer's start and done);
+- `two_way`: the same bytes, K sent one device on and V one device back (a ring that splits its
+  heads between the two directions would move its blocks so);
 - `all_gather`: K and V gathered from every device once.
-It prints the transfer's bandwidth per device and how much of the shorter of the two the combined
-program hid: 0% means the transfers and the matmuls ran one after the other.
+It prints the transfer's bandwidth per device (bytes sent by one device over the time) and how much
+of the shorter of the two the combined program hid: 0% means the transfers and the matmuls ran one
+after the other.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def measure(rows: int, tokens: int, heads: int, head_dim: int, hops: int, matmul
     n = len(devices)
     mesh = Mesh(devices, ("ring",))
     perm = [(j, (j + 1) % n) for j in range(n)]
+    back = [(j, (j - 1) % n) for j in range(n)]
     by_tokens, by_rows = P(None, "ring"), P("ring")
 
     def shift(k, v):
@@ -52,6 +56,11 @@ def measure(rows: int, tokens: int, heads: int, head_dim: int, hops: int, matmul
     def transfers(k, v):
         for _ in range(hops):
             k, v = shift(k, v)
+        return k, v
+
+    def two_way(k, v):
+        for _ in range(hops):
+            k, v = jax.lax.ppermute(k, "ring", perm), jax.lax.ppermute(v, "ring", back)
         return k, v
 
     def matmuls(a):
@@ -78,6 +87,7 @@ def measure(rows: int, tokens: int, heads: int, head_dim: int, hops: int, matmul
     kv = filled((rows, tokens * n, heads, head_dim), 1.0, by_tokens)
     a = filled((matmul * n, matmul), 0.01, by_rows)
     t_transfer = _seconds(mapped(transfers, (by_tokens, by_tokens), (by_tokens, by_tokens)), kv, kv)
+    t_two_way = _seconds(mapped(two_way, (by_tokens, by_tokens), (by_tokens, by_tokens)), kv, kv)
     t_matmul = _seconds(mapped(matmuls, (by_rows,), by_rows), a)
     t_both = _seconds(mapped(both, (by_tokens, by_tokens, by_rows), (by_tokens, by_tokens, by_rows)), kv, kv, a)
     t_gather = _seconds(mapped(gathered, (by_tokens, by_tokens), (P(), P())), kv, kv)
@@ -86,6 +96,7 @@ def measure(rows: int, tokens: int, heads: int, head_dim: int, hops: int, matmul
         "devices": n,
         "ppermute_ms": 1e3 * t_transfer,
         "ppermute_gb_s": hops * block_bytes / t_transfer / 1e9,
+        "two_way_gb_s": hops * block_bytes / t_two_way / 1e9,
         "matmul_ms": 1e3 * t_matmul,
         "both_ms": 1e3 * t_both,
         "hidden": (t_transfer + t_matmul - t_both) / min(t_transfer, t_matmul),
@@ -116,7 +127,8 @@ def main() -> None:
     if jax.process_index() == 0:
             print(f"{r['devices']} devices in {jax.process_count()} process(es): ppermute {r['ppermute_gb_s']:.0f} GB/s "
               f"({r['ppermute_ms']:.1f} ms), matmuls {r['matmul_ms']:.1f} ms, both {r['both_ms']:.1f} ms: "
-              f"{100 * r['hidden']:.0f}% hidden; all-gather {r['all_gather_gb_s']:.0f} GB/s")
+              f"{100 * r['hidden']:.0f}% hidden; both directions {r['two_way_gb_s']:.0f} GB/s; "
+              f"all-gather {r['all_gather_gb_s']:.0f} GB/s")
 
 
 if __name__ == "__main__":
