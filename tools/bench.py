@@ -94,23 +94,16 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     }
 
 
-def _subprocess_json(label: str, cmd: list[str], env: dict | None = None) -> dict:
-    print(f"--- {label}: {' '.join(f'{k}={v}' for k, v in (env or {}).items())} {shlex.join(cmd)}", flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        print(proc.stdout[-3000:], flush=True)
-        return {"name": label, "error": f"exit {proc.returncode}"}
-    result = json.loads(lines[-1])
-    result["name"] = label
-    print(json.dumps(result), flush=True)
-    return result
-
-
-def _processes_json(label: str, cmd: list[str], env: dict, processes: int) -> dict:
-    """`cmd` (a `--one` run) as `processes` local processes of one device each; the result is process 0's."""
-    print(f"--- {label}: {processes} processes, {' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(cmd)}", flush=True)
-    children = local_processes.start(cmd, processes, env, stdout=subprocess.PIPE, text=True)
+def _subprocess_json(label: str, cmd: list[str], env: dict | None = None, processes: int = 1) -> dict:
+    """The JSON result `cmd` prints last, labelled, or an error row. With `processes` > 1, `cmd` (a
+    `--one` run) runs as that many local processes of one device each, and the result is process 0's."""
+    env = env or {}
+    many = f"{processes} processes, " if processes > 1 else ""
+    print(f"--- {label}: {many}{' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(cmd)}", flush=True)
+    if processes > 1:
+        children = local_processes.start(cmd, processes, env, stdout=subprocess.PIPE, text=True)
+    else:
+        children = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})]
     outputs = [child.communicate()[0] for child in children]
     lines = [line for line in outputs[0].splitlines() if line.startswith("{")]
     failed = next((child.returncode for child in children if child.returncode), 0)
@@ -189,7 +182,7 @@ def main() -> None:
         words = shlex.split(extra)
         env = dict(w.split("=", 1) for w in words if not w.startswith("--"))
         cmd += ["--config." + o for o in overrides] + [w for w in words if w.startswith("--")]
-        results.append(_processes_json(label, cmd, env, args.processes) if args.processes > 1 else _subprocess_json(label, cmd, env))
+        results.append(_subprocess_json(label, cmd, env, args.processes))
     for peer in filter(None, args.peers.split(",")):
         results.append(_subprocess_json(f"peer_{peer}", peer_command(peer, args.config, overrides, args.steps, args.warmup)))
     print_table(results)
