@@ -81,8 +81,9 @@ def measure(rows: int, tokens: int, heads: int, head_dim: int, hops: int, matmul
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
     def filled(shape, value, spec):  # built shard by shard: each process makes only its own devices' part
-        return jax.make_array_from_callback(shape, NamedSharding(mesh, spec),
-                                            lambda index: np.full(shape, value, jnp.bfloat16)[index])
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(shape, sharding,
+                                            lambda _: np.full(sharding.shard_shape(shape), value, jnp.bfloat16))
 
     kv = filled((rows, tokens * n, heads, head_dim), 1.0, by_tokens)
     a = filled((matmul * n, matmul), 0.01, by_rows)
