@@ -70,7 +70,8 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     tflops = trainer.setup.flops_per_token * tokens_per_s / trainer.setup.mesh.size / 1e12
     # The busiest device's peak: pipeline stages (and expert groups) do not hold the same.
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") or 0 for d in jax.local_devices()]
-    peak = int(np.max(multihost_utils.process_allgather(np.int64(max(peaks))))) or None  # of every process's devices
+    # In GiB: gathered as int64 the bytes would wrap, because JAX without x64 makes them int32.
+    peak_gib = float(np.max(multihost_utils.process_allgather(np.float32(max(peaks) / 2**30)))) or None
     extra = {}
     if breakdown:
         grads_fn = trainer.steps.loss_and_grads.lower(state.params, batches[0]).compile()
@@ -86,7 +87,7 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
         "step_time_s": step_time,
         "tflops_per_device": tflops,
         "mfu": tflops * 1e12 / trainer.peak if trainer.peak else None,
-        "peak_mem_gib": peak / 2**30 if peak else None,
+        "peak_mem_gib": peak_gib,
         "final_loss": float(metrics["loss"]),
         "compile_s": compile_s,
         "devices": f"{trainer.setup.mesh.size} x {jax.devices()[0].device_kind}",

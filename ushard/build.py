@@ -21,7 +21,7 @@ from ushard.parallel.pipeline import PipelineSchedule, bubble_fraction
 from ushard.sharding import Layout, format_rules
 from ushard.training.optim import make_optimizer
 from ushard.training.step import Steps
-from ushard.xla_flags import ignored_settings
+from ushard.xla_flags import check_compiles, ignored_settings
 
 
 @dataclass
@@ -63,11 +63,9 @@ class Setup:
 
     def _describe_context(self) -> str:
         ways = self.layout.size("act_length")
-        if ways == 1:
+        blocks = context_kernel(self.model_config, self.config.train.seq_len, self.mesh.devices.flat[0].platform, ways)
+        if not blocks:
             return ""
-        cfg, length = self.model_config, self.config.train.seq_len
-        impl = resolve_impl(cfg.attention_impl, self.mesh.devices.flat[0].platform, cfg.compute_dtype, length)
-        _, blocks = split_blocks(impl, cfg.compute_dtype, length, ways, cfg.document_mask)
         return f"context parallelism: {self.config.parallel.context_parallel} over {ways} devices, blocks on {blocks}\n"
 
     def _describe_pipeline(self) -> str:
@@ -81,6 +79,14 @@ class Setup:
         if self.mesh.devices.flat[0].platform == "gpu":
             line += "note: attention runs as XLA attention in the pipeline's stages, not cuDNN (docs/dev-notes.md)\n"
         return line
+
+
+def context_kernel(model_cfg, length: int, platform: str, ways: int) -> str:
+    """What runs the blocks of a sequence split `ways` ways, in words; "" when it is not split."""
+    if ways == 1:
+        return ""
+    impl = resolve_impl(model_cfg.attention_impl, platform, model_cfg.compute_dtype, length)
+    return split_blocks(impl, model_cfg.compute_dtype, length, ways, model_cfg.document_mask)[1]
 
 
 def build(config, devices=None) -> Setup:
@@ -98,6 +104,7 @@ def build(config, devices=None) -> Setup:
     mesh = build_mesh(mesh_shape, dict(config.mesh.dcn), devices)
     layout = Layout.create(mesh, p.zero_stage, reshard_after_forward, p.sequence_parallel, model_cfg.n_kv_heads,
                            pipeline)
+    check_compiles(config, platform, context_kernel(model_cfg, t.seq_len, platform, layout.size("act_length")))
     tx, schedule = make_optimizer(t, model.logical)
     steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip",
                   context_parallel=p.context_parallel)
