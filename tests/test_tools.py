@@ -145,6 +145,17 @@ def test_p2p_overlap_runs_as_one_process_per_device():
     assert "2 devices in 2 process(es): ppermute" in out.stdout
 
 
+def test_p2p_overlap_in_torch_makes_a_ring_where_each_device_gets_its_neighbours_block():
+    """The PyTorch peer of the probe, as 3 CPU processes (gloo): it exits non-zero if any device receives
+    another block than its previous neighbour's."""
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, os.path.join(TOOLS, "p2p_overlap_torch.py"), "--cpu", "3", "--rows", "1",
+                          "--tokens", "16", "--heads", "2", "--head-dim", "8", "--hops", "2", "--matmul", "16"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("3 devices, gloo send/recv ring, one process each: ")
+
+
 def test_bench_runs_a_variant_as_one_process_per_device():
     """`--processes 2`: the variant trains as two processes of one device each, and process 0 reports
     a step over both (tokens/s of the global batch)."""

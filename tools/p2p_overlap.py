@@ -107,14 +107,20 @@ def measure(rows: int, tokens: int, heads: int, head_dim: int, hops: int, matmul
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def probe_parser(description: str) -> argparse.ArgumentParser:
+    """The sizes of the probe, shared with its PyTorch peer (tools/p2p_overlap_torch.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens of one device's block")
     parser.add_argument("--heads", type=int, default=16, help="K/V heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--hops", type=int, default=8)
     parser.add_argument("--matmul", type=int, default=8192, help="side of each square matmul")
+    return parser
+
+
+def main() -> None:
+    parser = probe_parser(__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, help="run as this many local processes, one device each")
     parser.add_argument("--coordinator", help=argparse.SUPPRESS)  # set by --processes for its children
     parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
