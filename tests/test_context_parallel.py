@@ -5,6 +5,8 @@ with the batch in zig-zag order as the train step feeds it, and compares the out
 gradients of q, k and v (mapped back to the original order) with the reference on one device.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,28 +117,35 @@ def _flash_backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
 FLASH_BLOCKS = context.FusedKernel(forward=_flash_forward, backward=_flash_backward, segments=True)
 
 
-def split_on(blocks, n, mode="ring"):
-    """Attention with the sequence split n ways in `mode`, the blocks on the fused kernel `blocks`,
-    in the train step's zig-zag order and back."""
+def split_on(blocks, n, mode="ring", keep_kv=False):
+    """Attention with the sequence split n ways in `mode`, the blocks on the fused kernel `blocks`
+    (None: XLA blocks), in the train step's zig-zag order and back."""
     layout = sequence_layout(n)
 
     def split_attention(q, k, v, segments):
-        with use_layout(layout), context.context_parallel((q, k, v, segments), mode) as (q, k, v, segments):
+        with use_layout(layout), context.context_parallel((q, k, v, segments), mode, keep_kv) as (q, k, v, segments):
             out = context.attention(q, k, v, segments, attention_block, blocks)
         return context.zigzag(out, n, inverse=True)
 
     return split_attention
 
 
-@pytest.mark.parametrize("mode,n,seed,documents", [
-    ("ring", 2, 6, False), ("ring", 4, 7, False), ("ring", 8, 8, False), ("ring", 2, 9, True), ("ring", 4, 10, True),
-    ("all_gather", 2, 11, False), ("all_gather", 4, 12, True),
+@pytest.mark.parametrize("mode,n,seed,documents,keep_kv", [
+    ("ring", 2, 6, False, False), ("ring", 4, 7, False, False), ("ring", 8, 8, False, False),
+    ("ring", 2, 9, True, False), ("ring", 4, 10, True, False), ("all_gather", 2, 11, False, False),
+    ("all_gather", 4, 12, True, False), ("ring", 4, 13, True, True), ("all_gather", 4, 14, True, True),
 ])
-def test_fused_blocks_match_plain_attention(mode, n, seed, documents):
+def test_fused_blocks_match_plain_attention(mode, n, seed, documents, keep_kv):
     """Context parallelism on a fused kernel's blocks (cuDNN on GPUs, splash on TPUs), here a jnp
-    kernel with the same contract: its output and gradients against the reference."""
+    kernel with the same contract: its output and gradients against the reference. `keep_kv`: the
+    backward pass reuses the forward's blocks."""
     q, k, v, segments, weights = random_inputs(seed, n, documents)
-    assert_matches_reference(split_on(FLASH_BLOCKS, n, mode), q, k, v, segments, weights)
+    assert_matches_reference(split_on(FLASH_BLOCKS, n, mode, keep_kv), q, k, v, segments, weights)
+
+
+def test_ring_on_xla_blocks_with_kept_kv_matches_plain_attention():
+    q, k, v, segments, weights = random_inputs(16, 4, documents=True)
+    assert_matches_reference(split_on(None, 4, "ring", keep_kv=True), q, k, v, segments, weights)
 
 
 def test_zigzag_gives_device_i_chunks_i_and_its_mirror():
@@ -145,12 +154,12 @@ def test_zigzag_gives_device_i_chunks_i_and_its_mirror():
     np.testing.assert_array_equal(context.zigzag(context.zigzag(row, 4), 4, inverse=True), row)
 
 
-def backward_temp_bytes(mode: str, n: int, local_length: int = 64) -> int:
+def backward_temp_bytes(mode: str, n: int, local_length: int = 64, keep_kv: bool = False) -> int:
     """Temporary memory per device of attention's forward and backward, `local_length` tokens per device."""
     layout = sequence_layout(n)
 
     def loss(q, k, v, segments):
-        with use_layout(layout), context.context_parallel((), mode):
+        with use_layout(layout), context.context_parallel((), mode, keep_kv):
             return jnp.sum(causal_attention(q, k, v, segments, "xla"))
 
     shape = (1, n * local_length, 4, 16)
@@ -166,6 +175,33 @@ def test_ring_backward_memory_does_not_grow_with_the_ring():
     assert ring[1] <= 1.05 * ring[0], ring
     # The measurement can see growth: all-gather holds every device's keys and values.
     assert gathered[1] >= 1.5 * gathered[0], gathered
+
+
+def test_kept_kv_holds_the_blocks_that_reached_the_device():
+    """keep_kv: the ring holds its n - 1 received K and V blocks (64 tokens x 4 heads x 16 float32 each)
+    from the forward pass to the backward pass: 4 more devices, 8 more blocks (measured 132 KB)."""
+    kept = [backward_temp_bytes("ring", n, keep_kv=True) for n in (4, 8)]
+    assert kept[1] - kept[0] >= 0.9 * 8 * 64 * 4 * 16 * 4, kept
+
+
+@pytest.mark.parametrize("mode, kind", [("ring", "collective-permute"), ("all_gather", "all-gather")])
+def test_the_backward_pass_sends_kv_again_as_its_own_transfers_unless_kept(mode, kind):
+    """Without keep_kv the fused blocks' backward pass moves K and V again, packed into one array
+    [B, T, 2, kv_heads, hd] per step (n - 1 = 3 ring steps, or one gather): transfers of their own, which
+    XLA cannot merge with the forward pass's (it did, holding every block until the backward pass).
+    With keep_kv it moves none. Around the ring dK and dV take n - 1 = 3 steps home (each device
+    visits its own block last), K and V 3 steps in the forward pass: 6 + 3 + 6 transfers, or 12 kept."""
+    q, k, v, _, weights = random_inputs(15, 4, documents=False)
+
+    def transfers(keep_kv):
+        attention = split_on(FLASH_BLOCKS, 4, mode, keep_kv)
+        grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, None) * weights), argnums=(0, 1, 2)))
+        hlo = grads.lower(q, k, v).compile().as_text()
+        packed = len(re.findall(rf"= f32\[\d+,\d+,2,\d+,\d+\]\S* {kind}(?:-start)?\(", hlo))
+        return packed, len(re.findall(rf"= \S+ {kind}(?:-start)?\(", hlo))
+
+    assert transfers(keep_kv=False) == ((3, 15) if mode == "ring" else (1, 3))
+    assert transfers(keep_kv=True) == ((0, 12) if mode == "ring" else (0, 2))
 
 
 @pytest.mark.parametrize("impl, dtype, length, ways, documents, fused, says", [
@@ -189,4 +225,6 @@ def test_the_start_up_report_says_what_runs_a_split_sequences_blocks():
     from ushard.build import build
 
     setup = build(small_config(**{"mesh.sequence": 2, "mesh.fsdp": 1}), devices=jax.devices()[:2])
-    assert "context parallelism: ring over 2 devices, blocks on XLA attention" in setup.describe()
+    assert "context parallelism: ring over 2 devices, blocks on XLA attention\n" in setup.describe()
+    kept = build(small_config(**{"mesh.sequence": 2, "mesh.fsdp": 1, "parallel.context_keep_kv": True}), devices=jax.devices()[:2])
+    assert "blocks on XLA attention, K/V kept for the backward pass\n" in kept.describe()

@@ -62,6 +62,9 @@ LAYOUTS = {
     "sequence2_ring": ({"mesh.sequence": 2, "mesh.fsdp": 4, "parallel.context_parallel": "ring"}, 8),
     "sequence2_all_gather": ({"mesh.sequence": 2, "mesh.fsdp": 4, "parallel.context_parallel": "all_gather"}, 8),
     "sequence4_ring": ({"mesh.sequence": 4, "mesh.fsdp": 2, "parallel.context_parallel": "ring"}, 8),
+    "sequence4_ring_keep_kv": (
+        {"mesh.sequence": 4, "mesh.fsdp": 2, "parallel.context_parallel": "ring", "parallel.context_keep_kv": True}, 8,
+    ),
     "sequence4_all_gather_accum": (
         {"mesh.sequence": 4, "mesh.fsdp": 2, "parallel.context_parallel": "all_gather", "train.grad_accum": 2}, 8,
     ),

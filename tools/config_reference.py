@@ -109,6 +109,7 @@ DESCRIPTIONS = {
     # parallel
     "parallel.zero_stage": "what the fsdp axis shards: 0 nothing, 1 optimizer state, 2 + gradients, 3 + parameters",
     "parallel.collective_combine_mib": "GPU: merge neighbouring all-gathers / reduce-scatters up to this many MiB; 0: XLA's default",
+    "parallel.context_keep_kv": "mesh.sequence > 1: the backward pass reuses the forward's keys and values instead of passing them around (ring) or gathering them (all_gather) again; a third less traffic, K/V memory growing with mesh.sequence (every layer's received blocks held until its backward pass)",
     "parallel.nccl_symmetric_buffers": "GPU: collectives on buffers registered with NCCL (an experimental XLA flag; doubled p2p bandwidth on H200s); refused with the ring on cuDNN blocks, where XLA cannot compile it",
     "parallel.reshard_after_forward": "ZeRO-3: gather each layer's weights again for the backward pass (false keeps the forward's copy)",
     "parallel.sequence_parallel": "Megatron sequence parallelism: activations between blocks also split along the sequence over tensor",

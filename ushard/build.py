@@ -66,7 +66,8 @@ class Setup:
         blocks = context_kernel(self.model_config, self.config.train.seq_len, self.mesh.devices.flat[0].platform, ways)
         if not blocks:
             return ""
-        return f"context parallelism: {self.config.parallel.context_parallel} over {ways} devices, blocks on {blocks}\n"
+        kept = ", K/V kept for the backward pass" if self.config.parallel.context_keep_kv else ""
+        return f"context parallelism: {self.config.parallel.context_parallel} over {ways} devices, blocks on {blocks}{kept}\n"
 
     def _describe_pipeline(self) -> str:
         pipe = self.layout.pipeline
@@ -107,5 +108,5 @@ def build(config, devices=None) -> Setup:
     check_compiles(config, platform, context_kernel(model_cfg, t.seq_len, platform, layout.size("act_length")))
     tx, schedule = make_optimizer(t, model.logical)
     steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip",
-                  context_parallel=p.context_parallel)
+                  context_parallel=p.context_parallel, context_keep_kv=p.context_keep_kv)
     return Setup(config, model_cfg, mesh_shape, layout, model, tx, schedule, steps, notes)

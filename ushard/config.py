@@ -97,6 +97,10 @@ def default_config() -> ml_collections.ConfigDict:
     # How attention splits the sequence when mesh.sequence > 1 (ushard/parallel/context.py): "ring"
     # passes keys and values around the devices, "all_gather" gathers them all on every device.
     c.parallel.context_parallel = "ring"
+    # The backward pass reuses the keys and values that reached each device in the forward pass instead
+    # of passing them around or gathering them again: a third less traffic, K/V memory growing with
+    # mesh.sequence (like reshard_after_forward=false for ZeRO-3's weights).
+    c.parallel.context_keep_kv = False
     # mesh.pipeline > 1 splits the layers into that many stages (ushard/parallel/pipeline.py):
     # "gpipe", "circular" (pipeline_repeats chunks of layers per stage, the bubble divided by them) or
     # "1f1b" (GPipe's bubble, activation memory bounded by the stages instead of the microbatches).

@@ -15,6 +15,9 @@ log-sum-exp beside the output so that blocks can be combined.
   Blocks are combined by an online softmax (running log-sum-exp). The backward pass is a custom VJP
   that runs the ring again: it recomputes each block, and the keys' and values' gradients travel
   with them, arriving home after the last step, so memory does not grow with `n`.
+With `keep_kv` (`context_parallel`) the backward pass reuses the blocks that reached each device in
+the forward pass: only the gradients travel (ring) or are reduce-scattered (all-gather), a third of
+the traffic less, for K/V memory that grows with `n`.
 
 Load balance. With a causal mask, the device holding the end of the sequence has the most work. The
 batch is therefore reordered once per step, before the model (`context_parallel` below): the length
@@ -34,8 +37,9 @@ TPUs) is used instead in the zig-zag order, where every block is a causal diagon
 of equal halves: its forward returns the block's float32 lse, and its backward is flash attention's,
 fed the *final* output and lse of the queries, which makes each block's gradients exact on their
 own (`_fused_attention`). The blocks come around the ring, or in "all_gather" mode out of one
-all-gather (then the blocks' dK, dV are reduce-scattered). Splash also takes document masks;
-cuDNN's blocks run without one.
+all-gather (then the blocks' dK, dV are reduce-scattered). Around the ring their backward pass
+visits a device's own block last, so each block's dK, dV reach home in n-1 steps, not n. Splash also
+takes document masks; cuDNN's blocks run without one.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ TOKEN_NAMES = ("act_batch", "act_length")
 class _Split:
     mode: str  # MODES
     zigzag: bool  # whether the length axis is in zig-zag order (see `context_parallel`)
+    keep_kv: bool = False  # the backward pass reuses the forward's K/V blocks (see `context_parallel`)
 
 
 # Attention under a layout that splits the sequence, without `context_parallel` around it (a model
@@ -92,15 +97,19 @@ def check_length(seq_len: int, n: int) -> None:
 
 
 @contextlib.contextmanager
-def context_parallel(batch, mode: str):
+def context_parallel(batch, mode: str, keep_kv: bool = False):
     """The batch with its length axis in zig-zag order while the block runs, and attention told so.
 
     Wraps the tracing of a step: everything in `batch` ([batch, length, ...] arrays) is permuted the
     same way, once, so per-token losses are unchanged and only their order differs. A no-op when the
-    active layout does not split the sequence.
+    active layout does not split the sequence. `keep_kv` (`parallel.context_keep_kv`): the backward
+    pass reuses the key/value blocks that reached each device in the forward pass instead of passing
+    them around (ring) or gathering them (all-gather) again, a third less traffic for K/V memory that
+    grows with the number of devices. (All-gather on XLA blocks keeps them anyway: autodiff saves the
+    gathered blocks.)
     """
     n = ways()
-    token = _ACTIVE.set(_Split(mode, zigzag=n > 1))
+    token = _ACTIVE.set(_Split(mode, zigzag=n > 1, keep_kv=keep_kv))
     try:
         yield jax.tree.map(lambda x: zigzag(x, n), batch) if n > 1 else batch
     finally:
@@ -184,10 +193,10 @@ def attention(q, k, v, segment_ids, kernel, fused: FusedKernel | None = None):
     layout = current_layout()
     split = _ACTIVE.get()
     ring = _Ring(layout.axes("act_length"), layout.size("act_length"), split.zigzag)
-    body = _ring_attention if split.mode == "ring" else _gathered_attention
+    body = functools.partial(_ring_attention, keep=split.keep_kv) if split.mode == "ring" else _gathered_attention
     check_vma = True
     if fused is not None and split.zigzag and (segment_ids is None or fused.segments):
-        body = functools.partial(_fused_attention, gather=split.mode == "all_gather")
+        body = functools.partial(_fused_attention, gather=split.mode == "all_gather", keep=split.keep_kv)
         kernel, check_vma = fused, fused.typed
     q_spec, kv_spec = layout.spec(Q_NAMES), layout.spec(KV_NAMES)
     operands, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
@@ -286,28 +295,78 @@ def _merge(acc, partials):
     return acc
 
 
-def _around_ring(ring, kv, visit, carry=None, unroll: bool = False):
-    """carry = visit(kv, src, diagonal, carry) for every device's key/value block, the local one first.
+def _around_ring(ring, kv, visit, carry=None, unroll: bool = False, keep: bool = False, home_last: bool = False):
+    """carry = visit(kv, src, diagonal, carry) for every device's key/value block, the local one first
+    (or last, `home_last`).
 
     The blocks travel one device on per step; the transfer of the next block is issued before the
     current one is used, so they can overlap. Steps 1 .. n-2 run in a `lax.scan` (program size and,
     on XLA's CPU backend, memory flat in n); the last is outside it, so no block is sent further than
     needed. `unroll`: no step in a while loop, where XLA's GPU compiler crashed on cuDNN blocks
-    (SIGSEGV, JAX 0.11.2, n = 4; docs/dev-notes.md).
+    (SIGSEGV, JAX 0.11.2, n = 4; docs/dev-notes.md). `keep`: also returns the blocks received, for
+    `_revisit`. `home_last`: what a visit sends on with the block (its dK, dV) then reaches home
+    after n - 1 steps, in time for the last visit, instead of one step after it.
     """
+    assert not (keep and home_last), "a forward pass keeps its blocks, a backward pass goes home last"
     me, n = ring.index(), ring.size
-    carry = visit(kv, me, True, carry)
+    local, first = kv, 1
+    if not home_last:
+        carry = visit(kv, me, True, carry)
     kv = ring.shift(kv)
+    if home_last and n > 2:  # one step before the scan, which needs a carry (not None) of one structure
+        carry, kv, first = visit(kv, (me - 1) % n, False, carry), ring.shift(kv), 2
 
     def step(state, s):
         kv, carry = state
-        return (ring.shift(kv), visit(kv, (me - s) % n, False, carry)), None
+        return (ring.shift(kv), visit(kv, (me - s) % n, False, carry)), kv if keep else None
 
-    (kv, carry), _ = jax.lax.scan(step, (kv, carry), jnp.arange(1, n - 1), unroll=unroll)
-    return visit(kv, (me - (n - 1)) % n, False, carry)
+    middle = None  # the blocks of the scan's steps, stacked (`keep`)
+    if first < n - 1:
+        (kv, carry), middle = jax.lax.scan(step, (kv, carry), jnp.arange(first, n - 1), unroll=unroll)
+    carry = visit(kv, (me - (n - 1)) % n, False, carry)
+    if home_last:
+        carry = visit(local, me, True, carry)
+    return (carry, (middle, kv)) if keep else carry
 
 
-def _ring_attention(kernel, ring, q, k, v, segments):
+def _sent_again(kv):
+    """The key/value blocks (k, v, segment ids) that a backward pass passes around or gathers again,
+    K and V as one array [B, T, 2, kv_heads, hd] (`_unpacked` undoes it). The transfers are then not
+    the forward pass's: identical ones XLA reuses (CSE), which holds every device's blocks from the
+    forward to the backward pass, what `keep_kv` does on purpose. One transfer a step instead of two."""
+    k, v, segments = kv
+    return jnp.stack([k, v], axis=2), segments
+
+
+def _unpacked(visit):
+    """`visit` for blocks packed by `_sent_again`."""
+    return lambda kv, *args: visit((kv[0][:, :, 0], kv[0][:, :, 1], kv[1]), *args)
+
+
+def _revisit(ring, kv, received, visit, carry=None, unroll: bool = False, home_last: bool = False):
+    """`_around_ring`'s visits in its order over the blocks it kept (`received`: steps 1 .. n-2
+    stacked, or None for n = 2, and the last), so no block travels again; only what `visit` sends
+    itself does."""
+    me, n = ring.index(), ring.size
+    middle, last = received
+    first = 1
+    if not home_last:
+        carry = visit(kv, me, True, carry)
+    elif middle is not None:  # one step before the scan, which needs a carry (not None) of one structure
+        carry = visit(jax.tree.map(lambda x: x[0], middle), (me - 1) % n, False, carry)
+        middle, first = jax.tree.map(lambda x: x[1:], middle), 2
+
+    def step(carry, step_and_block):
+        s, block = step_and_block
+        return visit(block, (me - s) % n, False, carry), None
+
+    if first < n - 1:
+        carry, _ = jax.lax.scan(step, carry, (jnp.arange(first, n - 1), middle), unroll=unroll)
+    carry = visit(last, (me - (n - 1)) % n, False, carry)
+    return visit(kv, me, True, carry) if home_last else carry
+
+
+def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
     @jax.custom_vjp
     def attend(q, k, v, segments):
         return forward(q, k, v, segments)[0]
@@ -316,12 +375,13 @@ def _ring_attention(kernel, ring, q, k, v, segments):
         def visit(kv, src, diagonal, acc):
             return _merge(acc, _blocks(kernel, ring, diagonal, q, segments, kv, src))
 
-        out, lse = _around_ring(ring, (k, v, segments), visit)
+        around = _around_ring(ring, (k, v, segments), visit, keep=keep)
+        (out, lse), received = around if keep else (around, None)
         out = out.astype(q.dtype)
-        return out, (q, k, v, segments, out, lse)
+        return out, (q, k, v, segments, out, lse, received)
 
     def backward(residuals, d_out):
-        q, k, v, segments, out, lse = residuals
+        q, k, v, segments, out, lse, received = residuals
         d_out = d_out.astype(jnp.float32)
         # The softmax backward's row term: sum over head_dim of dO * O, with the final output.
         d_lse_total = jnp.sum(d_out * out.astype(jnp.float32), axis=-1)
@@ -343,7 +403,10 @@ def _ring_attention(kernel, ring, q, k, v, segments):
             return (dq, *ring.shift((dk, dv)))
 
         # The gradients travel with the blocks, so they ride the same ring: `visit` shifts them itself.
-        dq, dk, dv = _around_ring(ring, (k, v, segments), visit)
+        if keep:
+            dq, dk, dv = _revisit(ring, (k, v, segments), received, visit)
+        else:
+            dq, dk, dv = _around_ring(ring, _sent_again((k, v, segments)), _unpacked(visit))
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attend.defvjp(forward, backward)
@@ -353,11 +416,12 @@ def _ring_attention(kernel, ring, q, k, v, segments):
 # --------------------------------------------------------------------------- ring of fused blocks
 
 
-def _gathered_visits(ring, kv, visit, carry=None):
+def _gathered_visits(ring, kv, visit, carry=None, everything=None):
     """carry = visit(kv, src, diagonal, carry) for every device's key/value block, the local one first,
-    as `_around_ring` visits them, but each block sliced out of one all-gather of them all."""
+    as `_around_ring` visits them, but each block sliced out of one all-gather of them all
+    (`everything`, when the caller has it already)."""
     me, t = ring.index(), jax.tree.leaves(kv)[0].shape[1]
-    everything = ring.gather(kv)
+    everything = ring.gather(kv) if everything is None else everything
     carry = visit(kv, me, True, carry)
     for step in range(1, ring.size):
         src = (me - step) % ring.size
@@ -366,7 +430,7 @@ def _gathered_visits(ring, kv, visit, carry=None):
     return carry
 
 
-def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False):
+def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, keep: bool = False):
     """Zig-zag context-parallel attention (`_blocks` says which quarter blocks are needed) on a
     `FusedKernel`; the key/value blocks come around the ring, or (`gather`) out of one all-gather.
 
@@ -379,7 +443,12 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False):
     """
 
     def visits(keys, visit):
-        return _gathered_visits(ring, keys, visit) if gather else _around_ring(ring, keys, visit, unroll=True)
+        """The forward pass's visits: (the visits' result, the blocks that reached this device if `keep`)."""
+        if gather:
+            everything = ring.gather(keys)
+            return _gathered_visits(ring, keys, visit, everything=everything), everything if keep else None
+        around = _around_ring(ring, keys, visit, unroll=True, keep=keep)
+        return around if keep else (around, None)
 
     def block(queries, keys, causal):
         (q, q_segments), (k, v, k_segments) = queries, keys
@@ -401,12 +470,12 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False):
         return forward(q, k, v, segments)[0]
 
     def forward(q, k, v, segments):
-        lo, hi = visits((k, v, segments), lambda *args: visit((q, segments), *args))
+        (lo, hi), received = visits((k, v, segments), lambda *args: visit((q, segments), *args))
         out, lse = _join(lo[0], hi[0]).astype(q.dtype), _join(lo[1], hi[1])
-        return out, (q, k, v, segments, out, lse)
+        return out, (q, k, v, segments, out, lse, received)
 
     def backward(residuals, d_out):
-        q, k, v, segments, out, lse = residuals
+        q, k, v, segments, out, lse, received = residuals
         rows = (q, out, lse, d_out.astype(q.dtype), segments)
         rows_lo, rows_hi = _split(rows)
         t = k.shape[1]
@@ -418,23 +487,27 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False):
         def block_grads(keys, src, diagonal, dq):
             """dQ with this block's share added (early and late halves), and the block's own dK, dV."""
             if diagonal:
-                dq, dk, dv = grads(rows, keys, True)
-                return _halves(dq), dk, dv
+                d_home, dk, dv = grads(rows, keys, True)
+                d_home = _halves(d_home)
+                return (d_home if dq is None else (dq[0] + d_home[0], dq[1] + d_home[1])), dk, dv
             k_lo, k_hi = _split(keys)
             late_early = grads(rows_hi, k_lo, False)
             before = src < ring.index()
             either = grads(*_choose(before, (rows_lo, k_lo), (rows_hi, k_hi)), False)
             zero = jnp.zeros_like(either[0])
-            dq = (dq[0] + jnp.where(before, either[0], zero), dq[1] + late_early[0] + jnp.where(before, zero, either[0]))
+            share = (jnp.where(before, either[0], zero), late_early[0] + jnp.where(before, zero, either[0]))
+            dq = share if dq is None else (dq[0] + share[0], dq[1] + share[1])
             return dq, *(_join(late_early[i] + jnp.where(before, either[i], 0), jnp.where(before, 0, either[i])) for i in (1, 2))
 
         def travel(keys, src, diagonal, acc):
-            """Around the ring, a block's dK, dV travel on with it and reach home after the last step (as
+            """Around the ring, a block's dK, dV travel on with it and reach home for its last visit (as
             in `_ring_attention`), in K's and V's own dtype: in bfloat16 training half the bytes of
             float32 (the ring's largest transfer), at the cost of one rounding per hop."""
             dq, dk, dv = block_grads(keys, src, diagonal, None if acc is None else acc[0])
             if acc is not None:
                 dk, dv = dk + acc[1], dv + acc[2]
+            if diagonal:  # at home, last
+                return dq, dk, dv
             return (dq, *ring.shift((dk.astype(k.dtype), dv.astype(v.dtype))))
 
         def collect(keys, src, diagonal, acc):
@@ -447,11 +520,16 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False):
                 whole, jax.lax.dynamic_slice_in_dim(whole, src * t, t, axis=1) + part, src * t, axis=1)
             return dq, add(everything[0], dk), add(everything[1], dv)
 
-        if gather:
-            dq, dk, dv = _gathered_visits(ring, (k, v, segments), collect)
+        if gather:  # `received`: the forward's gather, or None to gather again
+            if keep:
+                dq, dk, dv = _gathered_visits(ring, (k, v, segments), collect, everything=received)
+            else:
+                dq, dk, dv = _gathered_visits(ring, _sent_again((k, v, segments)), _unpacked(collect))
             dk, dv = (jax.lax.psum_scatter(x.astype(y.dtype), ring.axes, scatter_dimension=1, tiled=True) for x, y in ((dk, k), (dv, v)))
+        elif keep:
+            dq, dk, dv = _revisit(ring, (k, v, segments), received, travel, unroll=True, home_last=True)
         else:
-            dq, dk, dv = _around_ring(ring, (k, v, segments), travel, unroll=True)
+            dq, dk, dv = _around_ring(ring, _sent_again((k, v, segments)), _unpacked(travel), unroll=True, home_last=True)
         return _join(*dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attend.defvjp(forward, backward)

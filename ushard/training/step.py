@@ -71,9 +71,9 @@ class Steps:
     """The compiled functions of one (model, optimizer, layout). Build one per layout."""
 
     def __init__(self, model: ModelDef, tx, schedule, layout: Layout, grad_accum: int, skip_nonfinite: bool,
-                 context_parallel: str = "ring"):
+                 context_parallel: str = "ring", context_keep_kv: bool = False):
         self.model, self.tx, self.schedule, self.layout = model, tx, schedule, layout
-        self.context_parallel = context_parallel
+        self.context_parallel, self.context_keep_kv = context_parallel, context_keep_kv
         self.grad_accum = grad_accum
         self.skip_nonfinite = skip_nonfinite
         self.shardings = sh = state_shardings(model, tx, layout)
@@ -125,7 +125,7 @@ class Steps:
         return model.join_stack(d_stack, d_others), sums
 
     def _eval_sums(self, params, batch):
-        with use_layout(self.layout), context.context_parallel(batch, self.context_parallel) as batch:
+        with use_layout(self.layout), context.context_parallel(batch, self.context_parallel, self.context_keep_kv) as batch:
             _, (loss, count, _) = self._objective(params, batch)
             return jnp.stack([loss, count])
 
@@ -158,7 +158,7 @@ class Steps:
     def _mean_loss_and_grads(self, params, batch):
         """(mean loss, mean aux terms, mean gradients) over the global batch's target tokens."""
         # A split sequence is reordered here, once per step, for context parallelism's load balance.
-        with use_layout(self.layout), context.context_parallel(batch, self.context_parallel) as batch:
+        with use_layout(self.layout), context.context_parallel(batch, self.context_parallel, self.context_keep_kv) as batch:
             (loss, count, weighted_aux), grads = self._grad_sums(params, batch)
             count = jnp.maximum(count, 1.0)
             aux = {name: term / count for name, term in weighted_aux.items()}
