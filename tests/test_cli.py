@@ -56,15 +56,21 @@ def test_xla_flags_from_the_config_yield_to_the_users(monkeypatch):
 
 def test_symmetric_buffers_are_refused_only_where_xla_cannot_compile_them():
     """XLA's GPU compiler aborts on a collective-permute beside a cuDNN attention with the flag on: the
-    ring on cuDNN blocks. The all-gather, XLA blocks and other platforms compile."""
+    ring on cuDNN blocks. The all-gather, and the ring on any other blocks (XLA's, splash's, or none
+    where the sequence is not split), compile."""
+    import jax.numpy as jnp
+
     from ushard import xla_flags
     from ushard.config import load_config
     from ushard.errors import UserError
+    from ushard.models.attention import split_blocks
+    from ushard.models.cudnn_blocks import CUDNN_BLOCKS
 
     config = lambda mode: load_config("tiny", ["parallel.nccl_symmetric_buffers=true", f"parallel.context_parallel={mode}"])  # noqa: E731
     with pytest.raises(UserError, match=r"^parallel\.nccl_symmetric_buffers=true cannot compile with ring attention on cuDNN blocks"):
-        xla_flags.check_compiles(config("ring"), "gpu", "cuDNN flash attention")
-    xla_flags.check_compiles(config("all_gather"), "gpu", "cuDNN flash attention")
-    xla_flags.check_compiles(config("ring"), "gpu", "XLA attention (cuDNN's blocks take no document mask; model.document_mask=true)")
-    xla_flags.check_compiles(config("ring"), "gpu", "")  # the sequence is not split
-    xla_flags.check_compiles(config("ring"), "tpu", "splash attention")
+        xla_flags.check_compiles(config("ring"), cudnn_blocks=True)
+    xla_flags.check_compiles(config("all_gather"), cudnn_blocks=True)
+    xla_flags.check_compiles(config("ring"), cudnn_blocks=False)
+    # What build passes: a split sequence's blocks on GPUs in bfloat16 without a document mask are cuDNN's.
+    assert split_blocks("cudnn", jnp.bfloat16, 8192, 4, False)[0] is CUDNN_BLOCKS
+    assert split_blocks("cudnn", jnp.bfloat16, 8192, 4, True)[0] is not CUDNN_BLOCKS

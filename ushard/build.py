@@ -15,6 +15,7 @@ from ushard.config import validate
 from ushard.mesh import build_mesh
 from ushard.metrics import flops_per_token
 from ushard.models.attention import check_impl, resolve_impl, split_blocks
+from ushard.models.cudnn_blocks import CUDNN_BLOCKS
 from ushard.models.config import ModelConfig
 from ushard.models.definition import ModelDef, model_definition
 from ushard.parallel.pipeline import PipelineSchedule, bubble_fraction
@@ -63,7 +64,7 @@ class Setup:
 
     def _describe_context(self) -> str:
         ways = self.layout.size("act_length")
-        blocks = context_kernel(self.model_config, self.config.train.seq_len, self.mesh.devices.flat[0].platform, ways)
+        _, blocks = context_blocks(self.model_config, self.config.train.seq_len, self.mesh.devices.flat[0].platform, ways)
         if not blocks:
             return ""
         kept = ", K/V kept for the backward pass" if self.config.parallel.context_keep_kv else ""
@@ -82,12 +83,13 @@ class Setup:
         return line
 
 
-def context_kernel(model_cfg, length: int, platform: str, ways: int) -> str:
-    """What runs the blocks of a sequence split `ways` ways, in words; "" when it is not split."""
+def context_blocks(model_cfg, length: int, platform: str, ways: int):
+    """`split_blocks` for a sequence split `ways` ways: (the fused kernel or None, what runs the blocks in
+    words); (None, "") when it is not split."""
     if ways == 1:
-        return ""
+        return None, ""
     impl = resolve_impl(model_cfg.attention_impl, platform, model_cfg.compute_dtype, length)
-    return split_blocks(impl, model_cfg.compute_dtype, length, ways, model_cfg.document_mask)[1]
+    return split_blocks(impl, model_cfg.compute_dtype, length, ways, model_cfg.document_mask)
 
 
 def build(config, devices=None) -> Setup:
@@ -105,7 +107,8 @@ def build(config, devices=None) -> Setup:
     mesh = build_mesh(mesh_shape, dict(config.mesh.dcn), devices)
     layout = Layout.create(mesh, p.zero_stage, reshard_after_forward, p.sequence_parallel, model_cfg.n_kv_heads,
                            pipeline)
-    check_compiles(config, platform, context_kernel(model_cfg, t.seq_len, platform, layout.size("act_length")))
+    fused, _ = context_blocks(model_cfg, t.seq_len, platform, layout.size("act_length"))
+    check_compiles(config, cudnn_blocks=fused is CUDNN_BLOCKS)
     tx, schedule = make_optimizer(t, model.logical)
     steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip",
                   context_parallel=p.context_parallel, context_keep_kv=p.context_keep_kv)

@@ -33,11 +33,11 @@ def flags_for(config) -> list[str]:
     return flags
 
 
-def check_compiles(config, platform: str, context_kernel: str) -> None:
-    """UserError for a compiler setting that XLA cannot compile with this layout. `context_kernel`: what
-    runs the blocks of a split sequence (`split_blocks`' words), "" when the sequence is not split."""
+def check_compiles(config, cudnn_blocks: bool) -> None:
+    """UserError for a compiler setting that XLA cannot compile with this layout. `cudnn_blocks`: whether
+    the blocks of a split sequence run on cuDNN (`split_blocks`)."""
     p = config.parallel
-    if p.nccl_symmetric_buffers and platform == "gpu" and p.context_parallel == "ring" and context_kernel.startswith("cuDNN"):
+    if p.nccl_symmetric_buffers and p.context_parallel == "ring" and cudnn_blocks:
         raise UserError("parallel.nccl_symmetric_buffers=true cannot compile with ring attention on cuDNN blocks: "
                         "XLA's GPU compiler aborts on a program holding both a collective-permute and a cuDNN "
                         "attention (JAX 0.11.2); use parallel.context_parallel='all_gather' with it, or turn it off.")

@@ -303,9 +303,9 @@ def _around_ring(ring, kv, visit, carry=None, unroll: bool = False, keep: bool =
     current one is used, so they can overlap. Steps 1 .. n-2 run in a `lax.scan` (program size and,
     on XLA's CPU backend, memory flat in n); the last is outside it, so no block is sent further than
     needed. `unroll`: no step in a while loop, where XLA's GPU compiler crashed on cuDNN blocks
-    (SIGSEGV, JAX 0.11.2, n = 4; docs/dev-notes.md). `keep`: also returns the blocks received, for
-    `_revisit`. `home_last`: what a visit sends on with the block (its dK, dV) then reaches home
-    after n - 1 steps, in time for the last visit, instead of one step after it.
+    (SIGSEGV, JAX 0.11.2, n = 4; docs/dev-notes.md). Returns (carry, the blocks received for
+    `_revisit` if `keep`, else None). `home_last`: what a visit sends on with the block (its dK, dV)
+    then reaches home after n - 1 steps, in time for the last visit, instead of one step after it.
     """
     assert not (keep and home_last), "a forward pass keeps its blocks, a backward pass goes home last"
     me, n = ring.index(), ring.size
@@ -326,7 +326,7 @@ def _around_ring(ring, kv, visit, carry=None, unroll: bool = False, keep: bool =
     carry = visit(kv, (me - (n - 1)) % n, False, carry)
     if home_last:
         carry = visit(local, me, True, carry)
-    return (carry, (middle, kv)) if keep else carry
+    return carry, ((middle, kv) if keep else None)
 
 
 def _sent_again(kv):
@@ -375,8 +375,7 @@ def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
         def visit(kv, src, diagonal, acc):
             return _merge(acc, _blocks(kernel, ring, diagonal, q, segments, kv, src))
 
-        around = _around_ring(ring, (k, v, segments), visit, keep=keep)
-        (out, lse), received = around if keep else (around, None)
+        (out, lse), received = _around_ring(ring, (k, v, segments), visit, keep=keep)
         out = out.astype(q.dtype)
         return out, (q, k, v, segments, out, lse, received)
 
@@ -406,7 +405,7 @@ def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
         if keep:
             dq, dk, dv = _revisit(ring, (k, v, segments), received, visit)
         else:
-            dq, dk, dv = _around_ring(ring, _sent_again((k, v, segments)), _unpacked(visit))
+            (dq, dk, dv), _ = _around_ring(ring, _sent_again((k, v, segments)), _unpacked(visit))
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attend.defvjp(forward, backward)
@@ -447,8 +446,7 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
         if gather:
             everything = ring.gather(keys)
             return _gathered_visits(ring, keys, visit, everything=everything), everything if keep else None
-        around = _around_ring(ring, keys, visit, unroll=True, keep=keep)
-        return around if keep else (around, None)
+        return _around_ring(ring, keys, visit, unroll=True, keep=keep)
 
     def block(queries, keys, causal):
         (q, q_segments), (k, v, k_segments) = queries, keys
@@ -488,16 +486,16 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
             """dQ with this block's share added (early and late halves), and the block's own dK, dV."""
             if diagonal:
                 d_home, dk, dv = grads(rows, keys, True)
-                d_home = _halves(d_home)
-                return (d_home if dq is None else (dq[0] + d_home[0], dq[1] + d_home[1])), dk, dv
-            k_lo, k_hi = _split(keys)
-            late_early = grads(rows_hi, k_lo, False)
-            before = src < ring.index()
-            either = grads(*_choose(before, (rows_lo, k_lo), (rows_hi, k_hi)), False)
-            zero = jnp.zeros_like(either[0])
-            share = (jnp.where(before, either[0], zero), late_early[0] + jnp.where(before, zero, either[0]))
-            dq = share if dq is None else (dq[0] + share[0], dq[1] + share[1])
-            return dq, *(_join(late_early[i] + jnp.where(before, either[i], 0), jnp.where(before, 0, either[i])) for i in (1, 2))
+                share = _halves(d_home)
+            else:
+                k_lo, k_hi = _split(keys)
+                late_early = grads(rows_hi, k_lo, False)
+                before = src < ring.index()
+                either = grads(*_choose(before, (rows_lo, k_lo), (rows_hi, k_hi)), False)
+                zero = jnp.zeros_like(either[0])
+                share = (jnp.where(before, either[0], zero), late_early[0] + jnp.where(before, zero, either[0]))
+                dk, dv = (_join(late_early[i] + jnp.where(before, either[i], 0), jnp.where(before, 0, either[i])) for i in (1, 2))
+            return (share if dq is None else jax.tree.map(jnp.add, dq, share)), dk, dv
 
         def travel(keys, src, diagonal, acc):
             """Around the ring, a block's dK, dV travel on with it and reach home for its last visit (as
@@ -529,7 +527,7 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
         elif keep:
             dq, dk, dv = _revisit(ring, (k, v, segments), received, travel, unroll=True, home_last=True)
         else:
-            dq, dk, dv = _around_ring(ring, _sent_again((k, v, segments)), _unpacked(travel), unroll=True, home_last=True)
+            (dq, dk, dv), _ = _around_ring(ring, _sent_again((k, v, segments)), _unpacked(travel), unroll=True, home_last=True)
         return _join(*dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attend.defvjp(forward, backward)
