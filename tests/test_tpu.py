@@ -3,6 +3,7 @@
 
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -197,12 +198,17 @@ LOOPED = """HloModule m, is_scheduled=true
   %f = f32[64]{0} fusion(%x), kind=kLoop, calls=%fused
   %ar = (f32[8]{0}, f32[8]{0}) all-reduce-start(%x), to_apply=%add
   %ar-done = f32[8]{0} all-reduce-done(%ar)
+  %token = token[] after-all()
+  %to_next_slice = (bf16[4,16]{1,0:T(4,128)}, u32[], token[]) send(%x, %token), channel_id=1, is_host_transfer=true, frontend_attributes={_xla_host_transfer_rendezvous="collective-permute.1_0",_xla_megascale_transfer_type="ONE_TO_ONE"}
+  %from_next_slice = (bf16[4,16]{1,0:T(4,128)}, u32[], token[]) recv(%token), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ONE_TO_ONE"}
   ROOT %t = (s32[], f32[8]) tuple(%i, %ar-done)
 }
 
 ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {
   %x = f32[8] parameter(0)
   %rs = (f32[2]{0}, f32[2]{0}) reduce-scatter(%x, %x), dimensions={0}, to_apply=%add
+  %token = token[] after-all()
+  %grads_across_slices = (f32[2,8]{1,0}, u32[], token[]) send(%x, %token), channel_id=3, is_host_transfer=true, frontend_attributes={_xla_megascale_reduce_operation="SUM",_xla_megascale_transfer_type="ALL_REDUCE"}
   %init = (s32[], f32[8]) tuple(%zero, %x)
   ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
 }
@@ -212,7 +218,19 @@ ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {
 def test_collectives_in_a_loop_count_once_per_iteration():
     assert collectives_per_step(LOOPED) == {
         "all-gather": (6, 3 * (64 * 2 + 64 * 4)), "reduce-scatter": (1, 16), "all-reduce": (3, 3 * 32),
+        # What crosses TPU slices: the sends only (a recv is the other end of the same transfer).
+        "dcn all-reduce": (1, 2 * 8 * 4), "dcn collective-permute": (3, 3 * 4 * 16 * 2),
     }
+
+
+def test_across_slices_only_the_gradients_travel(compiled):
+    """Data parallelism across two slices: the gradients' all-reduce crosses the DCN, ZeRO-3's weight
+    gathers stay inside a slice."""
+    per_step = collectives_per_step(compiled["two_slices_data2_fsdp8"].as_text())
+    assert set(per_step) == {"all-gather", "all-reduce", "dcn all-reduce"}
+    # once a step: at most one transfer per parameter array (XLA may combine them)
+    params = compiled["two_slices_data2_fsdp8"].input_shardings[0][0].params
+    assert 0 < per_step["dcn all-reduce"][0] <= len(jax.tree.leaves(params))
 
 
 @pytest.mark.slow

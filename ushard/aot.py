@@ -114,6 +114,11 @@ def compile_for(config, topology: str = "v5p:4x4x4", num_slices: int = 1) -> jax
 # --------------------------------------------------------------------------- reading the executable
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# Across TPU slices XLA lowers a collective to host-transfer `send`/`recv` pairs that the megascale
+# runtime carries over the data-center network (DCN); each `send` names the collective it stands for.
+_DCN_TRANSFER = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_DCN_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
+              "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute"}
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
 # The computations an instruction runs: fusions, loop bodies, branches (not reducers' `to_apply`).
@@ -124,14 +129,15 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f
           "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
+def _array_bytes(dtype: str, dims: str) -> int:
+    count = 1
+    for d in filter(None, dims.split(",")):
+        count *= int(d)
+    return count * _BYTES.get(dtype, 4)
+
+
 def _result_bytes(shape_text: str) -> int:
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape_text):
-        count = 1
-        for d in filter(None, dims.split(",")):
-            count *= int(d)
-        total += count * _BYTES.get(dtype, 4)
-    return total
+    return sum(_array_bytes(dtype, dims) for dtype, dims in _ARRAY.findall(shape_text))
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list], str]:
@@ -163,17 +169,28 @@ def _trip_count(rest: str, computations: dict) -> int:
     return bounds[0] if less_than and len(bounds) == 1 else 1
 
 
+def _dcn_kind(opcode: str, rest: str) -> str | None:
+    """'dcn all-reduce' etc. for the `send` half of a collective that crosses TPU slices, else None."""
+    transfer = _DCN_TRANSFER.search(rest) if opcode == "send" else None
+    return transfer and "dcn " + _DCN_KINDS.get(transfer.group(1), transfer.group(1).lower())
+
+
 def collectives_per_step(hlo_text: str) -> dict[str, tuple[int, int]]:
     """{kind: (how many run per step, bytes of their results per device)} from an executable's HLO
     (`compiled.as_text()`). Collectives inside a loop count once per iteration (e.g. the layer scan);
-    an asynchronous pair (`-start` / `-done`) counts once."""
+    an asynchronous pair (`-start` / `-done`) counts once. What crosses TPU slices counts apart, as
+    'dcn <kind>' with the bytes each device sends."""
     computations, entry = _computations(hlo_text)
     found = collections.defaultdict(lambda: [0, 0])
 
     def visit(name: str, times: int) -> None:
         for opcode, shape, rest in computations.get(name, ()):
             kind = opcode.removesuffix("-start").removesuffix("-done")
-            if kind in COLLECTIVE_KINDS:
+            dcn = _dcn_kind(opcode, rest)
+            if dcn:
+                found[dcn][0] += times
+                found[dcn][1] += times * _array_bytes(*_ARRAY.search(shape).groups())  # (data, context, token)
+            elif kind in COLLECTIVE_KINDS:
                 # An asynchronous pair counts at its start; its size is what the `-done` returns (the
                 # start's result also holds the operand and, for a permute, synchronisation flags).
                 found[kind][0] += times if not opcode.endswith("-done") else 0
@@ -184,7 +201,8 @@ def collectives_per_step(hlo_text: str) -> dict[str, tuple[int, int]]:
                     visit(callee.lstrip("%"), repeat)
 
     visit(entry, 1)
-    return {kind: tuple(found[kind]) for kind in COLLECTIVE_KINDS if kind in found}
+    kinds = [k for k in COLLECTIVE_KINDS if k in found] + sorted(k for k in found if k.startswith("dcn "))
+    return {kind: tuple(found[kind]) for kind in kinds}
 
 
 def summary(compiled: jax.stages.Compiled) -> str:
@@ -202,7 +220,7 @@ def summary(compiled: jax.stages.Compiled) -> str:
     lines.append("collectives per step (per device):")
     per_step = collectives_per_step(compiled.as_text())
     for kind, (count, size) in per_step.items():
-        lines.append(f"  {kind:<18} {count:>6} x, {gib(size)}")
+        lines.append(f"  {kind:<22} {count:>6} x, {gib(size)}")
     if not per_step:
         lines.append("  none")
     return "\n".join(lines)
