@@ -271,6 +271,8 @@ def test_broken_config_file(tmp_path, body, match):
         # the pipeline (tiny: 4 layers, 32 sequences a step, fsdp=-1)
         (["mesh.pipeline=2", "parallel.pipeline_schedule=zigzag"],
          r"parallel\.pipeline_schedule='zigzag' is not valid; choose one of: gpipe, circular, 1f1b"),
+        (["mesh.pipeline=2", "parallel.pipeline_head=last"],
+         r"parallel\.pipeline_head='last' is not valid; choose one of: auto, split, whole"),
         (["mesh.pipeline=8", "mesh.fsdp=1"],
          r"model\.n_layers=4 does not split into mesh\.pipeline=8 stages x parallel\.pipeline_repeats=1 .*multiple of 8"),
         (["mesh.pipeline=2", "parallel.pipeline_schedule=circular", "parallel.pipeline_repeats=4"],

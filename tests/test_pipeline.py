@@ -202,6 +202,7 @@ def devices_for(settings):
 # on the way, what the pipeline composes with: train.grad_accum (its parts run one after another, each
 # cut into the pipeline's microbatches), remat, ZeRO-3 with the gathered weights kept.
 ACCUM, REMAT, KEEP_GATHERED = {"train.grad_accum": 2}, {"model.remat": "full"}, {"parallel.reshard_after_forward": False}
+WHOLE_HEAD = {"parallel.pipeline_head": "whole"}  # every stage holds the whole vocabulary (as across slices)
 LAYOUTS = {
     "gpipe_2x8_accum2": pipelined("gpipe", 2, 8, ACCUM),
     "gpipe_4x4_fsdp2_remat": pipelined("gpipe", 4, 4, REMAT, fsdp=2),
@@ -209,6 +210,8 @@ LAYOUTS = {
     "circular_4x8_fsdp2_keep_gathered": pipelined("circular", 4, 8, KEEP_GATHERED, fsdp=2),
     "1f1b_4x8_remat": pipelined("1f1b", 4, 8, REMAT),
     "1f1b_2x4_tensor2_fsdp2_accum2": pipelined("1f1b", 2, 4, ACCUM, tensor=2, fsdp=2),
+    "1f1b_4x4_fsdp2_whole_head": pipelined("1f1b", 4, 4, WHOLE_HEAD, fsdp=2),
+    "gpipe_2x4_whole_head": pipelined("gpipe", 2, 4, WHOLE_HEAD),
 }
 SWEEP = {
     f"{schedule}_{stages}x{count}{'_fsdp2' if fsdp > 1 else ''}": pipelined(schedule, stages, count, fsdp=fsdp)
@@ -230,7 +233,10 @@ def check_layout(settings, reference, batches):
     w_up = ("blocks", "mlp", "w_up")
     for shardings in (got["init_shardings"].params, got["grad_shardings"]):
         assert spec_at(shardings, w_up)[0] == "pipeline"
-    assert spec_at(got["init_shardings"].params, ("embedding",))[0] != "pipeline"
+    # The vocabulary is split over the stages unless every stage holds the whole head.
+    vocab = spec_at(got["init_shardings"].params, ("embedding",))[0]
+    split_head = settings.get("parallel.pipeline_head", "auto") != "whole"
+    assert ("pipeline" in (vocab if isinstance(vocab, tuple) else (vocab,))) == split_head
     assert re.search(r"= \S+ collective-permute(?:-start)?\(", got["hlo"])
 
 
@@ -343,3 +349,10 @@ def test_one_f_one_b_gathers_weights_and_reduces_gradients_once_per_step():
     alone, beside_fsdp = (loop_collectives(compiled_loss_and_grads("1f1b", 4, fsdp=f).as_text()) for f in (1, 2))
     assert alone and len(beside_fsdp) == len(alone), (alone, beside_fsdp)
     assert not [c for c in beside_fsdp if c.startswith(("all-gather", "reduce-scatter"))], beside_fsdp
+
+
+def test_the_start_up_lines_say_where_the_head_runs():
+    for head, where in (("auto", "split over the stages"), ("whole", "whole on every stage")):
+        settings = pipelined("1f1b", 2, 4, {"parallel.pipeline_head": head})
+        described = build(small_config(**settings), devices_for(settings)).describe()
+        assert f"pipeline: 1f1b, 2 stages, 4 microbatches, bubble 20.0%, embedding and head {where}\n" in described

@@ -115,6 +115,10 @@ DESCRIPTIONS = {
     "parallel.sequence_parallel": "Megatron sequence parallelism: activations between blocks also split along the sequence over tensor",
     "parallel.context_parallel": "attention with mesh.sequence > 1: `ring` (K/V passed around) or `all_gather`",
     "parallel.pipeline_schedule": "with mesh.pipeline > 1: gpipe, circular or 1f1b",
+    "parallel.pipeline_head": "with mesh.pipeline > 1, where the embedding and LM head run: `split` (the vocabulary over "
+                              "the stages; hidden-size all-reduces over the stage axis each 1F1B tick), `whole` (every stage "
+                              "holds the whole vocabulary; under 1F1B only the stages' own sends cross the stage axis in a "
+                              "tick), `auto` (`whole` when mesh.dcn.pipeline > 1, else `split`)",
     "parallel.pipeline_microbatches": "microbatches per step (per grad_accum part) flowing through the stages",
     "parallel.pipeline_repeats": "circular schedule: chunks of layers (virtual stages) per device",
     # data

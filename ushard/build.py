@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import jax
 import optax
 
-from ushard.config import validate
+from ushard.config import pipeline_head_split, validate
 from ushard.mesh import build_mesh
 from ushard.metrics import flops_per_token
 from ushard.models.attention import check_impl, resolve_impl, split_blocks
@@ -77,7 +77,9 @@ class Setup:
         stages = self.mesh_shape["pipeline"]
         rounds = f" x {pipe.repeats} rounds" if pipe.name == "circular" else ""
         bubble = bubble_fraction(pipe.name, stages, pipe.microbatches, pipe.repeats)
-        line = f"pipeline: {pipe.name}, {stages} stages{rounds}, {pipe.microbatches} microbatches, bubble {bubble:.1%}\n"
+        head = "split over the stages" if "pipeline" in self.layout.axes("vocab") else "whole on every stage"
+        line = (f"pipeline: {pipe.name}, {stages} stages{rounds}, {pipe.microbatches} microbatches, bubble {bubble:.1%}, "
+                f"embedding and head {head}\n")
         if self.mesh.devices.flat[0].platform == "gpu":
             line += "note: attention runs as XLA attention in the pipeline's stages, not cuDNN (docs/dev-notes.md)\n"
         return line
@@ -106,7 +108,7 @@ def build(config, devices=None) -> Setup:
     reshard_after_forward = p.reshard_after_forward or platform == "tpu"  # see ignored_settings
     mesh = build_mesh(mesh_shape, dict(config.mesh.dcn), devices)
     layout = Layout.create(mesh, p.zero_stage, reshard_after_forward, p.sequence_parallel, model_cfg.n_kv_heads,
-                           pipeline)
+                           pipeline, pipeline_head_split(config))
     fused, _ = context_blocks(model_cfg, t.seq_len, platform, layout.size("act_length"))
     check_compiles(config, cudnn_blocks=fused is CUDNN_BLOCKS)
     tx, schedule = make_optimizer(t, model.logical)

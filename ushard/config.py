@@ -107,6 +107,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.pipeline_schedule = "gpipe"
     c.parallel.pipeline_microbatches = 8  # per step (per train.grad_accum part when that is > 1)
     c.parallel.pipeline_repeats = 1  # circular only: virtual stages per device
+    # The embedding and LM head with a pipeline: "split" (the vocabulary over the stages: each computes
+    # its share every tick, at the price of hidden-size all-reduces over the stage axis each tick),
+    # "whole" (every stage holds the whole vocabulary; under 1F1B the last stage's head counts, and
+    # only the stages' own transfers cross the stage axis), "auto" (whole where the stages span the
+    # data-centre network, mesh.dcn.pipeline > 1; split otherwise).
+    c.parallel.pipeline_head = "auto"
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"  # stdlib | text | jsonl | parquet | tokens (.npy files of token ids)
@@ -338,6 +344,15 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
     return sizes
 
 
+PIPELINE_HEADS = ("auto", "split", "whole")
+
+
+def pipeline_head_split(config) -> bool:
+    """Whether the vocabulary splits over the pipeline's stages (parallel.pipeline_head, 'auto' resolved)."""
+    head = config.parallel.pipeline_head
+    return head == "split" or (head == "auto" and config.mesh.dcn.pipeline == 1)
+
+
 def check_settings(config) -> ModelConfig:
     """Checks every setting that needs no devices; returns the model's settings, validated."""
     t, d = config.train, config.data
@@ -353,7 +368,7 @@ def check_settings(config) -> ModelConfig:
     for key, valid in (("train.schedule", SCHEDULES), ("train.on_nonfinite", NONFINITE_POLICIES),
                        ("data.source", DATA_SOURCES),
                        ("parallel.zero_stage", (0, 1, 2, 3)), ("parallel.context_parallel", context.MODES),
-                       ("parallel.pipeline_schedule", PIPELINE_SCHEDULES)):
+                       ("parallel.pipeline_schedule", PIPELINE_SCHEDULES), ("parallel.pipeline_head", PIPELINE_HEADS)):
         group, name = key.split(".")
         _choice(config[group][name], valid, key)
     if config.parallel.collective_combine_mib < 0:
@@ -446,7 +461,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
     check_pipeline(config, mesh)
     split_kv = check_kv_heads(model_cfg.n_kv_heads, mesh["tensor"])
     zero = ZeroRules.for_stage(p.zero_stage, sequence_parallel=p.sequence_parallel, split_kv_heads=split_kv,
-                               pipeline_size=mesh["pipeline"])
+                               pipeline_size=mesh["pipeline"], split_head=pipeline_head_split(config))
     parameters = model_definition(model_cfg).named_shapes()
     for rules in (zero.params, zero.grads, zero.opt_state):
         check_divisible(parameters, rules, mesh)

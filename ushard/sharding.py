@@ -52,11 +52,13 @@ Rules = tuple  # tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 
 def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, split_kv_heads: bool = True,
-                  pipeline_stages: bool = False) -> Rules:
+                  pipeline_stages: bool = False, split_head: bool = True) -> Rules:
     """The full table. `shard_state_over_fsdp` is the ZeRO switch for one kind of training state;
     `sequence_parallel` splits the residual stream's length over `tensor` too; `split_kv_heads` is false
     when there are fewer KV heads than tensor ranks (see `kv_heads_split`); `pipeline_stages` splits the
-    stacked layers into contiguous stages over the `pipeline` axis, and the vocabulary over it too."""
+    stacked layers into contiguous stages over the `pipeline` axis, and with `split_head` the
+    vocabulary over it too (parallel.pipeline_head)."""
+    vocab = ("pipeline", "tensor") if pipeline_stages and split_head else "tensor"
     return (
         # weights
         ("embed", "fsdp" if shard_state_over_fsdp else None),
@@ -64,9 +66,9 @@ def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, 
         ("kv_heads", "tensor" if split_kv_heads else None),
         ("head_dim", None),
         ("mlp", "tensor"),
-        # With a pipeline, the vocabulary is split over the stages too: every stage computes its share
-        # of the embedding lookup, head and loss (ushard/parallel/pipeline.py).
-        ("vocab", ("pipeline", "tensor") if pipeline_stages else "tensor"),
+        # With a pipeline, the vocabulary may be split over the stages too: every stage computes its
+        # share of the embedding lookup, head and loss (ushard/parallel/pipeline.py).
+        ("vocab", vocab),
         ("layers", "pipeline" if pipeline_stages else None),
         ("experts", "expert"),
         ("expert_mlp", "tensor"),
@@ -80,7 +82,7 @@ def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, 
         ("act_kv_heads", "tensor"),
         ("act_head_dim", None),
         ("act_mlp", "tensor"),
-        ("act_vocab", ("pipeline", "tensor") if pipeline_stages else "tensor"),
+        ("act_vocab", vocab),
     )
 
 
@@ -102,9 +104,9 @@ class ZeroRules:
     @classmethod
     def for_stage(cls, stage: int, reshard_after_forward: bool = True, fsdp_size: int = 1,
                   sequence_parallel: bool = False, split_kv_heads: bool = True,
-                  pipeline_size: int = 1) -> "ZeroRules":
+                  pipeline_size: int = 1, split_head: bool = True) -> "ZeroRules":
         def rules(shard_state_over_fsdp):
-            return logical_rules(shard_state_over_fsdp, sequence_parallel, split_kv_heads, pipeline_size > 1)
+            return logical_rules(shard_state_over_fsdp, sequence_parallel, split_kv_heads, pipeline_size > 1, split_head)
 
         return cls(
             params=rules(stage >= 3),
@@ -178,12 +180,13 @@ class Layout:
     @classmethod
     def create(cls, mesh: Mesh, zero_stage: int = 3, reshard_after_forward: bool = True,
                sequence_parallel: bool = False, n_kv_heads: int | None = None,
-               pipeline: PipelineSchedule | None = None) -> "Layout":
-        """`n_kv_heads`: the model's, to decide whether its K/V weights split over `tensor` (None: they do)."""
+               pipeline: PipelineSchedule | None = None, split_head: bool = True) -> "Layout":
+        """`n_kv_heads`: the model's, to decide whether its K/V weights split over `tensor` (None: they do);
+        `split_head`: whether a pipeline's stages split the vocabulary (parallel.pipeline_head)."""
         split_kv = n_kv_heads is None or kv_heads_split(n_kv_heads, mesh.shape["tensor"])
         stages = mesh.shape["pipeline"]
         zero = ZeroRules.for_stage(zero_stage, reshard_after_forward, mesh.shape["fsdp"], sequence_parallel, split_kv,
-                                   stages)
+                                   stages, split_head)
         return cls(mesh, zero, pipeline if stages > 1 else None, mesh.devices.flat[0].platform)
 
     def inside_stage(self, weights_prepared: bool = False) -> "Layout":

@@ -178,9 +178,13 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
     forward slot, then the backward slot. Between them, outside, `first` runs on the microbatch that
     enters stage 0 and `last` on the one that leaves the last stage, once, laid out by the layout like
     any other computation: XLA's partitioner aborts on a gather (embedding lookup, target logit) inside
-    a partially manual shard_map, not outside. The layout splits the vocabulary over the stage axis
-    too (`vocab`, `act_vocab`), so every stage computes its share of the head and loss in every tick
-    rather than the last stage all of it while the others wait.
+    a partially manual shard_map, not outside. Where the layout splits the vocabulary over the stage
+    axis too (`vocab`, `act_vocab`; parallel.pipeline_head='split'), every stage computes its share of
+    the head and loss in every tick rather than the last stage all of it while the others wait; the
+    price is hidden-size all-reduces over the stage axis in every tick. Where it does not ('whole',
+    the default when the stages span the data-centre network), `StageHeads` runs the head on every
+    stage's own output and keeps only the last stage's result, and the embedding's gradient on the
+    first stage's, so that only the stages' own transfers cross the stage axis in a tick.
 
     Data parallelism: a microbatch's rows are split over the batch axes, one group of rows per device
     of those axes (`Groups`). The stage slots are manual over those axes too; embedding, head and loss
@@ -220,6 +224,8 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
 
     # Per group of rows (one per device of the batch axes): [groups, ...] in and out.
     enter_each, finish_each, enter_grads_each = (groups.each(fn, layout, shared=1) for fn in (enter, finish, enter_grads))
+    heads = (SplitHead if axis in layout.axes("vocab") else StageHeads)(finish_each, enter_grads_each, on_every_stage,
+                                                                          axis, stages)
     slots = StageSlots(chained, ring_size(stages), layout, axis, groups)
     idle, some = jnp.full((stages,), IDLE), take(microbatches, 0)
     activation = jax.eval_shape(lambda o, mb: on_every_stage(enter_each(o, mb)), outer, some)
@@ -231,24 +237,86 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
         f, b = table_row[:, 0], table_row[:, 1]
         entered = on_every_stage(enter_each(outer, take(microbatches, f[0])))
         out, received, ring = slots.forward(chunks, f, rows(f), entered, received, ring)
-        last_out = jax.tree.map(lambda a: a[-1], out)
-        sums_f, d_outer_head, d_out = finish_each(outer, last_out, take(microbatches, f[-1]))
-        d_activation, d_received, d_chunks = slots.backward(chunks, b, rows(b), ring, on_every_stage(d_out),
-                                                            d_received, d_chunks)
-        first_d = jax.tree.map(lambda a: a[0], d_activation)
-        d_outer_embed = enter_grads_each(outer, take(microbatches, b[0]), first_d)
         ends, starts = f[-1] != IDLE, b[0] != IDLE
-        d_outer = add(d_outer, add(keep_if(ends, d_outer_head), keep_if(starts, d_outer_embed)))
-        return (received, d_received, ring, d_chunks, d_outer, add(sums, keep_if(ends, sums_f))), None
+        sums_f, d_outer_head, d_out = heads.finish(outer, out, take(microbatches, f[-1]), ends)
+        d_activation, d_received, d_chunks = slots.backward(chunks, b, rows(b), ring, d_out, d_received, d_chunks)
+        d_outer_embed = heads.embedding_grads(outer, take(microbatches, b[0]), d_activation, starts)
+        return (received, d_received, ring, d_chunks, add(d_outer, add(d_outer_head, d_outer_embed)),
+                add(sums, sums_f)), None
 
     zeros = functools.partial(groups.zeros, layout=layout)
+    per_head = heads.before
     carry = (zeros(activation, before=(axis,)), zeros(activation, before=(axis,)), zeros(ring, before=(axis, None)),
-             zeros(groups.shapes(chunks, at=2, dtype=jnp.float32), before=(None, axis)), zeros(groups.shapes(outer)),
-             zeros(sums))
+             zeros(groups.shapes(chunks, at=2, dtype=jnp.float32), before=(None, axis)),
+             zeros(heads.shapes(groups.shapes(outer)), before=per_head), zeros(heads.shapes(sums), before=per_head))
     schedule = jnp.asarray(one_f_one_b_table(stages, count))
     (_, _, _, d_chunks, d_outer, sums), _ = jax.lax.scan(tick, carry, schedule)
     d_stack = jax.tree.map(lambda g, w: g.sum(axis=2).reshape(w.shape).astype(w.dtype), d_chunks, stack)
-    return groups.total(sums), groups.total(d_outer), d_stack
+    return groups.total(heads.total(sums)), groups.total(heads.total(d_outer)), d_stack
+
+
+@dataclass(frozen=True)
+class SplitHead:
+    """1F1B's head and embedding with the vocabulary split over the stages: every stage computes its
+    share for the microbatch leaving the last stage (and the one whose gradient reached the first),
+    the results summed over the stage axis by the compiler. Accumulators have no stage dimension."""
+
+    finish_each: object  # (outer, activation, mb) -> (sums, d outer, d activation), per group
+    enter_grads_each: object  # (outer, mb, d activation) -> d outer, per group
+    on_every_stage: object  # a tree -> a copy for each stage, split over the stage axis
+    axis: str
+    stages: int
+    before = ()  # the accumulators' leading dimensions on mesh axes
+
+    def finish(self, outer, out, mb, ends):
+        """(sums, d outer, d out for every stage) of the microbatch leaving the last stage."""
+        sums, d_outer, d_out = self.finish_each(outer, jax.tree.map(lambda a: a[-1], out), mb)
+        return keep_if(ends, sums), keep_if(ends, d_outer), self.on_every_stage(d_out)
+
+    def embedding_grads(self, outer, mb, d_activation, starts):
+        return keep_if(starts, self.enter_grads_each(outer, mb, jax.tree.map(lambda a: a[0], d_activation)))
+
+    def shapes(self, tree):
+        return tree
+
+    @staticmethod
+    def total(tree):
+        return tree
+
+
+@dataclass(frozen=True)
+class StageHeads(SplitHead):
+    """1F1B's head and embedding where every stage holds the whole vocabulary: each stage runs the
+    head on its own output and the embedding's pullback on its own input gradient, and only the last
+    stage's head and the first stage's embedding count. The stages' results never meet within a
+    tick (no transfer over the stage axis); accumulators carry a stage dimension, summed once a step."""
+
+    before = property(lambda self: (self.axis,))
+
+    def _on_stages(self, fn, in_axes):
+        return jax.vmap(fn, in_axes=in_axes, spmd_axis_name=self.axis)
+
+    def _only(self, stage, where, tree):
+        return jax.tree.map(lambda a: jnp.where(_stage_mask(stage, self.stages, a.ndim) & where, a, 0), tree)
+
+    def finish(self, outer, out, mb, ends):
+        sums, d_outer, d_out = self._on_stages(self.finish_each, (None, 0, None))(outer, out, mb)
+        return self._only(-1, ends, sums), self._only(-1, ends, d_outer), d_out  # d_out: only the last stage reads it
+
+    def embedding_grads(self, outer, mb, d_activation, starts):
+        return self._only(0, starts, self._on_stages(self.enter_grads_each, (None, None, 0))(outer, mb, d_activation))
+
+    def shapes(self, tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.stages, *a.shape), a.dtype), tree)
+
+    @staticmethod
+    def total(tree):
+        return jax.tree.map(lambda a: a.sum(axis=0), tree)
+
+
+def _stage_mask(stage: int, stages: int, ndim: int):
+    """[stages, 1, ...] true at `stage` (negative: from the end), to broadcast against [stages, ...]."""
+    return (jnp.arange(stages) == stage % stages).reshape(stages, *(1,) * (ndim - 1))
 
 
 @dataclass(frozen=True)
