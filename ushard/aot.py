@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+from typing import NamedTuple
 
 import jax
 
@@ -140,8 +141,15 @@ def _result_bytes(shape_text: str) -> int:
     return sum(_array_bytes(dtype, dims) for dtype, dims in _ARRAY.findall(shape_text))
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list], str]:
-    """{computation name: [(opcode, result shape text, rest of line)]} and the ENTRY computation's name."""
+class Instruction(NamedTuple):
+    name: str
+    opcode: str
+    shape: str  # the result's shape, as text
+    rest: str  # operands and attributes, as text
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """{computation name: its instructions in order} and the ENTRY computation's name."""
     computations, current, entry = {}, None, None
     for line in hlo_text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
@@ -152,7 +160,7 @@ def _computations(hlo_text: str) -> tuple[dict[str, list], str]:
         elif current is not None:
             m = _INSTRUCTION.match(line)
             if m:
-                computations[current].append((m.group(3), m.group(2), m.group(4)))
+                computations[current].append(Instruction(m.group(1), m.group(3), m.group(2), m.group(4)))
     return computations, entry
 
 
@@ -164,8 +172,8 @@ def _trip_count(rest: str, computations: dict) -> int:
         return int(known.group(1))
     condition = _CONDITION.search(rest)
     lines = computations.get(condition.group(1), ()) if condition else ()
-    bounds = [int(r.split(")")[0]) for opcode, _, r in lines if opcode == "constant" and r.split(")")[0].isdigit()]
-    less_than = any(opcode == "compare" and "direction=LT" in r for opcode, _, r in lines)
+    bounds = [int(r.split(")")[0]) for _, opcode, _, r in lines if opcode == "constant" and r.split(")")[0].isdigit()]
+    less_than = any(opcode == "compare" and "direction=LT" in r for _, opcode, _, r in lines)
     return bounds[0] if less_than and len(bounds) == 1 else 1
 
 
@@ -184,7 +192,7 @@ def collectives_per_step(hlo_text: str) -> dict[str, tuple[int, int]]:
     found = collections.defaultdict(lambda: [0, 0])
 
     def visit(name: str, times: int) -> None:
-        for opcode, shape, rest in computations.get(name, ()):
+        for _, opcode, shape, rest in computations.get(name, ()):
             kind = opcode.removesuffix("-start").removesuffix("-done")
             dcn = _dcn_kind(opcode, rest)
             if dcn:
@@ -205,6 +213,37 @@ def collectives_per_step(hlo_text: str) -> dict[str, tuple[int, int]]:
     return {kind: tuple(found[kind]) for kind in kinds}
 
 
+_COMPUTE = ("convolution", "dot", "custom-call")  # matmuls (TPU: convolutions), kernels (splash, cuDNN, cuBLAS)
+
+
+def permutes_beside_compute(hlo_text: str) -> tuple[int, int]:
+    """(how many asynchronous collective-permutes have a matmul or kernel scheduled between their start
+    and done, how many there are), over the computations of a scheduled executable's HLO: those are
+    the transfers the schedule lets overlap compute (whether the hardware then does is another matter:
+    on GPUs it did not, docs/benchmarks.md). Each permute of the text counts once, loops or not."""
+    computations, _ = _computations(hlo_text)
+
+    def computes(instruction: Instruction) -> bool:
+        if instruction.opcode in _COMPUTE:
+            return True
+        called = _CALLED.findall(instruction.rest) if instruction.opcode == "fusion" else ()
+        return any(i.opcode in _COMPUTE for c in called for callee in c.split(", ")
+                   for i in computations.get(callee.lstrip("%"), ()))
+
+    beside = total = 0
+    for instructions in computations.values():
+        started = {}  # a start's name -> whether compute has run since
+        for instruction in instructions:
+            if instruction.opcode == "collective-permute-start":
+                started[instruction.name] = False
+            elif instruction.opcode == "collective-permute-done":
+                start = instruction.rest.split(")")[0].split(",")[0].strip().lstrip("%")
+                total, beside = total + 1, beside + started.pop(start, False)
+            elif started and computes(instruction):
+                started = dict.fromkeys(started, True)
+    return beside, total
+
+
 def summary(compiled: jax.stages.Compiled) -> str:
     """Per-device memory and the collectives per step of a compiled step, as lines a person reads."""
     mem = compiled.memory_analysis()
@@ -223,4 +262,8 @@ def summary(compiled: jax.stages.Compiled) -> str:
         lines.append(f"  {kind:<22} {count:>6} x, {gib(size)}")
     if not per_step:
         lines.append("  none")
+    beside, permutes = permutes_beside_compute(compiled.as_text())
+    if permutes:
+        lines.append(f"collective-permutes with compute scheduled between start and done: {beside} of {permutes} "
+                     "in the program's text")
     return "\n".join(lines)
