@@ -245,10 +245,9 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
                 add(sums, sums_f)), None
 
     zeros = functools.partial(groups.zeros, layout=layout)
-    per_head = heads.before
     carry = (zeros(activation, before=(axis,)), zeros(activation, before=(axis,)), zeros(ring, before=(axis, None)),
              zeros(groups.shapes(chunks, at=2, dtype=jnp.float32), before=(None, axis)),
-             zeros(heads.shapes(groups.shapes(outer)), before=per_head), zeros(heads.shapes(sums), before=per_head))
+             zeros(heads.shapes(groups.shapes(outer)), before=heads.before), zeros(heads.shapes(sums), before=heads.before))
     schedule = jnp.asarray(one_f_one_b_table(stages, count))
     (_, _, _, d_chunks, d_outer, sums), _ = jax.lax.scan(tick, carry, schedule)
     d_stack = jax.tree.map(lambda g, w: g.sum(axis=2).reshape(w.shape).astype(w.dtype), d_chunks, stack)
