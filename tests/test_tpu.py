@@ -29,6 +29,11 @@ LAYOUTS = {
     # Megatron: attention's and the MLP's outputs all-reduced, forward and backward.
     "tensor2_fsdp4": ("v5p:2x2x2", 1, {"mesh.tensor": 2, "mesh.fsdp": 4, **SPLASH}, {"all-reduce": 2 * LAYERS * 2}, SPLASH_KERNELS),
     "two_slices_data2_fsdp8": ("v5p:2x2x2", 2, {"mesh.data": 2, "mesh.dcn.data": 2, "mesh.fsdp": 8}, GATHERS, 0),
+    # 1F1B: an activation sent on and a gradient sent back in each of its M + 2S - 2 ticks; splash
+    # attention inside the stages.
+    "pipeline2_fsdp4_1f1b": ("v5p:2x2x2", 1, {"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_schedule": "1f1b",
+                                              "parallel.pipeline_microbatches": 4, **SPLASH},
+                             {"collective-permute": 2 * (4 + 2 * 2 - 2)}, SPLASH_KERNELS),
     # Ring attention: keys and values sent on in the forward, their gradients in the backward, each layer.
     "sequence2_fsdp4": ("v5p:2x2x2", 1, {"mesh.sequence": 2, "mesh.fsdp": 4, "train.seq_len": 512},
                         {"collective-permute": 2 * LAYERS}, RING_KERNELS),

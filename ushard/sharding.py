@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ushard.errors import UserError
@@ -334,3 +335,28 @@ def split_rows(x: jax.Array, count: int, layout: Layout | None) -> jax.Array:
 def merge_rows(x: jax.Array) -> jax.Array:
     """The inverse of `split_rows`: [count, B/count, ...] -> [B, ...]."""
     return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+# --------------------------------------------------------------------------- shard_map types
+
+
+def varying(tree, axis, zeros: bool = False):
+    """Marks values as differing between the devices of a shard_map's manual axis or axes `axis` (its
+    type check wants equal types in both branches of a cond and around a scan, and a Pallas kernel's
+    outputs carry none); with `zeros`, zeros of the given shapes."""
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+
+    def cast(x):
+        if zeros:
+            x = jnp.zeros(x.shape, x.dtype)
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes over which `x` is typed as differing between devices (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # JAX 0.10: ManualAxisType; earlier: aval.vma
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))

@@ -26,14 +26,14 @@ KERNEL_PLATFORMS = {"cudnn": ("gpu", "cuDNN flash attention"), "splash": ("tpu",
 
 def resolve_impl(impl: str, platform: str, dtype, length: int, in_stage: bool = False) -> str:
     """The kernel `impl` means on `platform` for `dtype` and sequences of `length` tokens: "auto" is
-    cuDNN on GPUs in 16-bit compute, splash on TPUs (sequences a multiple of 128 tokens), neither
-    inside a pipeline stage (`check_impl`; on GPUs XLA's compiler segfaults on a pipelined step with
-    cuDNN attention in its stages, JAX 0.11.2), else XLA."""
+    cuDNN on GPUs in 16-bit compute, except inside a pipeline stage (`check_impl`; XLA's GPU compiler
+    segfaults on a pipelined step with cuDNN attention in its stages, JAX 0.11.2), splash on TPUs
+    (sequences a multiple of 128 tokens), else XLA."""
     if impl != "auto":
         return impl
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not in_stage:
         return "cudnn"
-    return "splash" if platform == "tpu" and length % LANES == 0 and not in_stage else "xla"
+    return "splash" if platform == "tpu" and length % LANES == 0 else "xla"
 
 
 def check_impl(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1) -> None:
@@ -51,10 +51,6 @@ def check_impl(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1)
     if impl == "splash" and seq_len % LANES:
         raise UserError(f"model.attention_impl='splash' needs train.seq_len to be a multiple of {LANES} (its "
                         f"blocks' size); it is {seq_len}.")
-    if impl == "splash" and pipeline_stages > 1:
-        # Its shard_map nested in a stage's loses the stage axis from the gradients' types (docs/dev-notes.md).
-        raise UserError(f"model.attention_impl='splash' with mesh.pipeline={pipeline_stages} is not supported yet; "
-                        f"use 'auto', which runs XLA attention inside pipeline stages.")
 
 
 def causal_attention(q, k, v, segment_ids, impl: str):

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ushard.sharding import Layout, merge_rows, split_rows, use_layout
+from ushard.sharding import Layout, merge_rows, split_rows, use_layout, varying
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 IDLE = -1
@@ -535,24 +535,3 @@ def when(predicate, fn, *operands, axis):
     # sharding").
     zeros = zeros_of(fn, *operands, axis=axis)
     return jax.lax.cond(predicate, lambda *ops: varying(fn(*ops), axis), lambda *_: zeros, *operands)
-
-
-def varying(tree, axis, zeros: bool = False):
-    """Marks values as differing between stages (the manual axis or axes `axis`: shard_map's type check
-    wants equal types in both branches of a cond and around a scan); with `zeros`, zeros of the given
-    shapes."""
-    axes = (axis,) if isinstance(axis, str) else tuple(axis)
-
-    def cast(x):
-        if zeros:
-            x = jnp.zeros(x.shape, x.dtype)
-        missing = tuple(a for a in axes if a not in _varying_axes(x))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # JAX 0.10: ManualAxisType; earlier: aval.vma
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
