@@ -135,9 +135,9 @@ def main() -> None:
     r = measure(args.rows, args.tokens, args.heads, args.head_dim, args.hops, args.matmul)
     if jax.process_index() == 0:
         print(f"{r['devices']} devices in {jax.process_count()} process(es): ppermute {r['ppermute_gb_s']:.0f} GB/s "
-          f"({r['ppermute_ms']:.1f} ms), matmuls {r['matmul_ms']:.1f} ms, both {r['both_ms']:.1f} ms: "
-          f"{100 * r['hidden']:.0f}% hidden; both directions {r['two_way_gb_s']:.0f} GB/s; "
-          f"all-gather {r['all_gather_gb_s']:.0f} GB/s")
+              f"({r['ppermute_ms']:.1f} ms), matmuls {r['matmul_ms']:.1f} ms, both {r['both_ms']:.1f} ms: "
+              f"{100 * r['hidden']:.0f}% hidden; both directions {r['two_way_gb_s']:.0f} GB/s; "
+              f"all-gather {r['all_gather_gb_s']:.0f} GB/s")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,11 @@ def _line(what: str, gb_s: float, t_transfer: float, t_matmul: float, t_both: fl
             f"both {1e3 * t_both:.1f} ms: {100 * hidden:.0f}% hidden")
 
 
+def _block_elements(args) -> int:
+    """Elements of one device's K and V, as p2p_overlap.py sizes them."""
+    return 2 * args.rows * args.tokens * args.heads * args.head_dim
+
+
 def _matmuls(a, hops: int):
     def run():
         x = a
@@ -66,7 +71,7 @@ def _ring(rank: int, n: int, port: int, args, cpu: bool) -> None:
         dist.init_process_group("nccl", rank=rank, world_size=n, device_id=device)
         synchronize = torch.cuda.synchronize
     dtype = torch.float32 if cpu else torch.bfloat16
-    block = torch.full((2 * args.rows * args.tokens * args.heads * args.head_dim,), rank + 1.0, device=device, dtype=dtype)
+    block = torch.full((_block_elements(args),), rank + 1.0, device=device, dtype=dtype)
     received = torch.empty_like(block)
     a = torch.full((args.matmul, args.matmul), 0.01, device=device, dtype=dtype)
 
@@ -92,7 +97,7 @@ def _ring(rank: int, n: int, port: int, args, cpu: bool) -> None:
 
 def _copy_engine(args) -> str:
     """GPU 0's block copied to GPU 1 on a side stream, beside GPU 0's matmuls, in this process."""
-    source = torch.ones(2 * args.rows * args.tokens * args.heads * args.head_dim, device="cuda:0", dtype=torch.bfloat16)
+    source = torch.ones(_block_elements(args), device="cuda:0", dtype=torch.bfloat16)
     target = torch.empty_like(source, device="cuda:1")
     side = torch.cuda.Stream(device=0)
     a = torch.full((args.matmul, args.matmul), 0.01, device="cuda:0", dtype=torch.bfloat16)

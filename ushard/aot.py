@@ -257,12 +257,13 @@ def summary(compiled: jax.stages.Compiled) -> str:
         mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
     lines.append(f"  {'peak':<18} {gib(peak)}")
     lines.append("collectives per step (per device):")
-    per_step = collectives_per_step(compiled.as_text())
+    hlo = compiled.as_text()  # megabytes for a real model: printed once, read twice
+    per_step = collectives_per_step(hlo)
     for kind, (count, size) in per_step.items():
         lines.append(f"  {kind:<22} {count:>6} x, {gib(size)}")
     if not per_step:
         lines.append("  none")
-    beside, permutes = permutes_beside_compute(compiled.as_text())
+    beside, permutes = permutes_beside_compute(hlo)
     if permutes:
         lines.append(f"collective-permutes with compute scheduled between start and done: {beside} of {permutes} "
                      "in the program's text")
