@@ -415,18 +415,20 @@ def check_pipeline(config, mesh: dict[str, int]) -> None:
         )
     if stages == 1:
         return
-    if mesh["sequence"] > 1:
-        # Context parallelism's attention is a shard_map of its own; nested in a stage's it does not
-        # lower yet ("manual axes come before free axes").
+    if mesh["sequence"] > 1 and p.context_parallel == "ring":
+        # The ring's transfers run inside the stage's conditional slot, where XLA's compiler crashes
+        # (SIGSEGV on CPU, JAX 0.10.2; docs/dev-notes.md).
         raise UserError(
-            f"mesh.pipeline={stages} with mesh.sequence={mesh['sequence']} is not supported yet; split the "
-            f"sequence without a pipeline, or the batch (data, fsdp) and tensor within the pipeline's stages."
+            f"mesh.pipeline={stages} with mesh.sequence={mesh['sequence']} needs "
+            f"parallel.context_parallel='all_gather': ring attention inside pipeline stages crashes XLA's "
+            f"compiler (its transfers sit inside the stage's conditional slot)."
         )
-    if config.model.moe.num_experts:
-        # The routed experts are a shard_map of their own too (ushard/parallel/expert.py).
+    if config.model.moe.num_experts and schedule == "1f1b":
+        # 1F1B runs each data-parallel device's rows as a group of their own (parallel/pipeline.py).
         raise UserError(
-            f"mesh.pipeline={stages} with an MoE model (model.moe.num_experts={config.model.moe.num_experts}) is not "
-            f"supported yet; split the experts with mesh.expert and the batch with mesh.fsdp or mesh.data."
+            f"parallel.pipeline_schedule='1f1b' cannot run an MoE model yet: each device runs its own rows "
+            f"through the stage, so the balancing loss and expert loads would count one device's tokens "
+            f"instead of the microbatch's; use pipeline_schedule='gpipe' or 'circular'."
         )
     if layers % (stages * repeats):
         raise UserError(

@@ -63,7 +63,7 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     compute = {name: layout.spec(weight_names[name]) for name in weights}
 
     ragged = dispatch == "ragged" and groups > 1
-    cpu = layout.mesh.devices.flat[0].platform == "cpu"
+    cpu = layout.platform == "cpu"
     exchange = _ragged_all_to_all_by_gather if cpu else jax.lax.ragged_all_to_all
 
     def per_device(x, experts, gates, keep, weights):

@@ -13,6 +13,7 @@ accumulator carries the gradient sharding (replicated below ZeRO-2, sharded over
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from jax.sharding import NamedSharding
 
 from ushard.models.definition import ModelDef
 from ushard.parallel import context
+from ushard.parallel.maps import nested_maps
 from ushard.parallel.pipeline import one_f_one_b
 from ushard.sharding import Layout, split_rows, use_layout, with_shardings
 from ushard.training.loss import cross_entropy_sums
@@ -124,8 +126,16 @@ class Steps:
         )
         return model.join_stack(d_stack, d_others), sums
 
+    @contextlib.contextmanager
+    def _tracing(self, batch):
+        """What a traced step runs under: the layout, context parallelism (a split sequence is reordered
+        here, once per step, for its load balance) and, with a pipeline, maps nested in its stages."""
+        with use_layout(self.layout), nested_maps(self.layout.pipeline is not None), \
+                context.context_parallel(batch, self.context_parallel, self.context_keep_kv) as batch:
+            yield batch
+
     def _eval_sums(self, params, batch):
-        with use_layout(self.layout), context.context_parallel(batch, self.context_parallel, self.context_keep_kv) as batch:
+        with self._tracing(batch) as batch:
             _, (loss, count, _) = self._objective(params, batch)
             return jnp.stack([loss, count])
 
@@ -157,8 +167,7 @@ class Steps:
 
     def _mean_loss_and_grads(self, params, batch):
         """(mean loss, mean aux terms, mean gradients) over the global batch's target tokens."""
-        # A split sequence is reordered here, once per step, for context parallelism's load balance.
-        with use_layout(self.layout), context.context_parallel(batch, self.context_parallel, self.context_keep_kv) as batch:
+        with self._tracing(batch) as batch:
             (loss, count, weighted_aux), grads = self._grad_sums(params, batch)
             count = jnp.maximum(count, 1.0)
             aux = {name: term / count for name, term in weighted_aux.items()}
