@@ -285,8 +285,6 @@ def test_broken_config_file(tmp_path, body, match):
         (["mesh.pipeline=2", "train.grad_accum=2", "parallel.pipeline_microbatches=8"],
          r"train\.grad_accum=2 / parallel\.pipeline_microbatches=8 .*'act_batch' dimension of 2, .*mesh\.fsdp=4"),
         (["parallel.pipeline_microbatches=0"], r"parallel\.pipeline_microbatches=0 must be a number >= 1"),
-        (["mesh.pipeline=2", "mesh.sequence=2", "mesh.fsdp=2"],
-         r"mesh\.pipeline=2 with mesh\.sequence=2 needs parallel\.context_parallel='all_gather'"),
         # mixture of experts
         (["mesh.expert=2", "mesh.fsdp=4"], r"mesh\.expert=2 splits the experts of an MoE model, but this model has none"),
         (["model.moe.num_experts=8", "model.moe.top_k=9"], r"model\.moe\.top_k=9 is more than model\.moe\.num_experts=8"),
@@ -302,8 +300,8 @@ def test_broken_config_file(tmp_path, body, match):
          r"parameter blocks\.mlp\.experts\.w_down has a 'experts' dimension of 4, which does not split over mesh\.expert=8"),
         (["model.moe.num_experts=8", "model.moe.expert_d_ff=100", "mesh.tensor=8", "mesh.fsdp=1", "model.n_heads=8", "model.n_kv_heads=8", "model.d_model=192"],
          r"'expert_mlp' dimension of 100, which does not split over mesh\.tensor=8"),
-        (["mesh.pipeline=2", "model.moe.num_experts=8", "parallel.pipeline_schedule=1f1b"],
-         r"parallel\.pipeline_schedule='1f1b' cannot run an MoE model yet.*use pipeline_schedule='gpipe' or 'circular'"),
+        (["mesh.pipeline=2", "model.moe.num_experts=8", "model.moe.first_dense_layers=2", "parallel.pipeline_schedule=1f1b"],
+         r"parallel\.pipeline_schedule='1f1b' runs one stack of layers .*first_dense_layers=2 makes two"),
         # heads
         (["model.n_kv_heads=4"], r"model\.n_heads=6 is not divisible by model\.n_kv_heads=4"),
         (["model.d_model=100"], r"model\.d_model=100 is not divisible by model\.n_heads=6"),

@@ -482,10 +482,16 @@ def pipelined_run(tmp_path_factory, stdlib_batches):
     return workdir, {r["step"]: r["loss"] for r in records}
 
 
+# Stages with the sequence split inside them (ring attention) and tensor parallelism beside it.
+PIPELINED_SEQUENCE = {"mesh.pipeline": 2, "mesh.sequence": 2, "mesh.tensor": 2, "mesh.fsdp": 1,
+                      "parallel.pipeline_schedule": "1f1b", "parallel.pipeline_microbatches": 4}
+
+
 @pytest.mark.parametrize("layout,devices", [
     ({"mesh.data": 2, "mesh.fsdp": 4, "parallel.zero_stage": 1}, 8),
     ({"mesh.fsdp": 4}, 4),
     (PIPELINED, 8),
+    (PIPELINED_SEQUENCE, 8),
 ])
 def test_resume_on_another_mesh_and_device_count(tmp_path, zero3_run, stdlib_batches, layout, devices):
     resume_from_step_3_and_compare(zero3_run, ckpt_config(**layout), tmp_path, stdlib_batches, devices)
@@ -527,6 +533,22 @@ def test_moe_resumes_across_expert_layouts(tmp_path, expert8_run, stdlib_batches
     auxiliary terms and expert loads (so the routing biases were restored too)."""
     config = ckpt_config("tiny_moe", **SMALL_MOE, **{"mesh.expert": 2, "mesh.fsdp": 4})
     resume_from_step_3_and_compare(expert8_run, config, tmp_path, stdlib_batches)
+
+
+# Composed MoE layouts under 1F1B: the experts split inside the pipeline's stages.
+MOE_STAGES = {"mesh.pipeline": 2, "mesh.expert": 2, "parallel.pipeline_schedule": "1f1b",
+              "parallel.pipeline_microbatches": 4}
+
+
+def test_moe_resumes_from_one_composed_layout_in_another(tmp_path_factory, stdlib_batches):
+    """Saved by pipeline x expert x fsdp, resumed by pipeline x expert x tensor: the same losses,
+    auxiliary terms and expert loads at steps 4-6."""
+    workdir = tmp_path_factory.mktemp("moe_stages")
+    saved = ckpt_config("tiny_moe", **SMALL_MOE, **MOE_STAGES, **{"mesh.fsdp": 2})
+    records = Trainer(saved, str(workdir), batches=stdlib_batches).run(log=quiet)
+    run = workdir, {r["step"]: {k: v for k, v in r.items() if k == "loss" or k.startswith("aux/")} for r in records}
+    resumed = ckpt_config("tiny_moe", **SMALL_MOE, **MOE_STAGES, **{"mesh.tensor": 2, "mesh.fsdp": 1})
+    resume_from_step_3_and_compare(run, resumed, tmp_path_factory.mktemp("moe_stages_resumed"), stdlib_batches)
 
 
 def test_resume_with_another_batch_size_goes_on_at_the_next_token(tmp_path, zero3_run, stdlib_batches):

@@ -203,7 +203,7 @@ def devices_for(settings):
 # cut into the pipeline's microbatches), remat, ZeRO-3 with the gathered weights kept.
 ACCUM, REMAT, KEEP_GATHERED = {"train.grad_accum": 2}, {"model.remat": "full"}, {"parallel.reshard_after_forward": False}
 WHOLE_HEAD = {"parallel.pipeline_head": "whole"}
-ALL_GATHER = {"parallel.context_parallel": "all_gather"}  # every stage holds the whole vocabulary (as across slices)
+ALL_GATHER, RING = {"parallel.context_parallel": "all_gather"}, {"parallel.context_parallel": "ring"}  # every stage holds the whole vocabulary (as across slices)
 LAYOUTS = {
     "gpipe_2x8_accum2": pipelined("gpipe", 2, 8, ACCUM),
     "gpipe_4x4_fsdp2_remat": pipelined("gpipe", 4, 4, REMAT, fsdp=2),
@@ -213,9 +213,9 @@ LAYOUTS = {
     "1f1b_2x4_tensor2_fsdp2_accum2": pipelined("1f1b", 2, 4, ACCUM, tensor=2, fsdp=2),
     "1f1b_4x4_fsdp2_whole_head": pipelined("1f1b", 4, 4, WHOLE_HEAD, fsdp=2),
     "gpipe_2x4_whole_head": pipelined("gpipe", 2, 4, WHOLE_HEAD),
-    # Context parallelism inside the stages (all-gather attention, a map nested in the stage's map).
+    # Context parallelism inside the stages (a map nested in the stage's map; the ring's slots branch-free).
     "gpipe_2x4_sequence2_fsdp2": pipelined("gpipe", 2, 4, ALL_GATHER, sequence=2, fsdp=2),
-    "1f1b_2x4_sequence2_tensor2": pipelined("1f1b", 2, 4, ALL_GATHER, sequence=2, tensor=2),
+    "1f1b_2x4_sequence2_tensor2_ring": pipelined("1f1b", 2, 4, RING, sequence=2, tensor=2),
 }
 SWEEP = {
     f"{schedule}_{stages}x{count}{'_fsdp2' if fsdp > 1 else ''}": pipelined(schedule, stages, count, fsdp=fsdp)
@@ -264,35 +264,46 @@ def test_pipeline_sweep_matches_one_device(one_device, stdlib_batches, name):
 # --------------------------------------------------------------------------- mixture of experts in the stages
 
 # tiny_moe at the test sizes, 4 layers (2 stages x 2 rounds for circular), dropless, the routing bias
-# still: its update is the sign of each expert's load, so a load that ties the mean exactly (it does,
-# in whole tokens) tips either way on the last bit of a float32 sum.
-MOE = {**SMALL_MOE, "model.n_layers": 4, "model.moe.bias_update_rate": 0.0}
-# GPipe averages the microbatches' aux terms (balancing loss, expert loads) equally; train.grad_accum,
-# the reference, weights them by each microbatch's count of target tokens, which differ by a few here:
-# the reported terms differ by up to 1e-3 relative, and through the balancing loss's gradient the
-# parameters by about 1e-5 after three steps.
+# moving. The reference is one device with each step's batch in the 4 parts the pipeline cuts it
+# into (train.grad_accum): 1F1B weights each microbatch's aux terms by its token count as
+# grad_accum does, and matches it to the suite's tolerance.
+MOE = {**SMALL_MOE, "model.n_layers": 4}
+# GPipe and circular average the microbatches' aux terms (balancing loss, expert loads) equally;
+# their reference weights them by each microbatch's target tokens, which differ by a few here: the
+# reported terms differ by up to 1e-3 relative, and through the balancing loss's gradient the
+# parameters by about 1e-5 after three steps. They run with the bias still: it moves by the sign of
+# an expert's load against the mean, which can tie in whole tokens and then tips either way.
+STILL = {"model.moe.bias_update_rate": 0.0}
 MOE_RTOL, MOE_AUX_RTOL = 5e-5, 2e-3
 MOE_LAYOUTS = {
-    "gpipe_2x4_expert2_fsdp2": pipelined("gpipe", 2, 4, MOE, expert=2, fsdp=2),
-    "circular_2x4_expert4": pipelined("circular", 2, 4, MOE, expert=4),
-    "gpipe_2x4_expert2_tensor2": pipelined("gpipe", 2, 4, MOE, expert=2, tensor=2),
+    "1f1b_2x4_expert2_fsdp2": pipelined("1f1b", 2, 4, MOE, expert=2, fsdp=2),
+    "1f1b_2x4_expert2_tensor2": pipelined("1f1b", 2, 4, MOE, expert=2, tensor=2),
+    "gpipe_2x4_expert2_fsdp2": pipelined("gpipe", 2, 4, {**MOE, **STILL}, expert=2, fsdp=2),
+    "circular_2x4_expert4": pipelined("circular", 2, 4, {**MOE, **STILL}, expert=4),
 }
 
 
 @pytest.fixture(scope="module")
 def one_device_moe(stdlib_batches):
-    """The MoE model on one device, each step's batch in the 4 parts the pipeline cuts it into."""
-    return run_config(small_config("tiny_moe", **MOE, **{"train.grad_accum": 4}), jax.devices()[:1], stdlib_batches)
+    """The MoE model on one device, with and without the bias moving, each step in 4 parts."""
+    def run(settings):
+        return run_config(small_config("tiny_moe", **settings, **{"train.grad_accum": 4}), jax.devices()[:1], stdlib_batches)
+
+    return {"moving": run(MOE), "still": run({**MOE, **STILL})}
 
 
 @pytest.mark.parametrize("name", MOE_LAYOUTS)
 def test_moe_pipeline_matches_one_device(one_device_moe, stdlib_batches, name):
     settings = MOE_LAYOUTS[name]
     got = run_config(small_config("tiny_moe", **settings), devices_for(settings), stdlib_batches)
-    assert_same_training({**got, "aux": []}, one_device_moe, MOE_RTOL, MOE_RTOL)
-    for got_aux, ref_aux in zip(got["aux"], one_device_moe["aux"], strict=True):
-        assert got_aux.keys() == ref_aux.keys()
-        np.testing.assert_allclose([got_aux[k] for k in ref_aux], list(ref_aux.values()), rtol=MOE_AUX_RTOL)
+    if settings["parallel.pipeline_schedule"] == "1f1b":
+        assert_same_training(got, one_device_moe["moving"])
+    else:
+        reference = one_device_moe["still"]
+        assert_same_training({**got, "aux": []}, reference, MOE_RTOL, MOE_RTOL)
+        for got_aux, ref_aux in zip(got["aux"], reference["aux"], strict=True):
+            assert got_aux.keys() == ref_aux.keys()
+            np.testing.assert_allclose([got_aux[k] for k in ref_aux], list(ref_aux.values()), rtol=MOE_AUX_RTOL)
     # Each stage holds its layers' experts split over mesh.expert; tokens reach them by all-to-all.
     w_up = spec_at(got["init_shardings"].params, ("blocks", "mlp", "experts", "w_up"))
     assert w_up[0] == "pipeline" and w_up[1] == "expert", w_up
@@ -342,26 +353,34 @@ def test_one_f_one_b_memory_is_bounded_by_the_stages_gpipe_grows_with_the_microb
     assert_flat_and_growing(*[[toy_step_bytes(schedule, count) for count in (4, 8)] for schedule in ("1f1b", "gpipe")])
 
 
-def compiled_loss_and_grads(schedule, microbatches, rows_per_microbatch=2, fsdp=1):
-    """The model's compiled loss and gradients on 2 stages (x `fsdp`)."""
-    config = small_config(**{"mesh.pipeline": 2, "mesh.fsdp": fsdp, "parallel.pipeline_schedule": schedule,
-                             "parallel.pipeline_microbatches": microbatches,
+def compiled_loss_and_grads(schedule, microbatches, rows_per_microbatch=2, fsdp=1, sequence=1):
+    """The model's compiled loss and gradients on 2 stages (x `fsdp` x `sequence`, ring attention)."""
+    config = small_config(**{"mesh.pipeline": 2, "mesh.fsdp": fsdp, "mesh.sequence": sequence,
+                             "parallel.pipeline_schedule": schedule, "parallel.pipeline_microbatches": microbatches,
                              "train.batch_size": rows_per_microbatch * microbatches * fsdp})
-    setup = build(config, devices=jax.devices()[:2 * fsdp])
+    setup = build(config, devices=jax.devices()[:2 * fsdp * sequence])
     shape = (config.train.batch_size, config.train.seq_len)
     batch = {field: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.layout.batch) for field in BATCH_FIELDS}
     return setup.steps.loss_and_grads.lower(setup.steps.abstract_state().params, batch).compile()
 
 
-def step_bytes(schedule, microbatches, rows_per_microbatch=2):
+def step_bytes(schedule, microbatches, rows_per_microbatch=2, sequence=1):
     """Per-device bytes (arguments + temporaries) of the model's compiled loss and gradients on 2 stages."""
-    return per_device_bytes(compiled_loss_and_grads(schedule, microbatches, rows_per_microbatch).memory_analysis())
+    compiled = compiled_loss_and_grads(schedule, microbatches, rows_per_microbatch, sequence=sequence)
+    return per_device_bytes(compiled.memory_analysis())
 
 
 @pytest.mark.slow
 def test_the_models_memory_under_1f1b_is_bounded_by_the_stages():
     """The model's loss and gradients (measured: 1F1B 1.350 -> 1.360 MB, GPipe 5.26 -> 9.28 MB)."""
     assert_flat_and_growing(*[[step_bytes(schedule, count) for count in (4, 8)] for schedule in ("1f1b", "gpipe")])
+
+
+def test_the_models_memory_under_1f1b_with_a_split_sequence_stays_flat():
+    """sequence=2 (ring attention inside the stages, their slots branch-free): what 1F1B holds is still
+    bounded by the stages as the microbatches double, and each device holds half of each sequence."""
+    one_f_one_b = [step_bytes("1f1b", count, sequence=2) for count in (4, 8)]
+    assert one_f_one_b[1] < 1.05 * one_f_one_b[0], one_f_one_b
 
 
 # --------------------------------------------------------------------------- data parallelism

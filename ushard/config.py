@@ -415,20 +415,12 @@ def check_pipeline(config, mesh: dict[str, int]) -> None:
         )
     if stages == 1:
         return
-    if mesh["sequence"] > 1 and p.context_parallel == "ring":
-        # The ring's transfers run inside the stage's conditional slot, where XLA's compiler crashes
-        # (SIGSEGV on CPU, JAX 0.10.2; docs/dev-notes.md).
+    dense_first = config.model.moe.first_dense_layers if config.model.moe.num_experts else 0
+    if schedule == "1f1b" and dense_first:
         raise UserError(
-            f"mesh.pipeline={stages} with mesh.sequence={mesh['sequence']} needs "
-            f"parallel.context_parallel='all_gather': ring attention inside pipeline stages crashes XLA's "
-            f"compiler (its transfers sit inside the stage's conditional slot)."
-        )
-    if config.model.moe.num_experts and schedule == "1f1b":
-        # 1F1B runs each data-parallel device's rows as a group of their own (parallel/pipeline.py).
-        raise UserError(
-            f"parallel.pipeline_schedule='1f1b' cannot run an MoE model yet: each device runs its own rows "
-            f"through the stage, so the balancing loss and expert loads would count one device's tokens "
-            f"instead of the microbatch's; use pipeline_schedule='gpipe' or 'circular'."
+            f"parallel.pipeline_schedule='1f1b' runs one stack of layers through its ticks, and "
+            f"model.moe.first_dense_layers={dense_first} makes two (dense layers, then MoE layers); use "
+            f"pipeline_schedule='gpipe' or 'circular', which pipeline each stack in turn, or first_dense_layers=0."
         )
     if layers % (stages * repeats):
         raise UserError(

@@ -177,6 +177,9 @@ class Layout:
     zero: ZeroRules
     pipeline: PipelineSchedule | None = None
     platform: str = "cpu"
+    # Manual mesh axes over which other devices hold other rows of the same batch, in code that runs
+    # each device's rows apart (a 1F1B stage slot): what `sum_over_rows` adds over.
+    rows_apart: tuple[str, ...] = ()
 
     @classmethod
     def create(cls, mesh: Mesh, zero_stage: int = 3, reshard_after_forward: bool = True,
@@ -281,6 +284,18 @@ def split_ways(logical_name: str) -> int:
     """How many ways the active layout splits the dimension called `logical_name` (1 outside a layout)."""
     layout = current_layout()
     return 1 if layout is None else layout.size(logical_name)
+
+
+def sum_over_rows(x: jax.Array) -> jax.Array:
+    """x summed over the batch's rows that other devices run apart from this one's (`Layout.rows_apart`):
+    how a layer computes a statistic of the whole (micro)batch, such as an MoE layer's expert shares,
+    where a map runs each device's rows on their own. x itself elsewhere (the compiler sums there)."""
+    layout = current_layout()
+    if layout is None or not layout.rows_apart:
+        return x
+    # Typed as differing between the devices again, as everything computed from the rows is: the
+    # gradient of each device's use of the sum then adds over all of them (the cast's transpose).
+    return varying(jax.lax.psum(x, layout.rows_apart), layout.rows_apart)
 
 
 def constrain(x: jax.Array, logical_names) -> jax.Array:

@@ -46,6 +46,7 @@ from flax import nnx
 from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.layers import SwiGLU, fan_in_init, param
 from ushard.parallel.expert import routed_experts
+from ushard.sharding import sum_over_rows
 
 
 class ExpertBias(nnx.Variable):
@@ -106,20 +107,29 @@ def within_capacity(experts, num_experts: int, capacity: int):
     return rank < capacity
 
 
+def batch_mean(x, axis=None):
+    """The mean of x over the whole (micro)batch's tokens along `axis` (None: all of x), also where
+    each device's rows run apart (`sum_over_rows`): the balancing statistics are the batch's, on
+    any layout."""
+    count = x.size if axis is None else x.shape[axis]
+    return sum_over_rows(jnp.sum(x, axis=axis)) / sum_over_rows(jnp.float32(count))
+
+
 def assignment_shares(experts, num_experts: int):
     """f_e: the share of the token-to-expert assignments (experts int [..., k]) that chose expert e."""
-    return jnp.bincount(experts.reshape(-1), length=num_experts) / experts.size
+    chosen = jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.float32)
+    return sum_over_rows(chosen) / sum_over_rows(jnp.float32(experts.size))
 
 
 def load_balancing_loss(share, probs):
     """E * sum_e f_e * P_e (see the module docstring): share [E] (f), probs [..., E]."""
     num_experts = share.shape[0]
-    return num_experts * jnp.sum(share * jnp.mean(probs.reshape(-1, num_experts), axis=0))
+    return num_experts * jnp.sum(share * batch_mean(probs.reshape(-1, num_experts), axis=0))
 
 
 def router_z_loss(logits):
     """The mean over tokens of logsumexp(logits)^2: keeps router logits small (ST-MoE)."""
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return batch_mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
 
 def load_signal(bias, share):
@@ -196,7 +206,7 @@ class MoE(nnx.Module):
         share = assignment_shares(experts, moe.num_experts)
         aux = {
             "moe_load_max_over_mean": jax.lax.stop_gradient(jnp.max(share) * moe.num_experts) * per_layer,
-            "moe_dropped_fraction": jax.lax.stop_gradient(1.0 - jnp.mean(keep.astype(jnp.float32))) * per_layer,
+            "moe_dropped_fraction": jax.lax.stop_gradient(1.0 - batch_mean(keep.astype(jnp.float32))) * per_layer,
         }
         if moe.bias_update_rate:
             aux["moe_load_max_over_mean"] += load_signal(bias, share)

@@ -32,7 +32,9 @@ Parallel code, no layer: the stage, embedding and head arrive as functions.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -130,6 +132,7 @@ def run_stages(stage, stack, x, args, layout: Layout):
     schedule = jnp.asarray(np.concatenate([table, arrivals[..., None]], axis=-1))
     forward = [(s, (s + 1) % stages) for s in range(stages)]
     chained = carry_aux(stage)
+    branch_free = slots_branch_free(layout)
 
     def body(chunks, xs, args):
         index = jax.lax.axis_index(axis)
@@ -145,7 +148,8 @@ def run_stages(stage, stack, x, args, layout: Layout):
                 m, round_, arrived = row[index, 0], row[index, 1], row[index, 2]
                 slots = put(slots, arrived, received, arrived != IDLE)
                 start = jax.tree.map(lambda a, b: jnp.where(index == 0, a, b), take(slots, m), received)
-                out = when(m != IDLE, chained, take(chunks, round_), start, take(args, m), axis=axis)
+                out = when(m != IDLE, chained, take(chunks, round_), start, take(args, m), axis=axis,
+                           branch_free=branch_free)
                 done = (index == stages - 1) & (round_ == repeats - 1)
                 slots = put(slots, m, out, done & (m != IDLE))
                 return (slots, jax.lax.ppermute(out, axis, forward)), None
@@ -329,7 +333,12 @@ class Groups:
 
     @classmethod
     def of(cls, layout: Layout) -> "Groups":
-        return cls(layout.axes("act_batch"), layout.size("act_batch"))
+        """The batch axes that do not also hold experts: an MoE layer inside a stage sends its tokens
+        to the experts over those (ushard/parallel/expert.py, a map of its own), so the stage's map
+        leaves them to the compiler."""
+        experts = set(layout.axes("experts"))
+        axes = tuple(a for a in layout.axes("act_batch") if a not in experts)
+        return cls(axes, math.prod(layout.mesh.shape[a] for a in axes))
 
     def split(self, a, axis):
         """[..., rows, ...] -> [..., groups, rows / groups, ...] at `axis`: each device's rows a group."""
@@ -387,7 +396,8 @@ class StageSlots:
 
     def __init__(self, chained, keep: int, layout: Layout, axis: str, groups: Groups):
         self.chained, self.keep, self.layout, self.axis = chained, keep, layout, axis
-        self.manual = (axis, *groups.axes)
+        self.manual, self.groups = (axis, *groups.axes), groups
+        self.branch_free = slots_branch_free(layout)
         self.pullback_tree = None  # set while tracing the forward slot: the pullback's structure,
         self.weight_at = None  # and for each of its leaves, the weight it is (or None)
         stages = layout.size("layers")
@@ -414,7 +424,10 @@ class StageSlots:
 
     def _forward_with_residuals(self, weights, activation, mb):
         """(the stage's output, the residuals of its pullback that are not the weights)."""
-        out, pullback = jax.vjp(lambda w, a: self.chained(w, a, mb), weights, activation)
+        # Typed as differing between the groups, which it does for every row's activation; a
+        # statistic of the whole microbatch (`sum_over_rows`) is the same on every group, and its
+        # gradient then adds every group's cotangent, as it must.
+        out, pullback = jax.vjp(lambda w, a: varying(self.chained(w, a, mb), self.manual), weights, activation)
         leaves, self.pullback_tree = jax.tree.flatten(pullback)
         weight_leaves = jax.tree.leaves(weights)
         self.weight_at = [next((i for i, w in enumerate(weight_leaves) if leaf is w), None) for leaf in leaves]
@@ -427,8 +440,10 @@ class StageSlots:
         return jax.tree.unflatten(self.pullback_tree, leaves)(d_out)
 
     def _inside(self):
-        """The layout of a stage's own rows: its layers unsplit, nothing over the manual axes."""
-        return use_layout(self.layout.inside_stage(weights_prepared=True).per_group(self.manual))
+        """The layout of a stage's own rows: its layers unsplit, nothing over the manual axes, the
+        other groups' rows apart (what sums over a microbatch's tokens must add them from)."""
+        inside = self.layout.inside_stage(weights_prepared=True).per_group(self.manual)
+        return use_layout(dataclasses.replace(inside, rows_apart=self.groups.axes))
 
     def _local(self, chunks, index, grouped):
         """This device's chunk of weights, microbatch index, and rows of each grouped tree, all typed as
@@ -449,7 +464,8 @@ class StageSlots:
         ring = jax.tree.map(lambda a: a[0, :, 0], ring)
         with self._inside():
             activation = jax.tree.map(lambda a, r: jnp.where(index == 0, a, r), entered, received)
-            out, residuals = when(f != IDLE, self._forward_with_residuals, chunk, activation, mb, axis=self.manual)
+            out, residuals = when(f != IDLE, self._forward_with_residuals, chunk, activation, mb, axis=self.manual,
+                                  branch_free=self.branch_free)
             ring = put(ring, jnp.maximum(f, 0) % self.keep, residuals, f != IDLE)
         sent = jax.lax.ppermute(out, self.axis, self.forward_pairs)
         return *jax.tree.map(lambda a: a[None, None], (out, sent)), jax.tree.map(lambda a: a[None, :, None], ring)
@@ -460,7 +476,7 @@ class StageSlots:
         kept = take(jax.tree.map(lambda a: a[0, :, 0], ring), jnp.maximum(b, 0) % self.keep)
         with self._inside():
             d_out = jax.tree.map(lambda h, r: jnp.where(index == self.stages - 1, h, r), d_out, d_received)
-            d_chunk, d_in = when(b != IDLE, self._grads, chunk, kept, d_out, axis=self.manual)
+            d_chunk, d_in = when(b != IDLE, self._grads, chunk, kept, d_out, axis=self.manual, branch_free=self.branch_free)
         d_chunks = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype)[None, None, None], d_chunks, d_chunk)
         d_sent = jax.lax.ppermute(d_in, self.axis, self.backward_pairs)
         return *jax.tree.map(lambda a: a[None, None], (d_in, d_sent)), d_chunks
@@ -524,14 +540,25 @@ def put(tree, index, value, where):
     return jax.tree.map(lambda buf, v: buf.at[index].set(jnp.where(where, v, buf[index])), tree, value)
 
 
-def when(predicate, fn, *operands, axis):
+def when(predicate, fn, *operands, axis, branch_free: bool = False):
     """fn(*operands) where `predicate` holds, zeros shaped like its result elsewhere, at no cost then.
 
     A `lax.cond` whose predicate differs between stages: nothing inside may communicate over the stage
     axis (the compiler's collectives over the other mesh axes are fine, every device of such a group
-    takes the same branch)."""
+    takes the same branch). `branch_free`: fn runs either way and its result is selected, for layers
+    whose own transfers XLA cannot compile inside a conditional (`slots_branch_free`); an idle slot
+    then costs its work."""
     # The zeros are made outside the branches: zeros made inside one get a sharding of their own,
     # which the compiler refuses when it differs from the other branch's ("Inconsistent conditional
     # sharding").
     zeros = zeros_of(fn, *operands, axis=axis)
+    if branch_free:
+        return jax.tree.map(lambda a, z: jnp.where(predicate, a, z), varying(fn(*operands), axis), zeros)
     return jax.lax.cond(predicate, lambda *ops: varying(fn(*ops), axis), lambda *_: zeros, *operands)
+
+
+def slots_branch_free(layout: Layout) -> bool:
+    """Whether the stages run their slots branch-free (`when`): where the sequence is split, context
+    parallelism's transfers run inside the slot, and inside a conditional XLA's compiler crashes on
+    the ring's (SIGSEGV on CPU, JAX 0.10.2; docs/dev-notes.md)."""
+    return layout.size("act_length") > 1
