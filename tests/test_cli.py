@@ -63,8 +63,8 @@ def test_symmetric_buffers_are_refused_only_where_xla_cannot_compile_them():
     from ushard import xla_flags
     from ushard.config import load_config
     from ushard.errors import UserError
-    from ushard.models.attention import split_blocks
-    from ushard.models.cudnn_blocks import CUDNN_BLOCKS
+    from ushard.kernels.attention import block_kernel as split_blocks
+    from ushard.kernels.cudnn import CUDNN_BLOCKS
 
     config = lambda mode: load_config("tiny", ["parallel.nccl_symmetric_buffers=true", f"parallel.context_parallel={mode}"])  # noqa: E731
     with pytest.raises(UserError, match=r"^parallel\.nccl_symmetric_buffers=true cannot compile with ring attention on cuDNN blocks"):

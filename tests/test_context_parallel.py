@@ -5,6 +5,7 @@ with the batch in zig-zag order as the train step feeds it, and compares the out
 gradients of q, k and v (mapped back to the original order) with the reference on one device.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -12,10 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import small_config
+from ushard.kernels.attention import BlockKernel, xla_block
 from ushard.mesh import build_mesh
-from ushard.models.attention import attention_block, causal_attention
+from ushard.models.attention import causal_attention
 from ushard.parallel import context
-from ushard.sharding import Layout, use_layout
+from ushard.plan import ParallelPlan
+from ushard.sharding import Q_NAMES, TOKEN_NAMES, Layout, use_layout
 
 RTOL = 1e-5
 
@@ -31,9 +35,14 @@ def reference_attention(q, k, v, segment_ids):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1), v)
 
 
-def sequence_layout(n: int) -> Layout:
+def sequence_layout(n: int, mode: str = "ring", keep_kv: bool = False, zigzag: bool = False) -> Layout:
+    """The sequence split n ways in `mode`, its tokens in zig-zag order (as the train step reorders
+    them, `context.reordered`) or in their own."""
     shape = {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": n, "tensor": 1}
-    return Layout.create(build_mesh(shape, devices=jax.devices()[:n]))
+    config = small_config(**{"mesh.sequence": n, "parallel.context_parallel": mode, "parallel.context_keep_kv": keep_kv})
+    plan = ParallelPlan.create(config, shape, "cpu", n_kv_heads=2)
+    layout = Layout.from_plan(build_mesh(shape, devices=jax.devices()[:n]), plan)
+    return dataclasses.replace(layout, zigzag=zigzag)
 
 
 def random_inputs(seed: int, n: int, documents: bool):
@@ -75,15 +84,15 @@ CASES = [
 @pytest.mark.parametrize("mode,n,seed,documents,zigzag", CASES)
 def test_context_attention_matches_plain_attention(mode, n, seed, documents, zigzag):
     q, k, v, segments, weights = random_inputs(seed, n, documents)
-    layout = sequence_layout(n)
+    layout = sequence_layout(n, mode, zigzag=zigzag)
 
     def split_attention(q, k, v, segments):
         with use_layout(layout):
             if not zigzag:
                 return causal_attention(q, k, v, segments, "xla")
             # As the train step does: the inputs reordered once, attention told so; back to the original order.
-            with context.context_parallel((q, k, v, segments), mode) as (q, k, v, segments):
-                out = causal_attention(q, k, v, segments, "xla")
+            q, k, v, segments = context.reordered((q, k, v, segments), layout)
+            out = causal_attention(q, k, v, segments, "xla")
             return context.zigzag(out, n, inverse=True)
 
     assert_matches_reference(split_attention, q, k, v, segments, weights)
@@ -92,12 +101,12 @@ def test_context_attention_matches_plain_attention(mode, n, seed, documents, zig
 def _flash_forward(q, k, v, causal, q_segments, k_segments):
     """A block's (out, float32 lse) through the XLA block kernel, queries and keys aligned."""
     index = jnp.arange(q.shape[1])[None]
-    return attention_block(q, k, v, index, index if causal else jnp.full_like(index, -1), q_segments, k_segments)
+    return xla_block(q, k, v, index, index if causal else jnp.full_like(index, -1), q_segments, k_segments)
 
 
 def _flash_backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
     """Flash attention's backward of one block from the queries' final out and lse, in plain jnp:
-    the contract cuDNN's and splash's backward kernels keep (ushard/models/cudnn_blocks.py)."""
+    the contract cuDNN's and splash's backward kernels keep (ushard/kernels/cudnn.py)."""
     b, t, h, hd = q.shape
     copies = h // k.shape[2]
     k_all, v_all = (jnp.repeat(x, copies, axis=2) for x in (k, v))
@@ -114,17 +123,18 @@ def _flash_backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
             fold(jnp.einsum("bhqk,bqhd->bkhd", p, d_out)))
 
 
-FLASH_BLOCKS = context.FusedKernel(forward=_flash_forward, backward=_flash_backward, segments=True)
+FLASH_BLOCKS = BlockKernel(forward=_flash_forward, backward=_flash_backward, segments=True)
 
 
 def split_on(blocks, n, mode="ring", keep_kv=False):
     """Attention with the sequence split n ways in `mode`, the blocks on the fused kernel `blocks`
     (None: XLA blocks), in the train step's zig-zag order and back."""
-    layout = sequence_layout(n)
+    layout = sequence_layout(n, mode, keep_kv, zigzag=True)
 
     def split_attention(q, k, v, segments):
-        with use_layout(layout), context.context_parallel((q, k, v, segments), mode, keep_kv) as (q, k, v, segments):
-            out = context.attention(q, k, v, segments, attention_block, blocks)
+        with use_layout(layout):
+            q, k, v, segments = context.reordered((q, k, v, segments), layout)
+            out = context.attention(q, k, v, segments, xla_block, blocks)
         return context.zigzag(out, n, inverse=True)
 
     return split_attention
@@ -156,15 +166,15 @@ def test_zigzag_gives_device_i_chunks_i_and_its_mirror():
 
 def backward_temp_bytes(mode: str, n: int, local_length: int = 64, keep_kv: bool = False) -> int:
     """Temporary memory per device of attention's forward and backward, `local_length` tokens per device."""
-    layout = sequence_layout(n)
+    layout = sequence_layout(n, mode, keep_kv, zigzag=True)
 
     def loss(q, k, v, segments):
-        with use_layout(layout), context.context_parallel((), mode, keep_kv):
+        with use_layout(layout):
             return jnp.sum(causal_attention(q, k, v, segments, "xla"))
 
     shape = (1, n * local_length, 4, 16)
-    qkv = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=layout.sharding(context.Q_NAMES))
-    segments = jax.ShapeDtypeStruct(shape[:2], jnp.int32, sharding=layout.sharding(context.TOKEN_NAMES))
+    qkv = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=layout.sharding(Q_NAMES))
+    segments = jax.ShapeDtypeStruct(shape[:2], jnp.int32, sharding=layout.sharding(TOKEN_NAMES))
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qkv, qkv, qkv, segments).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
@@ -213,7 +223,7 @@ def test_the_backward_pass_sends_kv_again_as_its_own_transfers_unless_kept(mode,
     ("xla", jnp.bfloat16, 8192, 4, False, False, "XLA attention"),
 ])
 def test_split_blocks_say_which_kernel_runs_them_and_why_not(impl, dtype, length, ways, documents, fused, says):
-    from ushard.models.attention import split_blocks
+    from ushard.kernels.attention import block_kernel as split_blocks
 
     kernel, description = split_blocks(impl, dtype, length, ways, documents)
     assert (kernel is not None) == fused and says in description

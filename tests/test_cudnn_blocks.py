@@ -1,4 +1,4 @@
-"""Context parallelism on cuDNN blocks (ushard/models/cudnn_blocks.py) on GPUs: skipped elsewhere (CI has none).
+"""Context parallelism on cuDNN blocks (ushard/kernels/cudnn.py) on GPUs: skipped elsewhere (CI has none).
 
 On a machine with two or more GPUs: `JAX_PLATFORMS=cuda python -m pytest tests/test_cudnn_blocks.py -n 0`.
 The sequence split over the GPUs (ring and all-gather), bfloat16 inputs, against plain float32
@@ -29,10 +29,11 @@ def test_cudnn_blocks_of_a_split_sequence_match_float32_attention(mode):
     b, t, heads, kv_heads, hd = 2, 2 * n * 256, 8, 2, 128
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     q, k, v, weights = normal(b, t, heads, hd), normal(b, t, kv_heads, hd), normal(b, t, kv_heads, hd), normal(b, t, heads, hd)
-    layout = sequence_layout(n)
+    layout = sequence_layout(n, mode, zigzag=True)
 
     def split_attention(q, k, v, segments):
-        with use_layout(layout), context.context_parallel((q, k, v), mode) as (q, k, v):
+        with use_layout(layout):
+            q, k, v = context.reordered((q, k, v), layout)
             out = causal_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), None, "cudnn")
         return context.zigzag(out.astype(jnp.float32), n, inverse=True)
 

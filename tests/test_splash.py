@@ -1,4 +1,4 @@
-"""Splash attention (ushard/parallel/splash.py), the TPU kernel, against plain causal attention.
+"""Splash attention (ushard/kernels/splash.py), the TPU kernel, against plain causal attention.
 
 There is no TPU here: the Pallas kernel runs in Pallas's interpreter on the CPU (`interpret=True`),
 which executes the same kernel program (its blocks, masks and backward kernels) with jnp. It runs
@@ -13,8 +13,8 @@ import pytest
 from test_context_parallel import reference_attention
 from ushard.errors import UserError
 from ushard.mesh import build_mesh
-from ushard.models.attention import check_impl, resolve_impl
-from ushard.parallel.splash import splash_attention
+from ushard.kernels.attention import check as check_impl, resolve as resolve_impl
+from ushard.kernels.splash import splash_attention
 from ushard.sharding import Layout, use_layout
 
 
@@ -103,7 +103,7 @@ def test_splash_blocks_of_a_split_sequence_match_plain_attention(mode, documents
     heads, with and without documents (some of them wholly outside a block's keys)."""
     from test_context_parallel import assert_matches_reference, split_on
 
-    from ushard.parallel.splash import splash_blocks
+    from ushard.kernels.splash import splash_blocks
 
     n, t, heads, kv_heads, hd = 2, 512, 4, 2, 16  # each device's halves: one 128-lane block
     rng = np.random.default_rng(1)

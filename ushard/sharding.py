@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from ushard.errors import UserError
 
 if TYPE_CHECKING:
     from ushard.parallel.pipeline import PipelineSchedule
+    from ushard.plan import ParallelPlan
 
 WEIGHT_NAMES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts", "expert_mlp", "norm")
 ACTIVATION_NAMES = (
@@ -43,6 +45,10 @@ ACTIVATION_NAMES = (
 )
 # The logical names of a global batch of token ids [batch, length]: its sharding follows their rules.
 BATCH_NAMES = ("act_batch", "act_length")
+TOKEN_NAMES = BATCH_NAMES  # the dimensions of an activation [batch, length, ...] that hold tokens
+# Attention's queries [batch, length, heads, head_dim] and keys / values [..., kv_heads, head_dim].
+Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
+KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
 # The same [batch, length] as the residual stream between the blocks lays it out (sequence parallelism).
 RESIDUAL_NAMES = ("act_batch", "act_residual_length")
 # The kinds of arrays a layout places. "compute": weights as the matmuls use them (gathered: no ZeRO
@@ -164,6 +170,22 @@ def format_rules(rules: Rules) -> str:
 
 
 @dataclass(frozen=True)
+class Seams:
+    """The parallel code a model reaches through the active layout, wired in by `build` from
+    ushard/parallel (the model imports none of it): None where the layout needs none.
+
+    run_stack(stage, stack, x, args, layout) -> (x, aux): the layer stack split into pipeline stages.
+    context_attention(q, k, v, segment_ids, xla_block, block_kernel) -> out: attention over a sequence
+    split over the devices. routed_experts(x, experts, gates, keep, weights, weight_names, expert_fn,
+    row_capacity, dispatch) -> y: an MoE layer's routed experts, wherever the layout puts them.
+    """
+
+    run_stack: Callable | None = None
+    context_attention: Callable | None = None
+    routed_experts: Callable | None = None
+
+
+@dataclass(frozen=True)
 class Layout:
     """A mesh and the rules for each kind of array: the one object every sharding is derived from.
 
@@ -180,14 +202,35 @@ class Layout:
     # Manual mesh axes over which other devices hold other rows of the same batch, in code that runs
     # each device's rows apart (a 1F1B stage slot): what `sum_over_rows` adds over.
     rows_apart: tuple[str, ...] = ()
+    plan: ParallelPlan | None = None  # the run's decisions (None: a layout made without one, in tests)
+    seams: Seams | None = None  # None: ushard's own parallel code (ushard.parallel.SEAMS)
+    # Whether a split sequence's tokens are in zig-zag order (the train step reorders them once for
+    # context parallelism's load balance; a model applied directly sees them in their own order).
+    zigzag: bool = False
+
+    def __post_init__(self):
+        if self.seams is None:  # imported here: ushard.parallel builds on this module
+            from ushard.parallel import SEAMS
+
+            object.__setattr__(self, "seams", SEAMS)
+
+    @classmethod
+    def from_plan(cls, mesh: Mesh, plan: ParallelPlan, seams: Seams | None = None) -> "Layout":
+        """The layout a `ParallelPlan` decides, reaching the parallel code through `seams`."""
+        layout = cls.create(mesh, plan.zero_stage, plan.reshard_after_forward, plan.sequence_parallel,
+                            split_kv=plan.split_kv_heads, pipeline=plan.pipeline, split_head=plan.pipeline_head_split)
+        return dataclasses.replace(layout, plan=plan, seams=seams)
 
     @classmethod
     def create(cls, mesh: Mesh, zero_stage: int = 3, reshard_after_forward: bool = True,
                sequence_parallel: bool = False, n_kv_heads: int | None = None,
-               pipeline: PipelineSchedule | None = None, split_head: bool = True) -> "Layout":
-        """`n_kv_heads`: the model's, to decide whether its K/V weights split over `tensor` (None: they do);
-        `split_head`: whether a pipeline's stages split the vocabulary (parallel.pipeline_head)."""
-        split_kv = n_kv_heads is None or kv_heads_split(n_kv_heads, mesh.shape["tensor"])
+               pipeline: PipelineSchedule | None = None, split_head: bool = True,
+               split_kv: bool | None = None) -> "Layout":
+        """`n_kv_heads`: the model's, to decide whether its K/V weights split over `tensor` (None: they do)
+        unless `split_kv` says; `split_head`: whether a pipeline's stages split the vocabulary
+        (parallel.pipeline_head)."""
+        if split_kv is None:
+            split_kv = n_kv_heads is None or kv_heads_split(n_kv_heads, mesh.shape["tensor"])
         stages = mesh.shape["pipeline"]
         zero = ZeroRules.for_stage(zero_stage, reshard_after_forward, mesh.shape["fsdp"], sequence_parallel, split_kv,
                                    stages, split_head)
@@ -202,7 +245,7 @@ class Layout:
         zero = self.zero.with_rule("layers", None)
         if weights_prepared:
             zero = dataclasses.replace(zero, keep_gathered=False)
-        return Layout(mesh, zero, platform=self.platform)
+        return dataclasses.replace(self, mesh=mesh, zero=zero, pipeline=None)
 
     def per_group(self, axes) -> "Layout":
         """The layout for code vmapped over groups of rows, one group per device of the mesh `axes`

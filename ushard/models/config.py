@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ushard.errors import UserError
-from ushard.models.attention import ATTENTION_IMPLS
+from ushard.kernels.attention import IMPLS as ATTENTION_IMPLS
 from ushard.models.stack import REMAT_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")

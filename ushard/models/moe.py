@@ -31,8 +31,9 @@ metrics), the mean over MoE layers of max_e f_e / mean_e f_e ("moe_load_max_over
 balanced) and of the fraction of assignments dropped ("moe_dropped_fraction", 0 when dropless).
 
 Where the routed experts run (this device, or spread over the mesh with all-to-all dispatch) is
-decided by ushard/parallel/expert.py, which gets the tokens, their experts and gates, and
-`expert_ffn`, the experts' computation on tokens grouped by expert.
+decided by the layout's `seams.routed_experts` (ushard/parallel/expert.py, wired in by `build`),
+which gets the tokens, their experts and gates, and `expert_ffn`, the experts' computation on tokens
+grouped by expert; on one device without a layout, ushard/models/dispatch.py runs them.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from flax import nnx
 
 from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.layers import SwiGLU, fan_in_init, param
-from ushard.parallel.expert import routed_experts
-from ushard.sharding import sum_over_rows
+from ushard.models import dispatch
+from ushard.sharding import current_layout, sum_over_rows
 
 
 class ExpertBias(nnx.Variable):
@@ -195,8 +196,12 @@ class MoE(nnx.Module):
             gates = jnp.where(keep, gates, 0.0)
         else:
             keep = jnp.ones(experts.shape, bool)
-        y = routed_experts(x, experts, gates, keep, self.experts.weights(x.dtype), RoutedExperts.NAMES,
-                           expert_ffn, capacity, moe.dispatch)
+        weights, layout = self.experts.weights(x.dtype), current_layout()
+        if layout is None:  # one device, as the module docstring describes
+            y = dispatch.on_device(x, experts, gates, keep, weights, expert_ffn, capacity)
+        else:  # wherever the layout puts the experts (the layout's seam: ushard/parallel/expert.py)
+            y = layout.seams.routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, expert_ffn, capacity,
+                                            moe.dispatch)
         if moe.num_shared_experts:
             y = y + self.shared(x)
         return y, self._aux(logits, probs, experts, keep, bias)

@@ -5,7 +5,8 @@ A stack is an NNX module created stacked (every weight has a leading `layers` ax
 (e.g. an MoE load-balancing term) that the stack sums over layers. A stack whose layers differ (a
 dense layer every k-th, MoE otherwise) is a stack of periodic super-blocks, each holding its k layers.
 When the layout splits the `layers` axis into pipeline stages, `run_layers` hands the stack to the
-pipeline (ushard/parallel/pipeline.py), which runs `scan_layers` on each stage's chunk of layers.
+layout's `seams.run_stack` (ushard/parallel/pipeline.py, wired in by `build`), which runs
+`scan_layers` on each stage's chunk of layers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ushard.parallel.pipeline import run_stages
 from ushard.sharding import current_layout, gathered
 
 
@@ -53,7 +53,7 @@ def run_layers(layers: nnx.Module, x, *args, remat: str = "none", unroll: int = 
 
     layout = current_layout()
     if layout is not None and layout.pipeline is not None:
-        return run_stages(stage, layer_states, x, args, layout)
+        return layout.seams.run_stack(stage, layer_states, x, args, layout)
     return stage(layer_states, x, args)
 
 

@@ -15,12 +15,12 @@ log-sum-exp beside the output so that blocks can be combined.
   Blocks are combined by an online softmax (running log-sum-exp). The backward pass is a custom VJP
   that runs the ring again: it recomputes each block, and the keys' and values' gradients travel
   with them, arriving home after the last step, so memory does not grow with `n`.
-With `keep_kv` (`context_parallel`) the backward pass reuses the blocks that reached each device in
+With `keep_kv` (`parallel.context_keep_kv`) the backward pass reuses the blocks that reached each device in
 the forward pass: only the gradients travel (ring) or are reduce-scattered (all-gather), a third of
 the traffic less, for K/V memory that grows with `n`.
 
 Load balance. With a causal mask, the device holding the end of the sequence has the most work. The
-batch is therefore reordered once per step, before the model (`context_parallel` below): the length
+batch is therefore reordered once per step, before the model (`reordered` below): the length
 is cut into 2n chunks and device i holds chunks i and 2n-1-i ("zig-zag"), a permutation of the length
 axis that changes no loss. Attention computes each token's original index from its device and half,
 so the masks follow the original order. With zig-zag, every ring step after the first needs exactly
@@ -32,7 +32,7 @@ carry the same segment id; the segment ids travel with the keys. A block in whic
 key gives that query lse = -inf and adds nothing.
 
 Fused kernels. The ring above differentiates through `kernel`, which must give a differentiable lse;
-JAX's fused kernels do not. A `FusedKernel` (cuDNN's flash attention on GPUs, splash attention on
+JAX's fused kernels do not. A `BlockKernel` (ushard/kernels: cuDNN's flash attention on GPUs, splash attention on
 TPUs) is used instead in the zig-zag order, where every block is a causal diagonal or a full block
 of equal halves: its forward returns the block's float32 lse, and its backward is flash attention's,
 fed the *final* output and lse of the queries, which makes each block's gradients exact on their
@@ -44,10 +44,7 @@ takes document masks; cuDNN's blocks run without one.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -55,25 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ushard.errors import UserError
-from ushard.sharding import current_layout
+from ushard.kernels.attention import BlockKernel
+from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout
 
 MODES = ("ring", "all_gather")
-Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
-KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
-TOKEN_NAMES = ("act_batch", "act_length")
-
-
-@dataclass(frozen=True)
-class _Split:
-    mode: str  # MODES
-    zigzag: bool  # whether the length axis is in zig-zag order (see `context_parallel`)
-    keep_kv: bool = False  # the backward pass reuses the forward's K/V blocks (see `context_parallel`)
-
-
-# Attention under a layout that splits the sequence, without `context_parallel` around it (a model
-# applied directly): the tokens are in their original order.
-_UNBALANCED = _Split("ring", zigzag=False)
-_ACTIVE = contextvars.ContextVar("ushard_context_parallel", default=_UNBALANCED)
 
 
 def ways() -> int:
@@ -96,24 +78,12 @@ def check_length(seq_len: int, n: int) -> None:
         )
 
 
-@contextlib.contextmanager
-def context_parallel(batch, mode: str, keep_kv: bool = False):
-    """The batch with its length axis in zig-zag order while the block runs, and attention told so.
-
-    Wraps the tracing of a step: everything in `batch` ([batch, length, ...] arrays) is permuted the
-    same way, once, so per-token losses are unchanged and only their order differs. A no-op when the
-    active layout does not split the sequence. `keep_kv` (`parallel.context_keep_kv`): the backward
-    pass reuses the key/value blocks that reached each device in the forward pass instead of passing
-    them around (ring) or gathering them (all-gather) again, a third less traffic for K/V memory that
-    grows with the number of devices. (All-gather on XLA blocks keeps them anyway: autodiff saves the
-    gathered blocks.)
-    """
-    n = ways()
-    token = _ACTIVE.set(_Split(mode, zigzag=n > 1, keep_kv=keep_kv))
-    try:
-        yield jax.tree.map(lambda x: zigzag(x, n), batch) if n > 1 else batch
-    finally:
-        _ACTIVE.reset(token)
+def reordered(batch, layout):
+    """`batch` ([batch, length, ...] arrays) with its length axis in zig-zag order where `layout`
+    splits the sequence (else as it is): the train step reorders a batch once, so per-token losses are
+    unchanged and only their order differs, and traces under a layout that says so (`Layout.zigzag`)."""
+    n = layout.size("act_length")
+    return jax.tree.map(lambda x: zigzag(x, n), batch) if n > 1 else batch
 
 
 def zigzag_chunks(n: int) -> np.ndarray:
@@ -159,29 +129,7 @@ class _Ring:
         return jax.tree.map(lambda x: jax.lax.all_gather(x, self.axes, axis=1, tiled=True), tree)
 
 
-@dataclass(frozen=True)
-class FusedKernel:
-    """A fused attention kernel for blocks of equal length, given as its two halves.
-
-    `forward(q, k, v, causal, q_segments, k_segments) -> (out, lse)`: out in q's dtype, lse [B, T,
-    heads] float32 (the log-sum-exp of each query's scaled scores); `causal`: query i sees keys 0..i,
-    else every key; segment ids [B, T] (None: no document mask) restrict each query to its own
-    document's keys. `backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments) -> (dq, dk,
-    dv)`: flash attention's backward, where out and lse are the queries' final ones over all blocks,
-    so the block's gradients are its exact share of the whole attention's. A query that sees no key
-    of a block must get an lse far below any real one (its weight in the merge is then 0).
-    `segments`: whether it takes segment ids (else it runs only without a document mask). `typed`:
-    whether its outputs carry `shard_map`'s varying-axes types (cuDNN's do; a Pallas kernel's do
-    not, and the ring's shard_map then skips that check).
-    """
-
-    forward: Callable
-    backward: Callable
-    segments: bool = False
-    typed: bool = True
-
-
-def attention(q, k, v, segment_ids, kernel, fused: FusedKernel | None = None):
+def attention(q, k, v, segment_ids, kernel, fused: BlockKernel | None = None):
     """Causal attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd], the sequence split over
     the active layout's `act_length` axes, each device running `kernel` on its blocks.
 
@@ -191,12 +139,12 @@ def attention(q, k, v, segment_ids, kernel, fused: FusedKernel | None = None):
     only if it takes segment ids); everything else runs on `kernel`.
     """
     layout = current_layout()
-    split = _ACTIVE.get()
-    ring = _Ring(layout.axes("act_length"), layout.size("act_length"), split.zigzag)
-    body = functools.partial(_ring_attention, keep=split.keep_kv) if split.mode == "ring" else _gathered_attention
+    mode, keep_kv = (layout.plan.context_mode, layout.plan.context_keep_kv) if layout.plan else ("ring", False)
+    ring = _Ring(layout.axes("act_length"), layout.size("act_length"), layout.zigzag)
+    body = functools.partial(_ring_attention, keep=keep_kv) if mode == "ring" else _gathered_attention
     check_vma = True
-    if fused is not None and split.zigzag and (segment_ids is None or fused.segments):
-        body = functools.partial(_fused_attention, gather=split.mode == "all_gather", keep=split.keep_kv)
+    if fused is not None and layout.zigzag and (segment_ids is None or fused.segments):
+        body = functools.partial(_fused_attention, gather=mode == "all_gather", keep=keep_kv)
         kernel, check_vma = fused, fused.typed
     q_spec, kv_spec = layout.spec(Q_NAMES), layout.spec(KV_NAMES)
     operands, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
@@ -431,7 +379,7 @@ def _gathered_visits(ring, kv, visit, carry=None, everything=None):
 
 def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, keep: bool = False):
     """Zig-zag context-parallel attention (`_blocks` says which quarter blocks are needed) on a
-    `FusedKernel`; the key/value blocks come around the ring, or (`gather`) out of one all-gather.
+    `BlockKernel`; the key/value blocks come around the ring, or (`gather`) out of one all-gather.
 
     At home the local chunks (early, late) are in token order: one causal block of both. Another
     device's block: my late chunk sees its early chunk whole; if it comes from an earlier device my

@@ -33,9 +33,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ushard.sharding import current_layout
+from ushard.models import dispatch as local_dispatch
+from ushard.sharding import TOKEN_NAMES, current_layout
 
-TOKEN_NAMES = ("act_batch", "act_length")  # the dimensions of x [batch, length, d] that hold tokens
 
 
 def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int,
@@ -47,7 +47,7 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     experts split over devices. Returns [batch, length, d] in x's dtype."""
     layout = current_layout()
     if layout is None:
-        return _on_device(x, experts, gates, keep, weights, expert_fn, row_capacity)
+        return local_dispatch.on_device(x, experts, gates, keep, weights, expert_fn, row_capacity)
 
     token_axes = tuple(a for name in TOKEN_NAMES for a in layout.axes(name))
     expert_axes, hidden_axes = layout.axes("experts"), layout.axes("expert_mlp")
@@ -71,7 +71,8 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
         if ragged:
             y = _ragged(x, experts, gates, keep, weights, expert_fn, expert_axes, groups, exchange)
         else:
-            y = _on_device(x, experts, gates, keep, weights, expert_fn, row_capacity, expert_axes, groups)
+            y = local_dispatch.on_device(x, experts, gates, keep, weights, expert_fn, row_capacity, groups,
+                                   exchange=lambda buffer: jax.lax.all_to_all(buffer, expert_axes, 0, 0, tiled=True))
         # Partial sums where the experts' hidden dimension is split; summed once per token, after the
         # gates (linear), where there are fewer rows than in the expert buffers.
         return jax.lax.psum(y, hidden_axes) if hidden_axes else y
@@ -81,15 +82,6 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
         per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, tokens, stored), out_specs=tokens,
         axis_names=set(token_axes + expert_axes + hidden_axes),
     )(x, experts, gates, keep, weights)
-
-
-def _on_device(x, experts, gates, keep, weights, expert_fn, row_capacity: int, axes=(), groups: int = 1):
-    """One device's tokens through their experts: grouped if dropless with every expert here, else
-    through fixed-capacity buffers (exchanged over `axes` when the experts are split `groups` ways)."""
-    if groups == 1 and row_capacity >= x.shape[1]:
-        return _grouped(x, experts, gates, keep, weights, expert_fn)
-    capacity = x.shape[0] * min(row_capacity, x.shape[1])
-    return _buffered(x, experts, gates, keep, weights, expert_fn, axes, groups, capacity)
 
 
 def _axes(entry) -> tuple:
@@ -108,87 +100,23 @@ def _gather(w, stored, compute):
     return w
 
 
-def _experts_held(weights: dict) -> int:
-    return next(iter(weights.values())).shape[0]  # every weight leads with its experts
-
-
-def _sort_by_expert(key, num_experts: int):
-    """key int [A] in [0, num_experts] (num_experts: dropped) -> (stable order that sorts it, rows per
-    expert [num_experts], each assignment's rank among its expert's assignments)."""
-    order = jnp.argsort(key, stable=True)
-    counts = jnp.bincount(key, length=num_experts + 1)
-    starts = jnp.cumsum(counts) - counts
-    rank_sorted = jnp.arange(key.shape[0]) - starts[key[order]]
-    rank = jnp.zeros_like(key).at[order].set(rank_sorted)
-    return order, counts[:num_experts], rank
-
-
-def _combine(outputs, gates, dtype):
-    """outputs [tokens, k, d] of each assignment -> [tokens, d]: summed by gates in float32."""
-    return jnp.einsum("nk,nkd->nd", gates, outputs.astype(jnp.float32)).astype(dtype)
-
-
-def _flat(x, experts, gates, keep, num_experts: int):
-    """Tokens [n, d], and per assignment (token-major): the sort key (num_experts where dropped) and gates [n, k]."""
-    batch, length, d = x.shape
-    key = jnp.where(keep, experts, num_experts).reshape(-1).astype(jnp.int32)
-    return x.reshape(batch * length, d), key, gates.reshape(batch * length, -1)
-
-
-def _grouped(x, experts, gates, keep, weights, expert_fn):
-    """All experts on this device, dropless: the assignments sorted by expert through the grouped form."""
-    num_experts, k = _experts_held(weights), experts.shape[-1]
-    tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
-    order, sizes, _ = _sort_by_expert(key, num_experts)
-    out_sorted = expert_fn(weights, tokens[order // k], sizes)  # dropped rows (last) give zeros
-    return _unsort_and_combine(out_sorted, order, gates, x)
-
-
-def _unsort_and_combine(out_sorted, order, gates, x):
-    """Each assignment's output, in the `order` that sorted the assignments by expert -> the tokens'
-    outputs [batch, length, d], combined by gates."""
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
-    outputs = out_sorted[inverse].reshape(gates.shape[0], gates.shape[1], -1)
-    return _combine(outputs, gates, x.dtype).reshape(x.shape)
-
-
-def _buffered(x, experts, gates, keep, weights, expert_fn, axes, groups: int, capacity: int):
-    """Fixed-capacity dispatch (module docstring); `groups` > 1: the experts are split over `axes`."""
-    local_experts, k = _experts_held(weights), experts.shape[-1]
-    num_experts, d = local_experts * groups, x.shape[-1]
-    tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
-    _, _, rank = _sort_by_expert(key, num_experts)
-    slot = jnp.where(key < num_experts, key * capacity + rank, num_experts * capacity)  # past the end: dropped
-    send = jnp.zeros((num_experts * capacity, d), x.dtype).at[slot].set(tokens[jnp.arange(key.shape[0]) // k], mode="drop")
-
-    def exchange(buffer):  # [groups, ...]: row block g goes to (comes from) device g of the expert group
-        return jax.lax.all_to_all(buffer, axes, 0, 0, tiled=True) if groups > 1 else buffer
-
-    received = exchange(send.reshape(groups, local_experts, capacity, d))
-    batched = received.swapaxes(0, 1).reshape(local_experts, groups * capacity, d)
-    computed = expert_fn(weights, batched).reshape(local_experts, groups, capacity, d).swapaxes(0, 1)
-    returned = exchange(computed).reshape(num_experts * capacity, d)
-    outputs = jnp.take(returned, slot, axis=0, mode="fill", fill_value=0).reshape(tokens.shape[0], k, d)
-    return _combine(outputs, gates, x.dtype).reshape(x.shape)
-
-
 def _ragged(x, experts, gates, keep, weights, expert_fn, axes, groups: int, exchange):
     """Experts split over `groups` devices, moving only the kept assignments: each device sends every
     expert the rows sorted for it, written where the receiver wants them (grouped by its local expert,
     senders in order), runs its experts grouped, and sends the outputs back to the rows they came from.
     `exchange` is `jax.lax.ragged_all_to_all` or its stand-in for CPUs. The receive buffer holds the
     most any device can be sent: every sender's assignments to experts that device holds."""
-    local_experts, k = _experts_held(weights), experts.shape[-1]
+    local_experts, k = local_dispatch.experts_held(weights), experts.shape[-1]
     num_experts, d = local_experts * groups, x.shape[-1]
-    tokens, key, gates = _flat(x, experts, gates, keep, num_experts)
-    order, sizes, _ = _sort_by_expert(key, num_experts)
+    tokens, key, gates = local_dispatch.flat(x, experts, gates, keep, num_experts)
+    order, sizes, _ = local_dispatch.sort_by_expert(key, num_experts)
     rows = tokens[order // k]
     plan = _ragged_plan(jax.lax.all_gather(sizes, axes), jax.lax.axis_index(axes), local_experts)
     most = groups * tokens.shape[0] * min(k, local_experts)
     received = exchange(rows, jnp.zeros((most, d), rows.dtype), *plan["there"], axis_name=axes)
     computed = expert_fn(weights, received, plan["group_sizes"])
     out_sorted = exchange(computed, jnp.zeros_like(rows), *plan["back"], axis_name=axes)
-    return _unsort_and_combine(out_sorted, order, gates, x)
+    return local_dispatch.unsort_and_combine(out_sorted, order, gates, x)
 
 
 def _ragged_plan(counts, me, local_experts: int) -> dict:

@@ -14,6 +14,7 @@ accumulator carries the gradient sharding (replicated below ZeRO-2, sharded over
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from ushard.models.definition import ModelDef
 from ushard.parallel import context
 from ushard.parallel.maps import nested_maps
 from ushard.parallel.pipeline import one_f_one_b
-from ushard.sharding import Layout, split_rows, use_layout, with_shardings
+from ushard.sharding import Layout, current_layout, split_rows, use_layout, with_shardings
 from ushard.training.loss import cross_entropy_sums
 from ushard.training.state import TrainState
 
@@ -72,10 +73,8 @@ def objective_terms(logits, aux, batch):
 class Steps:
     """The compiled functions of one (model, optimizer, layout). Build one per layout."""
 
-    def __init__(self, model: ModelDef, tx, schedule, layout: Layout, grad_accum: int, skip_nonfinite: bool,
-                 context_parallel: str = "ring", context_keep_kv: bool = False):
+    def __init__(self, model: ModelDef, tx, schedule, layout: Layout, grad_accum: int, skip_nonfinite: bool):
         self.model, self.tx, self.schedule, self.layout = model, tx, schedule, layout
-        self.context_parallel, self.context_keep_kv = context_parallel, context_keep_kv
         self.grad_accum = grad_accum
         self.skip_nonfinite = skip_nonfinite
         self.shardings = sh = state_shardings(model, tx, layout)
@@ -122,7 +121,7 @@ class Steps:
             first=lambda others, mb: model.embed(others, mb["inputs"]),
             stage=lambda chunk, x, mb: model.layers(chunk, x, mb["positions"], mb["segment_ids"]),
             last=lambda others, x, aux, mb: objective_terms(model.head(others, x), aux, mb),
-            outer=others, stack=stack, batch=batch, layout=self.layout, prepare=model.stack_for_compute,
+            outer=others, stack=stack, batch=batch, layout=current_layout(), prepare=model.stack_for_compute,
         )
         return model.join_stack(d_stack, d_others), sums
 
@@ -130,9 +129,9 @@ class Steps:
     def _tracing(self, batch):
         """What a traced step runs under: the layout, context parallelism (a split sequence is reordered
         here, once per step, for its load balance) and, with a pipeline, maps nested in its stages."""
-        with use_layout(self.layout), nested_maps(self.layout.pipeline is not None), \
-                context.context_parallel(batch, self.context_parallel, self.context_keep_kv) as batch:
-            yield batch
+        split = self.layout.size("act_length") > 1
+        with use_layout(dataclasses.replace(self.layout, zigzag=split)), nested_maps(self.layout.pipeline is not None):
+            yield context.reordered(batch, self.layout)
 
     def _eval_sums(self, params, batch):
         with self._tracing(batch) as batch:

@@ -5,7 +5,7 @@ TPUs: it never materialises the [T, T] scores, skips the blocks a causal mask hi
 documents by segment ids. A Mosaic kernel is not partitioned by XLA, so it runs inside a
 `jax.shard_map` whose specs come from the active layout: rows split over the batch axes (data, fsdp,
 expert), heads over `tensor` (K/V heads too, or their per-rank copies), the sequence whole on every
-device (a split sequence goes through ushard/parallel/context.py instead). Inside, the kernel sees
+device (a split sequence goes through ushard/parallel/context.py, which runs `splash_blocks`). Inside, the kernel sees
 one device's [rows, T, heads, head_dim] and runs once per row (vmapped), with grouped-query K/V heads
 as they are.
 
@@ -13,7 +13,7 @@ On a machine without a TPU the kernel runs only in Pallas's interpreter (`interp
 is how the tests check it against plain attention.
 
 `splash_blocks` is the same kernel as the blocks of context parallelism's ring
-(`context.FusedKernel`): its forward keeps the log-sum-exp it computes anyway, and its backward
+(`kernels.attention.BlockKernel`): its forward keeps the log-sum-exp it computes anyway, and its backward
 kernels are called with the queries' final output and log-sum-exp over all blocks.
 """
 
@@ -26,10 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ushard.parallel.context import KV_NAMES, Q_NAMES, TOKEN_NAMES, FusedKernel
-from ushard.sharding import current_layout, varying, varying_axes
+from ushard.kernels.attention import BlockKernel
+from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout, varying, varying_axes
 
-LANES = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
 BLOCKS = (512, 256, 128)  # block sizes tried, largest first: 512 compiles at T=8192, d=128 in 16 MiB VMEM
 
 
@@ -60,8 +59,8 @@ def _heads_major(x):
     return jnp.swapaxes(x, 1, 2)  # [B, T, h, ...] <-> [B, h, T, ...], the kernel's order
 
 
-def splash_blocks(interpret: bool = False) -> FusedKernel:
-    """Splash attention as the ring's block kernel (see `context.FusedKernel`); `interpret`: run in
+def splash_blocks(interpret: bool = False) -> BlockKernel:
+    """Splash attention as the ring's block kernel (see `context.BlockKernel`); `interpret`: run in
     Pallas's interpreter (no TPU). The backward calls splash's own backward kernels through its
     internal `_splash_attention_bwd` (JAX 0.10.2), handing them the final output and lse."""
 
@@ -99,7 +98,7 @@ def splash_blocks(interpret: bool = False) -> FusedKernel:
                                    jnp.swapaxes(lse, 1, 2), _heads_major(d_out), q_segments, k_segments)
         return tuple(_heads_major(g) for g in (dq * scale, dk, dv))
 
-    return FusedKernel(forward=forward, backward=backward, segments=True, typed=False)
+    return BlockKernel(forward=forward, backward=backward, segments=True, typed=False)
 
 
 def splash_attention(q, k, v, segment_ids=None, interpret: bool = False):

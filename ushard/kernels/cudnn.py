@@ -1,4 +1,4 @@
-"""cuDNN flash attention as the blocks of context parallelism's ring (`context.FusedKernel`, GPUs).
+"""cuDNN flash attention as the blocks of context parallelism's ring (`kernels.attention.BlockKernel`, GPUs).
 
 The ring needs two things `jax.nn.dot_product_attention` does not give: each block's float32
 log-sum-exp, to combine blocks, and a backward pass fed the *final* output and log-sum-exp of the
@@ -15,7 +15,7 @@ import math
 
 import jax.numpy as jnp
 
-from ushard.parallel.context import FusedKernel
+from ushard.kernels.attention import BlockKernel
 
 
 def _cudnn():
@@ -54,4 +54,4 @@ def _backward(q, k, v, out, lse, d_out, causal, q_segments=None, k_segments=None
         mask_type=_mask(causal), layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
 
 
-CUDNN_BLOCKS = FusedKernel(forward=_forward, backward=_backward)
+CUDNN_BLOCKS = BlockKernel(forward=_forward, backward=_backward)

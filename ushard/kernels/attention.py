@@ -1,0 +1,158 @@
+"""Attention kernels: the contract, the XLA implementation, and the one place that picks a kernel.
+
+Causal attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd] (grouped-query heads as they
+are); with segment ids [B, T] a token sees only keys of its own document. Two forms:
+- whole sequence (`whole_sequence`): what a layer runs when its sequence is on one device;
+- block (`BlockKernel`, `xla_block`): a block of queries against a block of keys from anywhere in the
+  sequence, with the log-sum-exp of each query's visible scores, so that context parallelism
+  (ushard/parallel/context.py) can combine blocks held by different devices.
+
+`model.attention_impl`: "auto" picks cuDNN flash attention on GPUs in 16-bit compute (XLA inside
+pipeline stages, where XLA's GPU compiler crashes on cuDNN), splash attention on TPUs (sequences a
+multiple of 128 tokens), XLA elsewhere. `resolve` decides, `why` says why, `check` refuses a kernel
+the platform lacks; the `ParallelPlan` records the choice once per run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from ushard.errors import UserError
+
+IMPLS = ("auto", "xla", "cudnn", "splash")
+# The kernels that exist on one platform only.
+PLATFORMS = {"cudnn": ("gpu", "cuDNN flash attention"), "splash": ("tpu", "Pallas splash attention")}
+LANES = 128  # splash's key blocks are multiples of the TPU's 128 lanes
+NAMES = {"xla": "XLA attention", "cudnn": "cuDNN flash attention", "splash": "splash attention"}
+
+
+@dataclass(frozen=True)
+class BlockKernel:
+    """A fused attention kernel for blocks of equal length, given as its two halves.
+
+    `forward(q, k, v, causal, q_segments, k_segments) -> (out, lse)`: out in q's dtype, lse [B, T,
+    heads] float32 (the log-sum-exp of each query's scaled scores); `causal`: query i sees keys 0..i,
+    else every key; segment ids [B, T] (None: no document mask) restrict each query to its own
+    document's keys. `backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments) -> (dq, dk,
+    dv)`: flash attention's backward, where out and lse are the queries' final ones over all blocks,
+    so the block's gradients are its exact share of the whole attention's. A query that sees no key
+    of a block must get an lse far below any real one (its weight in the merge is then 0).
+    `segments`: whether it takes segment ids (else it runs only without a document mask). `typed`:
+    whether its outputs carry `shard_map`'s varying-axes types (cuDNN's do; a Pallas kernel's do
+    not, and the ring's shard_map then skips that check).
+    """
+
+    forward: Callable
+    backward: Callable
+    segments: bool = False
+    typed: bool = True
+
+
+def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False) -> str:
+    """The kernel `impl` means on `platform` for `dtype` and sequences of `length` tokens, inside a
+    pipeline stage or not (module docstring)."""
+    if impl != "auto":
+        return impl
+    if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not in_stage:
+        return "cudnn"
+    return "splash" if platform == "tpu" and length % LANES == 0 else "xla"
+
+
+def why(impl: str, resolved: str, platform: str, in_stage: bool = False) -> str:
+    """`resolved` in words, with the reason it runs (the start-up report prints it)."""
+    name = NAMES[resolved]
+    if impl != "auto":
+        return f"{name} (model.attention_impl={impl!r})"
+    if resolved == "xla" and platform == "gpu":
+        reason = ("inside pipeline stages XLA's GPU compiler crashes on cuDNN" if in_stage
+                  else "cuDNN takes 16-bit compute only")
+        return f"{name} ({reason})"
+    if resolved == "xla" and platform == "tpu":
+        return f"{name} (splash needs sequences a multiple of {LANES} tokens)"
+    return f"{name} (auto on {platform})"
+
+
+def check(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1) -> None:
+    """UserError for a kernel asked for on a platform that lacks it, or a layout it cannot take."""
+    if impl not in PLATFORMS:
+        return
+    if impl == "cudnn" and pipeline_stages > 1:  # whatever the platform: the config cannot run anywhere
+        raise UserError(f"model.attention_impl='cudnn' cannot run inside pipeline stages "
+                        f"(mesh.pipeline={pipeline_stages}): XLA's GPU compiler crashes on it there; use "
+                        f"attention_impl='auto', which runs XLA attention in the stages.")
+    needs, name = PLATFORMS[impl]
+    if platform != needs:
+        raise UserError(f"model.attention_impl={impl!r} is {name}, which runs on {needs.upper()}s only, and these "
+                        f"devices are {platform}; use 'auto' (the best kernel of each platform) or 'xla'.")
+    if impl == "splash" and seq_len % LANES:
+        raise UserError(f"model.attention_impl='splash' needs train.seq_len to be a multiple of {LANES} (its "
+                        f"blocks' size); it is {seq_len}.")
+
+
+def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool) -> tuple[BlockKernel | None, str]:
+    """The fused kernel that runs the blocks of a `length`-token sequence split `ways` ways, for the
+    resolved `impl`, or None for XLA blocks (`xla_block`); and what runs them, in words (the start-up
+    report says it, so a fallback is never silent)."""
+    if impl == "cudnn":
+        if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+            return None, "XLA attention (cuDNN takes 16-bit inputs only)"
+        if documents:
+            return None, "XLA attention (cuDNN's blocks take no document mask; model.document_mask=true)"
+        from ushard.kernels.cudnn import CUDNN_BLOCKS
+
+        return CUDNN_BLOCKS, "cuDNN flash attention"
+    if impl == "splash":
+        if (length // (2 * ways)) % LANES:
+            return None, (f"XLA attention (splash needs each device's two chunks, train.seq_len / {2 * ways}, "
+                          f"to be a multiple of {LANES} tokens)")
+        from ushard.kernels.splash import splash_blocks
+
+        return splash_blocks(), "splash attention"
+    return None, "XLA attention"
+
+
+def whole_sequence(q, k, v, segment_ids, impl: str):
+    """Causal attention over whole sequences by the resolved kernel `impl` ("xla", "cudnn", "splash")."""
+    if impl == "splash":
+        from ushard.kernels.splash import splash_attention
+
+        return splash_attention(q, k, v, segment_ids)
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+
+
+def xla_block(q, k, v, q_index, k_index, q_segments, k_segments):
+    """Queries q [B, Tq, heads, hd] over keys and values [B, Tk, kv_heads, hd] from anywhere in the
+    sequence: (out [B, Tq, heads, hd], lse [B, Tq, heads]), both float32, lse the log-sum-exp of each
+    query's visible scores. Differentiable in both outputs (the ring's XLA path differentiates lse).
+
+    A query sees a key whose index in the unsplit row (`q_index` [1, Tq], `k_index` [1, Tk]) is not
+    after its own and, unless the segments are None, whose segment id ([B, Tq], [B, Tk]) is its own. A
+    query that sees no key here gets out = 0 and lse = -inf, so combining blocks ignores it.
+    """
+    b, tq, h, hd = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.reshape(b, tq, kv_heads, h // kv_heads, hd)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    visible = q_index[:, :, None] >= k_index[:, None, :]
+    if q_segments is not None:
+        visible = visible & (q_segments[:, :, None] == k_segments[:, None, :])
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    # The max only keeps exp() in range; it cancels out of lse, so no gradient flows through it.
+    peak = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.exp(scores - peak)
+    total = jnp.sum(weights, axis=-1)
+    seen = total > 0
+    total = jnp.where(seen, total, 1.0)  # rows that see nothing: out 0, and no log(0) in the gradient
+    out = jnp.einsum("bkgqs,bskd->bqkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / jnp.moveaxis(total, -1, 1)[..., None]
+    lse = jnp.where(seen, peak[..., 0] + jnp.log(total), -jnp.inf)
+    return out.reshape(b, tq, h, hd), jnp.moveaxis(lse, -1, 1).reshape(b, tq, h)

@@ -1,0 +1,127 @@
+"""`ParallelPlan`: how one run is laid out, decided once from the config and the devices.
+
+Everything resolved about a run's parallelism lives here, frozen: the mesh's shape, the ZeRO stage,
+sequence parallelism and the KV-head split, the pipeline's schedule and head, the context mode, the
+experts' dispatch, and the kernel chosen for each operation with the reason. `build` makes the plan,
+the `Layout` is made from it, the traced step reads it (through the active layout), and `describe`
+prints its decisions rather than working them out again. Each subsystem validates its own settings
+(`ushard.config`); the plan only resolves them ("auto", defaults that depend on the platform) and
+records what was chosen.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ushard.kernels import attention as attention_kernels
+from ushard.parallel.pipeline import PipelineSchedule, bubble_fraction
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The implementation that runs one operation, and why it was chosen (one phrase)."""
+
+    name: str
+    why: str
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A run's resolved layout decisions (module docstring). Pure data: no devices, no arrays."""
+
+    mesh_shape: tuple[tuple[str, int], ...]  # every mesh axis and its size, slowest link first
+    dcn_shape: tuple[tuple[str, int], ...]  # how many slices / hosts each axis spans
+    platform: str  # "cpu", "gpu" or "tpu": the devices', which kernels are chosen for
+    zero_stage: int
+    reshard_after_forward: bool  # ZeRO-3: gather a layer's weights again for its backward pass
+    sequence_parallel: bool  # Megatron SP over `tensor`
+    split_kv_heads: bool  # K/V weights split over `tensor` (else each rank holds whole copies)
+    pipeline: PipelineSchedule | None  # None: the layers are not split into stages
+    pipeline_head_split: bool  # the vocabulary split over the stages too (parallel.pipeline_head)
+    context_mode: str | None  # "ring" or "all_gather" where the sequence is split; None otherwise
+    context_keep_kv: bool  # the backward pass reuses the forward's K/V blocks
+    expert_dispatch: str | None  # "padded" or "ragged" for an MoE model; None for a dense one
+    attention: KernelChoice  # attention over whole sequences (and, in a pipeline, outside the stages)
+    stage_attention: KernelChoice | None  # attention inside pipeline stages; None without a pipeline
+    context_blocks: KernelChoice | None  # what runs the blocks of a split sequence; None: not split
+
+    @classmethod
+    def create(cls, config, mesh_shape: dict[str, int], platform: str, n_kv_heads: int) -> "ParallelPlan":
+        """The plan of a validated `config` (`ushard.config.validate` gave `mesh_shape`) on `platform`."""
+        from ushard.config import pipeline_head_split
+        from ushard.sharding import kv_heads_split
+
+        p, m, t = config.parallel, config.model, config.train
+        stages, ways = mesh_shape["pipeline"], mesh_shape["sequence"]
+        pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats) if stages > 1 else None
+        attention = _choice(m.attention_impl, platform, m.compute_dtype, t.seq_len, in_stage=False)
+        stage_attention = _choice(m.attention_impl, platform, m.compute_dtype, t.seq_len, in_stage=True) if pipeline else None
+        blocks = None
+        if ways > 1:
+            # Inside stages attention resolves as `stage_attention` does; the blocks follow it.
+            resolved = (stage_attention or attention).name
+            _, what = attention_kernels.block_kernel(resolved, m.compute_dtype, t.seq_len, ways, m.document_mask)
+            blocks = KernelChoice(what.split(" (")[0], what)
+        return cls(
+            mesh_shape=tuple(mesh_shape.items()),
+            dcn_shape=tuple((a, int(config.mesh.dcn[a])) for a in mesh_shape),
+            platform=platform,
+            zero_stage=p.zero_stage,
+            # On TPUs XLA turned the gradients' reduce-scatters into all-reduces without it (ushard/xla_flags.py).
+            reshard_after_forward=p.reshard_after_forward or platform == "tpu",
+            sequence_parallel=p.sequence_parallel,
+            split_kv_heads=kv_heads_split(n_kv_heads, mesh_shape["tensor"]),
+            pipeline=pipeline,
+            pipeline_head_split=pipeline is not None and pipeline_head_split(config),
+            context_mode=p.context_parallel if ways > 1 else None,
+            context_keep_kv=p.context_keep_kv and ways > 1,
+            expert_dispatch=m.moe.dispatch if m.moe.num_experts else None,
+            attention=attention,
+            stage_attention=stage_attention,
+            context_blocks=blocks,
+        )
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self.mesh_shape)
+
+    def size(self, axis: str) -> int:
+        return self.shape[axis]
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape.values())
+
+    def attention_for(self, in_stage: bool) -> str:
+        """The attention kernel a layer runs: inside a pipeline stage or outside one."""
+        return (self.stage_attention if in_stage and self.stage_attention else self.attention).name
+
+    def describe(self) -> str:
+        """The plan's decisions, a line each, as the start-up report prints them."""
+        shape = " x ".join(f"{a}={s}" for a, s in self.mesh_shape if s > 1) or "one device"
+        lines = [f"mesh {shape}, ZeRO-{self.zero_stage}"
+                 + (", sequence parallel" if self.sequence_parallel else "")
+                 + ("" if self.split_kv_heads else ", K/V heads repeated over tensor")]
+        if self.pipeline is not None:
+            pipe, stages = self.pipeline, self.size("pipeline")
+            rounds = f" x {pipe.repeats} rounds" if pipe.name == "circular" else ""
+            bubble = bubble_fraction(pipe.name, stages, pipe.microbatches, pipe.repeats)
+            head = "split over the stages" if self.pipeline_head_split else "whole on every stage"
+            lines.append(f"pipeline: {pipe.name}, {stages} stages{rounds}, {pipe.microbatches} microbatches, "
+                         f"bubble {bubble:.1%}, embedding and head {head}")
+        if self.context_blocks is not None:
+            kept = ", K/V kept for the backward pass" if self.context_keep_kv else ""
+            lines.append(f"context parallelism: {self.context_mode} over {self.size('sequence')} devices, "
+                         f"blocks on {self.context_blocks.why}{kept}")
+        lines.append(f"attention: {self.attention.why}")
+        if self.stage_attention is not None and self.stage_attention != self.attention:
+            lines.append(f"attention in the pipeline's stages: {self.stage_attention.why}")
+        if self.expert_dispatch is not None:
+            lines.append(f"experts: {self.expert_dispatch} dispatch where mesh.expert splits them")
+        return "\n".join(lines) + "\n"
+
+
+def _choice(impl: str, platform: str, dtype, length: int, in_stage: bool) -> KernelChoice:
+    name = attention_kernels.resolve(impl, platform, dtype, length, in_stage)
+    return KernelChoice(name, attention_kernels.why(impl, name, platform, in_stage))
