@@ -35,12 +35,13 @@ def reference_attention(q, k, v, segment_ids):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1), v)
 
 
-def sequence_layout(n: int, mode: str = "ring", keep_kv: bool = False, zigzag: bool = False) -> Layout:
+def sequence_layout(n: int, mode: str = "ring", keep_kv: bool = False, zigzag: bool = False, impl: str = "xla") -> Layout:
     """The sequence split n ways in `mode`, its tokens in zig-zag order (as the train step reorders
-    them, `context.reordered`) or in their own."""
+    them, `context.reordered`) or in their own, attention on `impl` as the run's plan decides it."""
     shape = {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": n, "tensor": 1}
-    config = small_config(**{"mesh.sequence": n, "parallel.context_parallel": mode, "parallel.context_keep_kv": keep_kv})
-    plan = ParallelPlan.create(config, shape, "cpu", n_kv_heads=2)
+    config = small_config(**{"mesh.sequence": n, "parallel.context_parallel": mode, "parallel.context_keep_kv": keep_kv,
+                             "model.attention_impl": impl})
+    plan = ParallelPlan.create(config, shape, jax.devices()[0].platform, n_kv_heads=2)
     layout = Layout.from_plan(build_mesh(shape, devices=jax.devices()[:n]), plan)
     return dataclasses.replace(layout, zigzag=zigzag)
 

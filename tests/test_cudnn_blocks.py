@@ -29,7 +29,7 @@ def test_cudnn_blocks_of_a_split_sequence_match_float32_attention(mode):
     b, t, heads, kv_heads, hd = 2, 2 * n * 256, 8, 2, 128
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     q, k, v, weights = normal(b, t, heads, hd), normal(b, t, kv_heads, hd), normal(b, t, kv_heads, hd), normal(b, t, heads, hd)
-    layout = sequence_layout(n, mode, zigzag=True)
+    layout = sequence_layout(n, mode, zigzag=True, impl="cudnn")
 
     def split_attention(q, k, v, segments):
         with use_layout(layout):
