@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from ushard.config import apply_override_dict, apply_overrides, default_config, load_config
-from ushard.data.sources import documents
 from ushard.errors import UserError
+
+from conftest import source_documents
 
 
 def _one_sentence(excinfo) -> str:
@@ -136,7 +137,7 @@ def test_load_config_takes_a_dict_or_strings_with_or_without_the_prefix():
 def _jsonl(path):
     c = default_config().data
     c.source, c.paths = "jsonl", str(path)
-    return list(documents(c))
+    return source_documents(c)
 
 
 def test_jsonl_with_a_byte_order_mark(tmp_path):

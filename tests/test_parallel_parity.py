@@ -289,9 +289,9 @@ def test_keeping_gathered_weights_gathers_less_and_holds_more(results):
 
 def test_one_fsdp_device_has_nothing_to_keep_gathered(stdlib_batches):
     config = small_config(**{"parallel.reshard_after_forward": False})
-    assert not build(config, devices=jax.devices()[:1]).layout.keep_gathered
+    assert not build(config, devices=jax.devices()[:1]).layout.zero.keep_gathered
     config = small_config(**{"parallel.reshard_after_forward": False, "mesh.fsdp": 8})
-    assert build(config).layout.keep_gathered
+    assert build(config).layout.zero.keep_gathered
 
 
 # --------------------------------------------------------------------------- tensor and sequence parallelism

@@ -117,7 +117,7 @@ def test_gpu_settings_are_ignored_on_tpu_with_a_note():
     config = small_config(**{"mesh.fsdp": 8, "parallel.reshard_after_forward": False,
                              "parallel.collective_combine_mib": 128, "parallel.nccl_symmetric_buffers": True})
     on_tpu = ushard.build(config, tpu_devices("v5p:2x2x2"))
-    assert not on_tpu.layout.keep_gathered  # gathered again for the backward pass, as with true
+    assert not on_tpu.layout.zero.keep_gathered  # gathered again for the backward pass, as with true
     assert on_tpu.notes == (
         "parallel.collective_combine_mib=128 sets XLA's GPU collective combiner; ignored on tpu.",
         "parallel.nccl_symmetric_buffers=true sets an XLA GPU flag for NCCL; ignored on tpu.",
@@ -126,7 +126,7 @@ def test_gpu_settings_are_ignored_on_tpu_with_a_note():
     )
     assert on_tpu.describe().endswith("\n".join(f"note: {n}" for n in on_tpu.notes))
     on_cpu = ushard.build(config)
-    assert on_cpu.layout.keep_gathered  # CPU keeps its meaning (the parity tests use it)
+    assert on_cpu.layout.zero.keep_gathered  # CPU keeps its meaning (the parity tests use it)
     assert on_cpu.notes == ("parallel.collective_combine_mib=128 sets XLA's GPU collective combiner; ignored on cpu.",
                             "parallel.nccl_symmetric_buffers=true sets an XLA GPU flag for NCCL; ignored on cpu.")
 

@@ -207,10 +207,6 @@ class Layout:
         must not use them again)."""
         return dataclasses.replace(self, zero=self.zero.without_axes(axes))
 
-    @property
-    def keep_gathered(self) -> bool:
-        return self.zero.keep_gathered
-
     def axes(self, name: str | None, kind: str = "compute") -> tuple[str, ...]:
         """Which mesh axes the logical `name` maps to, for arrays of `kind` (KINDS)."""
         return mesh_axes(name, self.zero.table(kind))

@@ -227,9 +227,6 @@ class ModelConfig:
         return [f"model.{k}={mine[k]!r} there but {theirs[k]!r} here" for k in mine
                 if k not in skip and (only is None or k.split(".")[0] in only) and mine[k] != theirs[k]]
 
-    def replace(self, **changes) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
-
 
 def _rope_scaling(group) -> RopeScaling:
     """`model.rope_scaling` from a ConfigDict or a dict (a saved config). Keys this version does not
