@@ -128,12 +128,12 @@ def test_mixtral_loaded_over_expert_and_fsdp_axes_matches_transformers(checkpoin
     assert relative_error(spread(TOKENS), torch_logits(model, TOKENS)) <= 1e-4
 
 
-def test_fused_layouts_loaded_over_eight_devices_match_transformers(checkpoints):
+def test_fused_layout_loaded_over_eight_devices_matches_transformers(checkpoints):
     directory, model = checkpoints["llama"]
-    imported = ushard.from_hf(directory, devices=jax.devices(), fused_qkv=True, fused_mlp=True)
-    wqkv = imported.params["blocks"]["attn"]["wqkv"]
-    assert wqkv.shape == (2, 64, 2, 4, 16) and len(wqkv.sharding.device_set) == 8
-    assert not wqkv.sharding.is_fully_replicated
+    imported = ushard.from_hf(directory, devices=jax.devices(), fused_mlp=True)
+    w_gate_up = imported.params["blocks"]["mlp"]["w_gate_up"]
+    assert w_gate_up.shape == (2, 64, 2, 128) and len(w_gate_up.sharding.device_set) == 8
+    assert not w_gate_up.sharding.is_fully_replicated
     assert relative_error(imported(TOKENS), torch_logits(model, TOKENS)) <= 1e-4
 
 
@@ -157,12 +157,12 @@ def test_round_trip_is_exact_and_transformers_loads_the_export(checkpoints, tmp_
     import transformers
 
     directory, model = checkpoints[kind]
-    first = ushard.from_hf(directory, fused_qkv=fused, fused_mlp=fused)
+    first = ushard.from_hf(directory, fused_mlp=fused)
     exported = tmp_path / "exported"
     hf.save_hf(first.params, first.model.cfg, str(exported), max_file_bytes=64 * 1024)  # several shards
     assert (exported / hf.INDEX_FILE).is_file()
     assert_same_hf_tensors(directory, exported)
-    second = ushard.from_hf(str(exported), fused_qkv=fused, fused_mlp=fused)
+    second = ushard.from_hf(str(exported), fused_mlp=fused)
     assert second.model.cfg == first.model.cfg
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
@@ -462,19 +462,19 @@ def test_bfloat16_weights_on_disk_are_written_and_read(saved, tmp_path):
 
 @pytest.mark.parametrize("mesh", [dict(pipeline=2, fsdp=2, tensor=2), dict(fsdp=4, tensor=2)])
 def test_loading_into_a_training_layout_gives_the_same_parameters(saved, mesh):
-    """Fused layouts split over pipeline stages (layers), tensor (heads, mlp) and fsdp (embed), as a
-    training run with checkpoint.init_from lays them out."""
+    """The fused layout split over pipeline stages (layers), tensor (mlp) and fsdp (embed), as a
+    training run with checkpoint.init_from lays it out."""
     from ushard.config import MESH_AXES
     from ushard.mesh import build_mesh
     from ushard.sharding import Layout, with_shardings
 
-    cfg = hf.model_config(hf.read_config(saved), saved, **hf.IMPORT_SETTINGS, fused_qkv=True, fused_mlp=True)
+    cfg = hf.model_config(hf.read_config(saved), saved, **hf.IMPORT_SETTINGS, fused_mlp=True)
     model = model_definition(cfg)
     layout = Layout.create(build_mesh({a: mesh.get(a, 1) for a in MESH_AXES}), 3, n_kv_heads=cfg.n_kv_heads)
     params = hf.load_params(saved, cfg, with_shardings(model.shapes, layout.shardings(model.logical, "params")))
-    wqkv = params["blocks"]["attn"]["wqkv"]
-    assert len(wqkv.sharding.device_set) == 8 and wqkv.sharding.spec[2] == "tensor"
-    reference = ushard.from_hf(saved, fused_qkv=True, fused_mlp=True).params
+    w_gate_up = params["blocks"]["mlp"]["w_gate_up"]
+    assert len(w_gate_up.sharding.device_set) == 8 and w_gate_up.sharding.spec[3] == "tensor"
+    reference = ushard.from_hf(saved, fused_mlp=True).params
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 

@@ -87,7 +87,7 @@ def test_ceilings_times_every_matmul_of_the_model(fused):
     from ushard.models.config import ModelConfig
     from ushard.models.definition import ModelDef
 
-    cfg = small_config(**{"model.fused_qkv": fused, "model.fused_mlp": fused, "model.n_kv_heads": 2}).model
+    cfg = small_config(**{"model.fused_mlp": fused, "model.n_kv_heads": 2}).model
     per_layer = sum(k * n for _, k, n in ceilings.layer_matmuls(cfg))
     assert cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size == ModelDef(ModelConfig.from_config(cfg)).num_matmul_params()
     out_shapes = {}

@@ -115,20 +115,18 @@ def test_two_slices_need_the_dcn_axes_to_span_them():
 
 def test_gpu_settings_are_ignored_on_tpu_with_a_note():
     config = small_config(**{"mesh.fsdp": 8, "parallel.reshard_after_forward": False,
-                             "parallel.collective_combine_mib": 128, "parallel.nccl_symmetric_buffers": True})
+                             "parallel.collective_combine_mib": 128})
     on_tpu = ushard.build(config, tpu_devices("v5p:2x2x2"))
     assert not on_tpu.layout.zero.keep_gathered  # gathered again for the backward pass, as with true
     assert on_tpu.notes == (
         "parallel.collective_combine_mib=128 sets XLA's GPU collective combiner; ignored on tpu.",
-        "parallel.nccl_symmetric_buffers=true sets an XLA GPU flag for NCCL; ignored on tpu.",
         "parallel.reshard_after_forward=false is a GPU setting; ignored on tpu, where it turned the gradients' "
         "reduce-scatters into all-reduces.",
     )
     assert on_tpu.describe().endswith("\n".join(f"note: {n}" for n in on_tpu.notes))
     on_cpu = ushard.build(config)
     assert on_cpu.layout.zero.keep_gathered  # CPU keeps its meaning (the parity tests use it)
-    assert on_cpu.notes == ("parallel.collective_combine_mib=128 sets XLA's GPU collective combiner; ignored on cpu.",
-                            "parallel.nccl_symmetric_buffers=true sets an XLA GPU flag for NCCL; ignored on cpu.")
+    assert on_cpu.notes == ("parallel.collective_combine_mib=128 sets XLA's GPU collective combiner; ignored on cpu.",)
 
 
 @pytest.mark.parametrize("topology, kind, peak", [

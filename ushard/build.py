@@ -15,14 +15,13 @@ from ushard.config import pipeline_head_split, validate
 from ushard.mesh import build_mesh
 from ushard.metrics import flops_per_token
 from ushard.models.attention import check_impl, resolve_impl, split_blocks
-from ushard.models.cudnn_blocks import CUDNN_BLOCKS
 from ushard.models.config import ModelConfig
 from ushard.models.definition import ModelDef, model_definition
 from ushard.parallel.pipeline import PipelineSchedule, bubble_fraction
 from ushard.sharding import Layout, format_rules
 from ushard.training.optim import make_optimizer
 from ushard.training.step import Steps
-from ushard.xla_flags import check_compiles, ignored_settings
+from ushard.xla_flags import ignored_settings
 
 
 @dataclass
@@ -109,8 +108,6 @@ def build(config, devices=None) -> Setup:
     mesh = build_mesh(mesh_shape, dict(config.mesh.dcn), devices)
     layout = Layout.create(mesh, p.zero_stage, reshard_after_forward, p.sequence_parallel, model_cfg.n_kv_heads,
                            pipeline, pipeline_head_split(config))
-    fused, _ = context_blocks(model_cfg, t.seq_len, platform, layout.size("act_length"))
-    check_compiles(config, cudnn_blocks=fused is CUDNN_BLOCKS)
     tx, schedule = make_optimizer(t, model.logical)
     steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip",
                   context_parallel=p.context_parallel, context_keep_kv=p.context_keep_kv)
