@@ -43,6 +43,13 @@ ACTIVATION_NAMES = (
 )
 # The logical names of a global batch of token ids [batch, length]: its sharding follows their rules.
 BATCH_NAMES = ("act_batch", "act_length")
+# The dimensions of any activation [batch, length, ...] that index its tokens: the batch's own names.
+TOKEN_NAMES = BATCH_NAMES
+# Attention's queries [batch, length, heads, head_dim] and keys / values [batch, length, kv_heads, head_dim].
+Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
+KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
+# The LM head's logits [batch, length, vocab].
+LOGITS_NAMES = ("act_batch", "act_length", "act_vocab")
 # The same [batch, length] as the residual stream between the blocks lays it out (sequence parallelism).
 RESIDUAL_NAMES = ("act_batch", "act_residual_length")
 # The kinds of arrays a layout places. "compute": weights as the matmuls use them (gathered: no ZeRO

@@ -13,10 +13,8 @@ from ushard.models.cudnn_blocks import CUDNN_BLOCKS
 from ushard.models.layers import BTD, fan_in_init, param, project, rope_frequencies, rotary
 from ushard.parallel import context
 from ushard.parallel.splash import LANES, splash_attention, splash_blocks
-from ushard.sharding import constrain, current_layout, gathered, split_ways
+from ushard.sharding import KV_NAMES, Q_NAMES, constrain, current_layout, gathered, split_ways
 
-Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
-KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
 # `model.attention_impl`: auto picks cuDNN flash attention on GPUs in 16-bit compute, splash attention
 # on TPUs, XLA elsewhere.
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")

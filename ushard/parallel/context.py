@@ -55,12 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ushard.errors import UserError
-from ushard.sharding import current_layout
+from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout
 
 MODES = ("ring", "all_gather")
-Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
-KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
-TOKEN_NAMES = ("act_batch", "act_length")
 
 
 @dataclass(frozen=True)

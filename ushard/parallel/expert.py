@@ -33,9 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ushard.sharding import current_layout
-
-TOKEN_NAMES = ("act_batch", "act_length")  # the dimensions of x [batch, length, d] that hold tokens
+from ushard.sharding import TOKEN_NAMES, current_layout
 
 
 def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int,

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ushard.parallel.context import KV_NAMES, Q_NAMES, TOKEN_NAMES, FusedKernel
-from ushard.sharding import current_layout, varying, varying_axes
+from ushard.parallel.context import FusedKernel
+from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout, varying, varying_axes
 
 LANES = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
 BLOCKS = (512, 256, 128)  # block sizes tried, largest first: 512 compiles at T=8192, d=128 in 16 MiB VMEM
