@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 REQUIRED_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tflops_per_device", "mfu"}
 
@@ -16,8 +15,7 @@ def test_train_writes_metrics_and_tensorboard(tmp_path):
         sys.executable, "-m", "ushard", "train", "--config", "tiny", "--workdir", str(workdir),
         "--config.train.steps=4", "--config.train.log_every=2", "--config.train.eval_every=4",
         "--config.train.eval_batches=1", "--config.model.n_layers=1", "--config.train.seq_len=32",
-        "--config.train.batch_size=8", "--config.parallel.collective_combine_mib=64",  # XLA must accept the flags
-        "--config.parallel.nccl_symmetric_buffers=true",
+        "--config.train.batch_size=8", "--config.parallel.collective_combine_mib=64",  # XLA must accept the flag
     ]
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -50,27 +48,4 @@ def test_xla_flags_from_the_config_yield_to_the_users(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS")
     xla_flags.apply(load_config("tiny"))  # 0: XLA's defaults, nothing set
     assert "XLA_FLAGS" not in os.environ
-    xla_flags.apply(load_config("tiny", ["parallel.nccl_symmetric_buffers=true"]))
-    assert os.environ["XLA_FLAGS"] == "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true"
 
-
-def test_symmetric_buffers_are_refused_only_where_xla_cannot_compile_them():
-    """XLA's GPU compiler aborts on a collective-permute beside a cuDNN attention with the flag on: the
-    ring on cuDNN blocks. The all-gather, and the ring on any other blocks (XLA's, splash's, or none
-    where the sequence is not split), compile."""
-    import jax.numpy as jnp
-
-    from ushard import xla_flags
-    from ushard.config import load_config
-    from ushard.errors import UserError
-    from ushard.kernels.attention import block_kernel as split_blocks
-    from ushard.kernels.cudnn import CUDNN_BLOCKS
-
-    config = lambda mode: load_config("tiny", ["parallel.nccl_symmetric_buffers=true", f"parallel.context_parallel={mode}"])  # noqa: E731
-    with pytest.raises(UserError, match=r"^parallel\.nccl_symmetric_buffers=true cannot compile with ring attention on cuDNN blocks"):
-        xla_flags.check_compiles(config("ring"), cudnn_blocks=True)
-    xla_flags.check_compiles(config("all_gather"), cudnn_blocks=True)
-    xla_flags.check_compiles(config("ring"), cudnn_blocks=False)
-    # What build passes: a split sequence's blocks on GPUs in bfloat16 without a document mask are cuDNN's.
-    assert split_blocks("cudnn", jnp.bfloat16, 8192, 4, False)[0] is CUDNN_BLOCKS
-    assert split_blocks("cudnn", jnp.bfloat16, 8192, 4, True)[0] is not CUDNN_BLOCKS

@@ -12,19 +12,23 @@ import pytest
 
 from ushard.config import load_config
 from ushard.data import make_batches
-from ushard.data.corpus import Pieces, cut_into_pieces, held_out_pieces, load_corpus, name_hashes, piece_score
+from ushard.data.corpus import Pieces, cut_into_pieces, held_out_pieces, load_corpus, name_hashes, piece_scores
 from ushard.data.packing import FIELDS, PackedStream, window_rows
 from ushard.data.pipeline import Batches, in_source_order, shuffled
-from ushard.data.sources import documents
 from ushard.data.tokenizer import ByteTokenizer, get_tokenizer
 from ushard.errors import UserError
 
-from conftest import assert_same_global_batch_on_every_mesh, data_config
+from conftest import assert_same_global_batch_on_every_mesh, data_config, source_documents
 
 SEQ_LEN = 32
 BATCH = 8
 SMALL = [f"train.batch_size={BATCH}", f"train.seq_len={SEQ_LEN}"]
 E = 256  # the byte tokenizer's end-of-document token
+
+
+def piece_score(name: str, index: int) -> float:
+    """The held-out score of piece `index` of the document called `name`."""
+    return float(piece_scores(name_hashes([name]), np.array([0]), np.array([index]))[0])
 
 
 @pytest.fixture(scope="module")
@@ -384,7 +388,7 @@ def test_text_source(tmp_path):
     cfg = _data_cfg(source="text", paths=f"{tmp_path}/a/*.txt, {tmp_path}/b/*.txt", eval_fraction=0.3,
                     chunk_tokens=4096)
 
-    docs = list(documents(cfg))
+    docs = source_documents(cfg)
     assert [name for name, _ in docs] == sorted(a_files) + sorted(b_files)  # globs in order, each sorted
     assert all(content == expected[name] for name, content in docs)
 
@@ -421,7 +425,7 @@ def test_jsonl_source_with_custom_field(tmp_path):
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     cfg = _data_cfg(source="jsonl", paths=str(tmp_path / "*.jsonl"), jsonl_field="body", eval_fraction=0.25)
 
-    docs = list(documents(cfg))
+    docs = source_documents(cfg)
     assert len(docs) == 60
     assert docs[0] == (f"{path}:1", "record 0 — naïve café ")
     assert docs[15] == (f"{path}:17", f"record 15 — naïve café {'x' * 15}")  # line numbers count blank lines
@@ -431,7 +435,7 @@ def test_jsonl_source_with_custom_field(tmp_path):
     assert text == "".join(c for _, c in docs)
 
     with pytest.raises(UserError, match=r"is not a JSON object with a string 'text' field"):
-        list(documents(_data_cfg(source="jsonl", paths=str(path))))  # default field name: absent
+        source_documents(_data_cfg(source="jsonl", paths=str(path)))  # default field name: absent
 
 
 @pytest.mark.parametrize(
@@ -442,16 +446,16 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, bad_line):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "fine"}\n\n' + bad_line + '\n{"text": "also fine"}\n')
     with pytest.raises(UserError, match="^" + re.escape(f"{path}:3") + " is not a JSON object") as excinfo:
-        list(documents(_data_cfg(source="jsonl", paths=str(path))))
+        source_documents(_data_cfg(source="jsonl", paths=str(path)))
     assert "\n" not in str(excinfo.value)
 
 
 def test_data_user_errors(tmp_path):
     with pytest.raises(UserError, match=r"data\.paths='/nonexistent/\*\.txt' matched no files"):
-        list(documents(_data_cfg(source="text", paths="/nonexistent/*.txt")))
+        source_documents(_data_cfg(source="text", paths="/nonexistent/*.txt"))
     (tmp_path / "ok.txt").write_text("x")
     with pytest.raises(UserError, match=r"matched no files"):  # one pattern of several matching nothing
-        list(documents(_data_cfg(source="text", paths=f"{tmp_path}/ok.txt,{tmp_path}/missing*.txt")))
+        source_documents(_data_cfg(source="text", paths=f"{tmp_path}/ok.txt,{tmp_path}/missing*.txt"))
     with pytest.raises(UserError, match=r"^data\.chunk_tokens=-1 must be a number of tokens, or 0 for 2 \* "):
         make_batches(_data_cfg(source="text", paths=str(tmp_path / "ok.txt"), chunk_tokens=-1), 16, seed=0)
 

@@ -17,11 +17,10 @@ from ushard.config import check_settings, load_config
 from ushard.data import make_batches
 from ushard.data.corpus import load_corpus
 from ushard.data.pipeline import Batches
-from ushard.data.sources import documents
 from ushard.data.tokenizer import get_tokenizer
 from ushard.errors import UserError
 
-from conftest import assert_same_global_batch_on_every_mesh, data_config, small_config
+from conftest import assert_same_global_batch_on_every_mesh, data_config, small_config, source_documents
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly dwarves".split()
 
@@ -105,7 +104,7 @@ def test_hf_tokenizer_mistakes_are_one_sentence(tmp_path, hf_data):
 
 
 def test_parquet_rows_are_documents_in_order(hf_data):
-    docs = list(documents(data_config(source="parquet", paths=hf_data["paths"])))
+    docs = source_documents(data_config(source="parquet", paths=hf_data["paths"]))
     texts = hf_data["texts"]
     assert [text for _, text in docs] == texts  # row groups in order, the null row skipped
     assert docs[0][0].endswith("a.parquet:0") and docs[40][0].endswith("b.parquet:0")
@@ -115,12 +114,12 @@ def test_parquet_mistakes_are_one_sentence(tmp_path):
     _write_parquet(tmp_path / "body.parquet", ["x"], column="body")
     with pytest.raises(UserError, match=r"has no column 'text' \(data.parquet_column names the text column\); "
                                         r"its columns: body, id.$"):
-        list(documents(data_config(source="parquet", paths=str(tmp_path / "body.parquet"))))
+        source_documents(data_config(source="parquet", paths=str(tmp_path / "body.parquet")))
     with pytest.raises(UserError, match=r"column 'id' holds int64, not text"):
-        list(documents(data_config(source="parquet", paths=str(tmp_path / "body.parquet"), parquet_column="id")))
+        source_documents(data_config(source="parquet", paths=str(tmp_path / "body.parquet"), parquet_column="id"))
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     with pytest.raises(UserError, match=r"^cannot read .*junk.parquet as Parquet: "):
-        list(documents(data_config(source="parquet", paths=str(tmp_path / "junk.parquet"))))
+        source_documents(data_config(source="parquet", paths=str(tmp_path / "junk.parquet")))
 
 
 # --------------------------------------------------------------------------- token files

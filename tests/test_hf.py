@@ -9,6 +9,7 @@ The tests that need torch and transformers (the `hf` extra) are skipped without 
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -97,12 +98,12 @@ def test_logits_match_transformers(checkpoints, kind):
     if kind == "llama31":  # the scaling matters at these positions: without it the logits are wrong
         cfg = imported.model.cfg
         assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 16) and cfg.rope_theta == 500000.0
-        unscaled = TrainedModel(model_definition(cfg.replace(rope_scaling=RopeScaling())), imported.params,
-                                imported.layout, 0, None, None)
+        unscaled_cfg = dataclasses.replace(cfg, rope_scaling=RopeScaling())
+        unscaled = TrainedModel(model_definition(unscaled_cfg), imported.params, imported.layout, 0, None, None)
         assert relative_error(unscaled(TOKENS), expected) > 1e-2
     if kind == "mixtral":  # Mixtral's routing; without renormalised gates the logits are wrong
         assert imported.model.cfg.moe == MoEConfig(num_experts=4, top_k=2, **hf.MIXTRAL_ROUTING)
-        other = imported.model.cfg.replace(moe=MoEConfig(num_experts=4, top_k=2, normalize_gates=False))
+        other = dataclasses.replace(imported.model.cfg, moe=MoEConfig(num_experts=4, top_k=2, normalize_gates=False))
         unnormalised = TrainedModel(model_definition(other), imported.params, imported.layout, 0, None, None)
         assert relative_error(unnormalised(TOKENS), expected) > 1e-2
 
@@ -127,12 +128,12 @@ def test_mixtral_loaded_over_expert_and_fsdp_axes_matches_transformers(checkpoin
     assert relative_error(spread(TOKENS), torch_logits(model, TOKENS)) <= 1e-4
 
 
-def test_fused_layouts_loaded_over_eight_devices_match_transformers(checkpoints):
+def test_fused_layout_loaded_over_eight_devices_matches_transformers(checkpoints):
     directory, model = checkpoints["llama"]
-    imported = ushard.from_hf(directory, devices=jax.devices(), fused_qkv=True, fused_mlp=True)
-    wqkv = imported.params["blocks"]["attn"]["wqkv"]
-    assert wqkv.shape == (2, 64, 2, 4, 16) and len(wqkv.sharding.device_set) == 8
-    assert not wqkv.sharding.is_fully_replicated
+    imported = ushard.from_hf(directory, devices=jax.devices(), fused_mlp=True)
+    w_gate_up = imported.params["blocks"]["mlp"]["w_gate_up"]
+    assert w_gate_up.shape == (2, 64, 2, 128) and len(w_gate_up.sharding.device_set) == 8
+    assert not w_gate_up.sharding.is_fully_replicated
     assert relative_error(imported(TOKENS), torch_logits(model, TOKENS)) <= 1e-4
 
 
@@ -156,12 +157,12 @@ def test_round_trip_is_exact_and_transformers_loads_the_export(checkpoints, tmp_
     import transformers
 
     directory, model = checkpoints[kind]
-    first = ushard.from_hf(directory, fused_qkv=fused, fused_mlp=fused)
+    first = ushard.from_hf(directory, fused_mlp=fused)
     exported = tmp_path / "exported"
     hf.save_hf(first.params, first.model.cfg, str(exported), max_file_bytes=64 * 1024)  # several shards
     assert (exported / hf.INDEX_FILE).is_file()
     assert_same_hf_tensors(directory, exported)
-    second = ushard.from_hf(str(exported), fused_qkv=fused, fused_mlp=fused)
+    second = ushard.from_hf(str(exported), fused_mlp=fused)
     assert second.model.cfg == first.model.cfg
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
@@ -286,7 +287,7 @@ SMALL = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_he
                     compute_dtype="float32")
 
 
-SMALL_MOE = SMALL.replace(moe=MoEConfig(num_experts=4, top_k=2))
+SMALL_MOE = dataclasses.replace(SMALL, moe=MoEConfig(num_experts=4, top_k=2))
 
 
 def random_params(cfg: ModelConfig, routing_bias: float = 0.0):
@@ -370,7 +371,7 @@ def test_mixtral_written_by_ushard_reads_back_with_its_routing(saved_moe, tmp_pa
                                                r"config\.json; leave it out\."):
         ushard.from_hf(saved_moe, moe={"top_k": 1})
     # A capacity only limits training batches: exported with a note, the weights as they are.
-    capped = imported.model.cfg.replace(moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25))
+    capped = dataclasses.replace(imported.model.cfg, moe=MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25))
     notes = []
     ushard.to_hf(TrainedModel(model_definition(capped), imported.params, imported.layout, 0, None, None),
                  str(tmp_path / "capped"), log=notes.append)
@@ -386,7 +387,7 @@ def test_mixtral_written_by_ushard_reads_back_with_its_routing(saved_moe, tmp_pa
     (dict(), 0.5, r"routing biases \(model\.moe\.bias_update_rate\) are not zero, and Hugging Face's Mixtral router"),
 ])
 def test_what_mixtral_cannot_compute_is_not_exported(tmp_path, moe, routing_bias, match):
-    cfg = SMALL.replace(moe=MoEConfig(num_experts=4, top_k=2, **moe))
+    cfg = dataclasses.replace(SMALL, moe=MoEConfig(num_experts=4, top_k=2, **moe))
     with pytest.raises(ushard.UserError, match=match):
         hf.save_hf(random_params(cfg, routing_bias), cfg, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
@@ -410,8 +411,8 @@ def test_init_from_a_mixtral_compares_the_routing_only(saved_moe):
     from ushard.trained import abstract_params, inference_layout
 
     with pytest.raises(ushard.UserError, match=r"holds another model: model\.moe\.top_k=2 there but 1 here; set"):
-        initial_params(saved_moe, SMALL_MOE.replace(moe=MoEConfig(num_experts=4, top_k=1)), target=None)
-    run = SMALL_MOE.replace(moe=MoEConfig(num_experts=4, top_k=2, aux_loss_weight=0.1))
+        initial_params(saved_moe, dataclasses.replace(SMALL_MOE, moe=MoEConfig(num_experts=4, top_k=1)), target=None)
+    run = dataclasses.replace(SMALL_MOE, moe=MoEConfig(num_experts=4, top_k=2, aux_loss_weight=0.1))
     params = initial_params(saved_moe, run, abstract_params(model_definition(run), inference_layout()))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(random_params(SMALL_MOE))):
         assert np.array_equal(np.asarray(a), np.asarray(b))
@@ -461,19 +462,19 @@ def test_bfloat16_weights_on_disk_are_written_and_read(saved, tmp_path):
 
 @pytest.mark.parametrize("mesh", [dict(pipeline=2, fsdp=2, tensor=2), dict(fsdp=4, tensor=2)])
 def test_loading_into_a_training_layout_gives_the_same_parameters(saved, mesh):
-    """Fused layouts split over pipeline stages (layers), tensor (heads, mlp) and fsdp (embed), as a
-    training run with checkpoint.init_from lays them out."""
+    """The fused layout split over pipeline stages (layers), tensor (mlp) and fsdp (embed), as a
+    training run with checkpoint.init_from lays it out."""
     from ushard.config import MESH_AXES
     from ushard.mesh import build_mesh
     from ushard.sharding import Layout, with_shardings
 
-    cfg = hf.model_config(hf.read_config(saved), saved, **hf.IMPORT_SETTINGS, fused_qkv=True, fused_mlp=True)
+    cfg = hf.model_config(hf.read_config(saved), saved, **hf.IMPORT_SETTINGS, fused_mlp=True)
     model = model_definition(cfg)
     layout = Layout.create(build_mesh({a: mesh.get(a, 1) for a in MESH_AXES}), 3, n_kv_heads=cfg.n_kv_heads)
     params = hf.load_params(saved, cfg, with_shardings(model.shapes, layout.shardings(model.logical, "params")))
-    wqkv = params["blocks"]["attn"]["wqkv"]
-    assert len(wqkv.sharding.device_set) == 8 and wqkv.sharding.spec[2] == "tensor"
-    reference = ushard.from_hf(saved, fused_qkv=True, fused_mlp=True).params
+    w_gate_up = params["blocks"]["mlp"]["w_gate_up"]
+    assert len(w_gate_up.sharding.device_set) == 8 and w_gate_up.sharding.spec[3] == "tensor"
+    reference = ushard.from_hf(saved, fused_mlp=True).params
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
@@ -481,7 +482,7 @@ def test_loading_into_a_training_layout_gives_the_same_parameters(saved, mesh):
 def test_init_from_another_model_is_one_sentence(saved):
     from ushard.training.init_from import initial_params
 
-    other = SMALL.replace(d_model=128, norm_eps=1e-5)
+    other = dataclasses.replace(SMALL, d_model=128, norm_eps=1e-5)
     with pytest.raises(ushard.UserError, match=rf"checkpoint\.init_from={saved} holds another model: model\.d_model=64 "
                                                r"there but 128 here; model\.norm_eps=1e-06 there but 1e-05 here; set"):
         initial_params(saved, other, target=None)

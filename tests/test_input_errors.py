@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from ushard.config import apply_override_dict, apply_overrides, default_config, load_config
-from ushard.data.sources import documents
 from ushard.errors import UserError
+
+from conftest import source_documents
 
 
 def _one_sentence(excinfo) -> str:
@@ -83,12 +84,12 @@ def test_far_miss_key_lists_the_valid_keys_without_a_guess():
 def test_dict_overrides_take_python_values_and_strings():
     c = default_config()
     apply_overrides(c, {"train.steps": 50, "model.remat": "full", "train.lr": 1, "model.tie_embeddings": True,
-                        "train.warmup_steps": "7", "model.fused_qkv": "true", "train.b1": np.float32(0.5),
+                        "train.warmup_steps": "7", "model.fused_mlp": "true", "train.b1": np.float32(0.5),
                         "mesh.data": np.int64(2), "--config.train.seed": 3})
     assert (c.train.steps, type(c.train.steps)) == (50, int)
     assert c.model.remat == "full"
     assert (c.train.lr, type(c.train.lr)) == (1.0, float)  # an int for a float key
-    assert c.model.tie_embeddings is True and c.model.fused_qkv is True
+    assert c.model.tie_embeddings is True and c.model.fused_mlp is True
     assert c.train.warmup_steps == 7  # a string parses as on the command line
     assert (c.train.b1, type(c.train.b1)) == (0.5, float) and (c.mesh.data, type(c.mesh.data)) == (2, int)
     assert c.train.seed == 3
@@ -136,7 +137,7 @@ def test_load_config_takes_a_dict_or_strings_with_or_without_the_prefix():
 def _jsonl(path):
     c = default_config().data
     c.source, c.paths = "jsonl", str(path)
-    return list(documents(c))
+    return source_documents(c)
 
 
 def test_jsonl_with_a_byte_order_mark(tmp_path):

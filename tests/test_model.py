@@ -191,18 +191,12 @@ def test_embedding_gradient_sums_repeated_tokens_in_float32():
     np.testing.assert_array_equal(embed_lookup(table, tokens), table[tokens])
 
 
-def test_fused_projections_compute_the_same_function():
+def test_fused_mlp_computes_the_same_function():
     plain, params = model_and_params()
-    fused, fused_init = model_and_params(fused_qkv=True, fused_mlp=True)
-    attn, mlp = params["blocks"]["attn"], params["blocks"]["mlp"]
-    layers, d, heads, head_dim = attn["wq"].shape
-    kv_heads = attn["wk"].shape[2]
-    # Per KV head: its query heads, then its key, then its value (models/attention.py).
-    queries = attn["wq"].reshape(layers, d, kv_heads, heads // kv_heads, head_dim)
-    wqkv = jnp.concatenate([queries, attn["wk"][:, :, :, None], attn["wv"][:, :, :, None]], axis=3)
+    fused, fused_init = model_and_params(fused_mlp=True)
+    mlp = params["blocks"]["mlp"]
     repacked = dict(params)
     repacked["blocks"] = dict(params["blocks"])
-    repacked["blocks"]["attn"] = {"wqkv": wqkv, "wo": attn["wo"]}
     repacked["blocks"]["mlp"] = {"w_gate_up": jnp.stack([mlp["w_gate"], mlp["w_up"]], axis=2), "w_down": mlp["w_down"]}
     assert jax.tree.map(jnp.shape, repacked) == jax.tree.map(jnp.shape, fused_init)
     tokens, positions = tokens_and_positions()

@@ -32,7 +32,7 @@ FP8_TRAINED_RTOL = 5e-3  # measured 1.3e-3 for the parameters after 3 steps
 # depends on the CPU's vector width.
 FP8_STEP0_RTOL = 3e-5
 
-FUSED = {"model.fused_qkv": True, "model.fused_mlp": True}
+FUSED = {"model.fused_mlp": True}
 SP = {"parallel.sequence_parallel": True}
 MOE_CAPACITY = {**SMALL_MOE, "model.moe.capacity_factor": 1.0}  # drops by a per-sequence rule: layout-independent
 
@@ -289,9 +289,9 @@ def test_keeping_gathered_weights_gathers_less_and_holds_more(results):
 
 def test_one_fsdp_device_has_nothing_to_keep_gathered(stdlib_batches):
     config = small_config(**{"parallel.reshard_after_forward": False})
-    assert not build(config, devices=jax.devices()[:1]).layout.keep_gathered
+    assert not build(config, devices=jax.devices()[:1]).layout.zero.keep_gathered
     config = small_config(**{"parallel.reshard_after_forward": False, "mesh.fsdp": 8})
-    assert build(config).layout.keep_gathered
+    assert build(config).layout.zero.keep_gathered
 
 
 # --------------------------------------------------------------------------- tensor and sequence parallelism

@@ -1,5 +1,5 @@
-"""tools/: kernels of a profiled step attributed to HLO instructions (hlo_ops.py); the matmuls whose
-ceilings tools/ceilings.py measures; the pipeline schedule drawn by tools/pipeline_schedule.py; the
+"""tools/: kernels of a profiled step attributed to HLO instructions (hlo_ops.py); the transfers a
+schedule lets overlap compute (permute_schedule.py); the matmuls whose ceilings tools/ceilings.py measures; the pipeline schedule drawn by tools/pipeline_schedule.py; the
 ring-transfer probe (tools/p2p_overlap.py); bench.py's refusal of a variant without a label."""
 
 import json
@@ -14,6 +14,7 @@ TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, TOOLS)
 
 import ceilings  # noqa: E402
+import permute_schedule  # noqa: E402
 import pipeline_schedule  # noqa: E402
 from hlo_ops import HloOps  # noqa: E402
 
@@ -81,13 +82,42 @@ def test_cublas_kernels_that_do_not_match_the_calls_keep_their_names(capsys):
     assert "2 cuBLAS kernels for 1 calls" in capsys.readouterr().err
 
 
+PERMUTES = """HloModule m, is_scheduled=true
+
+%matmul (a: f32[8,8]) -> f32[8,8] {
+  %a = f32[8,8] parameter(0)
+  ROOT %d = f32[8,8] dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[8,8]) -> f32[8,8] {
+  %x = f32[8,8] parameter(0)
+  %beside = (f32[8,8], f32[8,8], u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}
+  %mm = f32[8,8] fusion(%x), kind=kOutput, calls=%matmul
+  %got = f32[8,8] collective-permute-done(%beside)
+  %alone = (f32[8,8], f32[8,8], u32[], u32[]) collective-permute-start(%got), source_target_pairs={{0,1},{1,0}}
+  %sum = f32[8,8] add(%mm, %mm)
+  %got2 = f32[8,8] collective-permute-done(%alone)
+  ROOT %out = f32[8,8] add(%got2, %sum)
+}
+"""
+
+
+def test_a_permute_counts_as_beside_compute_when_a_matmul_runs_between_its_start_and_done(tmp_path, capsys):
+    # An elementwise add is not compute that hides a transfer.
+    assert permute_schedule.permutes_beside_compute(PERMUTES) == (1, 2)
+    (tmp_path / "step.hlo.txt").write_text(PERMUTES)
+    permute_schedule.main([str(tmp_path / "step.hlo.txt")])
+    assert capsys.readouterr().out == (
+        "collective-permutes with compute scheduled between start and done: 1 of 2 in the program's text\n")
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_ceilings_times_every_matmul_of_the_model(fused):
     from conftest import small_config
     from ushard.models.config import ModelConfig
     from ushard.models.definition import ModelDef
 
-    cfg = small_config(**{"model.fused_qkv": fused, "model.fused_mlp": fused, "model.n_kv_heads": 2}).model
+    cfg = small_config(**{"model.fused_mlp": fused, "model.n_kv_heads": 2}).model
     per_layer = sum(k * n for _, k, n in ceilings.layer_matmuls(cfg))
     assert cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size == ModelDef(ModelConfig.from_config(cfg)).num_matmul_params()
     out_shapes = {}

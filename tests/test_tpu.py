@@ -1,6 +1,7 @@
 """TPU without a TPU: the train step compiled ahead of time for named topologies through libtpu (the
 `tpu` extra; these tests skip without it), what JAX reports of TPU devices, and the AOT CLI."""
 
+import os
 import sys
 
 import jax
@@ -9,9 +10,13 @@ import pytest
 
 import ushard
 from conftest import small_config, tpu_devices
-from ushard.aot import collectives_per_step, permutes_beside_compute, summary
+from ushard.aot import collectives_per_step, summary
 from ushard.cli import main
 from ushard.metrics import peak_flops
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+import permute_schedule  # noqa: E402
 
 # The issue's layouts on one v5p:2x2x2 slice (8 chips, 2 hosts) and one across two slices, each with
 # the fewest collectives of a kind per step its parallelism implies for a model of LAYERS layers.
@@ -68,10 +73,10 @@ def test_the_rings_transfers_are_scheduled_beside_its_kernels(compiled):
     """Ring attention on TPU: most K/V (and dK/dV) transfers have a splash kernel or a matmul scheduled
     between their start and done, so the schedule lets them overlap compute (measured: 4 of 6 here;
     23 of 30 for two bench_1b layers at 32k tokens over sequence=4)."""
-    beside, permutes = permutes_beside_compute(compiled["sequence2_fsdp4"].as_text())
+    hlo = compiled["sequence2_fsdp4"].as_text()
+    beside, permutes = permute_schedule.permutes_beside_compute(hlo)
     assert permutes >= 2 * LAYERS and beside >= permutes / 2, (beside, permutes)
-    assert f"collective-permutes with compute scheduled between start and done: {beside} of {permutes}" in summary(
-        compiled["sequence2_fsdp4"])
+    assert f"compute scheduled between start and done: {beside} of {permutes}" in permute_schedule.report(hlo)
 
 
 def test_zero_shards_the_state_over_fsdp_only(compiled):
@@ -115,20 +120,18 @@ def test_two_slices_need_the_dcn_axes_to_span_them():
 
 def test_gpu_settings_are_ignored_on_tpu_with_a_note():
     config = small_config(**{"mesh.fsdp": 8, "parallel.reshard_after_forward": False,
-                             "parallel.collective_combine_mib": 128, "parallel.nccl_symmetric_buffers": True})
+                             "parallel.collective_combine_mib": 128})
     on_tpu = ushard.build(config, tpu_devices("v5p:2x2x2"))
-    assert not on_tpu.layout.keep_gathered  # gathered again for the backward pass, as with true
+    assert not on_tpu.layout.zero.keep_gathered  # gathered again for the backward pass, as with true
     assert on_tpu.notes == (
         "parallel.collective_combine_mib=128 sets XLA's GPU collective combiner; ignored on tpu.",
-        "parallel.nccl_symmetric_buffers=true sets an XLA GPU flag for NCCL; ignored on tpu.",
         "parallel.reshard_after_forward=false is a GPU setting; ignored on tpu, where it turned the gradients' "
         "reduce-scatters into all-reduces.",
     )
     assert on_tpu.describe().endswith("\n".join(f"note: {n}" for n in on_tpu.notes))
     on_cpu = ushard.build(config)
-    assert on_cpu.layout.keep_gathered  # CPU keeps its meaning (the parity tests use it)
-    assert on_cpu.notes == ("parallel.collective_combine_mib=128 sets XLA's GPU collective combiner; ignored on cpu.",
-                            "parallel.nccl_symmetric_buffers=true sets an XLA GPU flag for NCCL; ignored on cpu.")
+    assert on_cpu.layout.zero.keep_gathered  # CPU keeps its meaning (the parity tests use it)
+    assert on_cpu.notes == ("parallel.collective_combine_mib=128 sets XLA's GPU collective combiner; ignored on cpu.",)
 
 
 @pytest.mark.parametrize("topology, kind, peak", [
@@ -245,30 +248,6 @@ ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {
   ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
 }
 """
-
-
-PERMUTES = """HloModule m, is_scheduled=true
-
-%matmul (a: f32[8,8]) -> f32[8,8] {
-  %a = f32[8,8] parameter(0)
-  ROOT %d = f32[8,8] dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-ENTRY %main (x: f32[8,8]) -> f32[8,8] {
-  %x = f32[8,8] parameter(0)
-  %beside = (f32[8,8], f32[8,8], u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}
-  %mm = f32[8,8] fusion(%x), kind=kOutput, calls=%matmul
-  %got = f32[8,8] collective-permute-done(%beside)
-  %alone = (f32[8,8], f32[8,8], u32[], u32[]) collective-permute-start(%got), source_target_pairs={{0,1},{1,0}}
-  %sum = f32[8,8] add(%mm, %mm)
-  %got2 = f32[8,8] collective-permute-done(%alone)
-  ROOT %out = f32[8,8] add(%got2, %sum)
-}
-"""
-
-
-def test_a_permute_counts_as_beside_compute_when_a_matmul_runs_between_its_start_and_done():
-    assert permutes_beside_compute(PERMUTES) == (1, 2)  # an elementwise add is not compute that hides it
 
 
 def test_collectives_in_a_loop_count_once_per_iteration():

@@ -58,8 +58,7 @@ def layer_matmuls(m) -> list[tuple[str, int, int]]:
     """(name, in features, out features) of each weight matmul of one block."""
     hd = m.d_model // m.n_heads
     q, kv = m.n_heads * hd, m.n_kv_heads * hd
-    attention = [("qkv", m.d_model, q + 2 * kv)] if m.fused_qkv else [
-        ("q", m.d_model, q), ("k", m.d_model, kv), ("v", m.d_model, kv)]
+    attention = [("q", m.d_model, q), ("k", m.d_model, kv), ("v", m.d_model, kv)]
     mlp = [("gate_up", m.d_model, 2 * m.d_ff)] if m.fused_mlp else [
         ("gate", m.d_model, m.d_ff), ("up", m.d_model, m.d_ff)]
     return attention + [("o", q, m.d_model)] + mlp + [("down", m.d_ff, m.d_model)]

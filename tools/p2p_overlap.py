@@ -16,8 +16,8 @@ them), times with device-side waits (`block_until_ready`), each after a warm-up:
 - `all_gather`: K and V gathered from every device once.
 It prints the transfer's bandwidth per device (bytes sent by one device over the time) and how much
 of the shorter of the two the combined program hid: 0% means the transfers and the matmuls ran one
-after the other. XLA flags apply as usual, e.g. `XLA_FLAGS=--xla_gpu_experimental_enable_nccl_symmetric_buffers=true`
-(`parallel.nccl_symmetric_buffers`). On four H200s: 160 GB/s and 4% hidden, 297 GB/s and 13% with
+after the other. XLA flags apply as usual, e.g. `XLA_FLAGS=--xla_gpu_experimental_enable_nccl_symmetric_buffers=true`.
+On four H200s: 160 GB/s and 4% hidden, 297 GB/s and 13% with
 that flag, where PyTorch's NCCL send/recv moved 300 GB/s and hid 68% (docs/benchmarks.md).
 """
 

@@ -148,30 +148,35 @@ class Instruction(NamedTuple):
     rest: str  # operands and attributes, as text
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
+def computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
     """{computation name: its instructions in order} and the ENTRY computation's name."""
-    computations, current, entry = {}, None, None
+    found, current, entry = {}, None, None
     for line in hlo_text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
             head = line.split()
             current = (head[1] if head[0] == "ENTRY" else head[0]).lstrip("%")
-            computations[current] = []
+            found[current] = []
             entry = current if head[0] == "ENTRY" else entry
         elif current is not None:
             m = _INSTRUCTION.match(line)
             if m:
-                computations[current].append(Instruction(m.group(1), m.group(3), m.group(2), m.group(4)))
-    return computations, entry
+                found[current].append(Instruction(m.group(1), m.group(3), m.group(2), m.group(4)))
+    return found, entry
 
 
-def _trip_count(rest: str, computations: dict) -> int:
+def callees(rest: str) -> list[str]:
+    """The computations an instruction runs (fusions, loop bodies, branches), from its `rest`."""
+    return [callee.lstrip("%") for called in _CALLED.findall(rest) for callee in called.split(", ")]
+
+
+def _trip_count(rest: str, by_name: dict) -> int:
     """Iterations of a `while` loop: XLA's known trip count (GPU, CPU) or, as TPU executables have it,
     the bound N of the condition `counter < N` with the counter starting at 0 (1 when neither is seen)."""
     known = _TRIP_COUNT.search(rest)
     if known:
         return int(known.group(1))
     condition = _CONDITION.search(rest)
-    lines = computations.get(condition.group(1), ()) if condition else ()
+    lines = by_name.get(condition.group(1), ()) if condition else ()
     bounds = [int(r.split(")")[0]) for _, opcode, _, r in lines if opcode == "constant" and r.split(")")[0].isdigit()]
     less_than = any(opcode == "compare" and "direction=LT" in r for _, opcode, _, r in lines)
     return bounds[0] if less_than and len(bounds) == 1 else 1
@@ -188,11 +193,11 @@ def collectives_per_step(hlo_text: str) -> dict[str, tuple[int, int]]:
     (`compiled.as_text()`). Collectives inside a loop count once per iteration (e.g. the layer scan);
     an asynchronous pair (`-start` / `-done`) counts once. What crosses TPU slices counts apart, as
     'dcn <kind>' with the bytes each device sends."""
-    computations, entry = _computations(hlo_text)
+    by_name, entry = computations(hlo_text)
     found = collections.defaultdict(lambda: [0, 0])
 
     def visit(name: str, times: int) -> None:
-        for _, opcode, shape, rest in computations.get(name, ()):
+        for _, opcode, shape, rest in by_name.get(name, ()):
             kind = opcode.removesuffix("-start").removesuffix("-done")
             dcn = _dcn_kind(opcode, rest)
             if dcn:
@@ -203,45 +208,13 @@ def collectives_per_step(hlo_text: str) -> dict[str, tuple[int, int]]:
                 # start's result also holds the operand and, for a permute, synchronisation flags).
                 found[kind][0] += times if not opcode.endswith("-done") else 0
                 found[kind][1] += times * _result_bytes(shape) if not opcode.endswith("-start") else 0
-            repeat = times * _trip_count(rest, computations) if opcode == "while" else times
-            for called in _CALLED.findall(rest):
-                for callee in called.split(", "):
-                    visit(callee.lstrip("%"), repeat)
+            repeat = times * _trip_count(rest, by_name) if opcode == "while" else times
+            for callee in callees(rest):
+                visit(callee, repeat)
 
     visit(entry, 1)
     kinds = [k for k in COLLECTIVE_KINDS if k in found] + sorted(k for k in found if k.startswith("dcn "))
     return {kind: tuple(found[kind]) for kind in kinds}
-
-
-_COMPUTE = ("convolution", "dot", "custom-call")  # matmuls (TPU: convolutions), kernels (splash, cuDNN, cuBLAS)
-
-
-def permutes_beside_compute(hlo_text: str) -> tuple[int, int]:
-    """(how many asynchronous collective-permutes have a matmul or kernel scheduled between their start
-    and done, how many there are), over the computations of a scheduled executable's HLO: those are
-    the transfers the schedule lets overlap compute (whether the hardware then does is another matter:
-    on GPUs it did not, docs/benchmarks.md). Each permute of the text counts once, loops or not."""
-    computations, _ = _computations(hlo_text)
-
-    def computes(instruction: Instruction) -> bool:
-        if instruction.opcode in _COMPUTE:
-            return True
-        called = _CALLED.findall(instruction.rest) if instruction.opcode == "fusion" else ()
-        return any(i.opcode in _COMPUTE for c in called for callee in c.split(", ")
-                   for i in computations.get(callee.lstrip("%"), ()))
-
-    beside = total = 0
-    for instructions in computations.values():
-        started = {}  # a start's name -> whether compute has run since
-        for instruction in instructions:
-            if instruction.opcode == "collective-permute-start":
-                started[instruction.name] = False
-            elif instruction.opcode == "collective-permute-done":
-                start = instruction.rest.split(")")[0].split(",")[0].strip().lstrip("%")
-                total, beside = total + 1, beside + started.pop(start, False)
-            elif started and computes(instruction):
-                started = dict.fromkeys(started, True)
-    return beside, total
 
 
 def summary(compiled: jax.stages.Compiled) -> str:
@@ -257,14 +230,9 @@ def summary(compiled: jax.stages.Compiled) -> str:
         mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
     lines.append(f"  {'peak':<18} {gib(peak)}")
     lines.append("collectives per step (per device):")
-    hlo = compiled.as_text()  # megabytes for a real model: printed once, read twice
-    per_step = collectives_per_step(hlo)
+    per_step = collectives_per_step(compiled.as_text())
     for kind, (count, size) in per_step.items():
         lines.append(f"  {kind:<22} {count:>6} x, {gib(size)}")
     if not per_step:
         lines.append("  none")
-    beside, permutes = permutes_beside_compute(hlo)
-    if permutes:
-        lines.append(f"collective-permutes with compute scheduled between start and done: {beside} of {permutes} "
-                     "in the program's text")
     return "\n".join(lines)

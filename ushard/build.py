@@ -22,7 +22,7 @@ from ushard.plan import ParallelPlan
 from ushard.sharding import Layout, format_rules
 from ushard.training.optim import make_optimizer
 from ushard.training.step import Steps
-from ushard.xla_flags import check_compiles, ignored_settings
+from ushard.xla_flags import ignored_settings
 
 
 @dataclass
@@ -71,7 +71,6 @@ def build(config, devices=None) -> Setup:
     platform = devices[0].platform
     attention_kernels.check(model_cfg.attention_impl, platform, config.train.seq_len, mesh_shape["pipeline"])
     plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg.n_kv_heads)
-    check_compiles(config, cudnn_blocks=plan.context_blocks is not None and plan.context_blocks.name == "cuDNN flash attention")
     layout = Layout.from_plan(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), plan, SEAMS)
     tx, schedule = make_optimizer(config.train, model.logical)
     t = config.train

@@ -85,9 +85,6 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.zero_stage = 3
     # Neighbouring weights' all-gathers / reduce-scatters are merged up to this many MiB (GPU); 0: XLA's default.
     c.parallel.collective_combine_mib = 0
-    # GPU: NCCL works on buffers XLA registers with it (symmetric memory), which doubled the bandwidth of
-    # its point-to-point transfers on H200s (docs/benchmarks.md). An experimental XLA flag: off by default.
-    c.parallel.nccl_symmetric_buffers = False
     # ZeRO-3: gather each layer's weights again for the backward pass (true), or keep the forward's
     # gathered copy in the compute dtype until then (false: half the all-gathers, one more weight copy).
     c.parallel.reshard_after_forward = True

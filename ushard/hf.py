@@ -13,8 +13,8 @@ to sum 1, no drops; each expert's HF tensors are one slice of the stacked expert
   top-level `rope_theta` / `rope_scaling` as published checkpoints have them, and transformers 5's
   `rope_parameters`) and refuses, in one sentence naming the field, what ushard cannot compute.
 - `tensor_map` is the name map, as data: each HF tensor, the ushard parameter it fills and how their
-  axes line up. The fused layouts (`model.fused_qkv`, `model.fused_mlp`) hold several HF tensors in
-  one parameter, side by side along one axis.
+  axes line up. The fused layout (`model.fused_mlp`) holds two HF tensors in one
+  parameter, side by side along one axis.
 - `load_params` creates each parameter straight into its sharding: `jax.make_array_from_callback`
   asks for every local device's block, read from the memory-mapped safetensors by slicing, so a host
   only ever reads the blocks of its own devices, one parameter at a time.
@@ -252,13 +252,7 @@ class Tensor:
 def tensor_map(cfg: ModelConfig) -> list[Tensor]:
     """Every HF tensor of a Llama-family checkpoint of `cfg`, in transformers' order."""
     layer = "model.layers.{layer}."
-    q_per_kv = cfg.n_heads // cfg.n_kv_heads
-    if cfg.fused_qkv:  # per KV head: its query heads, its key, its value (ushard/models/attention.py)
-        attention = [Tensor(layer + "self_attn.q_proj.weight", "blocks.attn.wqkv", part=(2, 0, q_per_kv)),
-                     Tensor(layer + "self_attn.k_proj.weight", "blocks.attn.wqkv", part=(2, q_per_kv, q_per_kv + 1)),
-                     Tensor(layer + "self_attn.v_proj.weight", "blocks.attn.wqkv", part=(2, q_per_kv + 1, q_per_kv + 2))]
-    else:
-        attention = [Tensor(layer + f"self_attn.{x}_proj.weight", f"blocks.attn.w{x}") for x in "qkv"]
+    attention = [Tensor(layer + f"self_attn.{x}_proj.weight", f"blocks.attn.w{x}") for x in "qkv"]
     mlp = _mixtral_tensors(cfg.moe.num_experts) if cfg.moe.num_experts else _dense_mlp_tensors(cfg.fused_mlp)
     tensors = [
         Tensor("model.embed_tokens.weight", "embedding", transposed=False),
@@ -559,7 +553,7 @@ def from_hf(path: str, devices=None, **settings) -> TrainedModel:
     """The Hugging Face checkpoint in directory `path` as a model callable like `ushard.load_model`'s
     (int32 [batch, length] tokens -> float32 [batch, length, vocab] logits), on `devices` (default: the
     first device; several: parameters split over them). `settings`: other model settings, e.g.
-    `compute_dtype="bfloat16"`, `fused_qkv=True` (default: float32 parameters and compute)."""
+    `compute_dtype="bfloat16"`, `fused_mlp=True` (default: float32 parameters and compute)."""
     cfg = model_config(read_config(path), path, **{**IMPORT_SETTINGS, **settings})
     layout = inference_layout(devices)
     params = load_params(path, cfg, abstract_params(model_definition(cfg), layout))

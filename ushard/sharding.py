@@ -45,10 +45,13 @@ ACTIVATION_NAMES = (
 )
 # The logical names of a global batch of token ids [batch, length]: its sharding follows their rules.
 BATCH_NAMES = ("act_batch", "act_length")
-TOKEN_NAMES = BATCH_NAMES  # the dimensions of an activation [batch, length, ...] that hold tokens
-# Attention's queries [batch, length, heads, head_dim] and keys / values [..., kv_heads, head_dim].
+# The dimensions of any activation [batch, length, ...] that index its tokens: the batch's own names.
+TOKEN_NAMES = BATCH_NAMES
+# Attention's queries [batch, length, heads, head_dim] and keys / values [batch, length, kv_heads, head_dim].
 Q_NAMES = ("act_batch", "act_length", "act_heads", "act_head_dim")
 KV_NAMES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
+# The LM head's logits [batch, length, vocab].
+LOGITS_NAMES = ("act_batch", "act_length", "act_vocab")
 # The same [batch, length] as the residual stream between the blocks lays it out (sequence parallelism).
 RESIDUAL_NAMES = ("act_batch", "act_residual_length")
 # The kinds of arrays a layout places. "compute": weights as the matmuls use them (gathered: no ZeRO
@@ -252,10 +255,6 @@ class Layout:
         (`jax.vmap(..., spmd_axis_name=axes)` places the group dimension on them, so the rules inside
         must not use them again)."""
         return dataclasses.replace(self, zero=self.zero.without_axes(axes))
-
-    @property
-    def keep_gathered(self) -> bool:
-        return self.zero.keep_gathered
 
     def axes(self, name: str | None, kind: str = "compute") -> tuple[str, ...]:
         """Which mesh axes the logical `name` maps to, for arrays of `kind` (KINDS)."""

@@ -11,36 +11,17 @@ from __future__ import annotations
 
 import os
 
-from ushard.errors import UserError
-
 COMBINED_COLLECTIVES = ("all_gather", "reduce_scatter")
-
-
-SYMMETRIC_BUFFERS = "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true"
 
 
 def flags_for(config) -> list[str]:
     """`parallel.collective_combine_mib`: XLA merges all-gathers (and reduce-scatters) of neighbouring
     weights up to this size into one collective. A whole layer per collective lets the scheduler start
-    it a layer ahead instead of just before its first use (docs/benchmarks.md). 0 keeps XLA's default.
-    `parallel.nccl_symmetric_buffers`: XLA allocates the collectives' buffers so that NCCL can register
-    them and copy straight into its peers' memory."""
+    it a layer ahead instead of just before its first use (docs/benchmarks.md). 0 keeps XLA's default."""
     p, flags = config.parallel, []
     if p.collective_combine_mib:
         flags += [f"--xla_gpu_{kind}_combine_threshold_bytes={p.collective_combine_mib * 2**20}" for kind in COMBINED_COLLECTIVES]
-    if p.nccl_symmetric_buffers:
-        flags.append(SYMMETRIC_BUFFERS)
     return flags
-
-
-def check_compiles(config, cudnn_blocks: bool) -> None:
-    """UserError for a compiler setting that XLA cannot compile with this layout. `cudnn_blocks`: whether
-    the blocks of a split sequence run on cuDNN (`split_blocks`)."""
-    p = config.parallel
-    if p.nccl_symmetric_buffers and p.context_parallel == "ring" and cudnn_blocks:
-        raise UserError("parallel.nccl_symmetric_buffers=true cannot compile with ring attention on cuDNN blocks: "
-                        "XLA's GPU compiler aborts on a program holding both a collective-permute and a cuDNN "
-                        "attention (JAX 0.11.2); use parallel.context_parallel='all_gather' with it, or turn it off.")
 
 
 def apply(config) -> None:
@@ -57,8 +38,6 @@ def ignored_settings(config, platform: str) -> list[str]:
     if p.collective_combine_mib and platform != "gpu":
         notes.append(f"parallel.collective_combine_mib={p.collective_combine_mib} sets XLA's GPU collective "
                      f"combiner; ignored on {platform}.")
-    if p.nccl_symmetric_buffers and platform != "gpu":
-        notes.append(f"parallel.nccl_symmetric_buffers=true sets an XLA GPU flag for NCCL; ignored on {platform}.")
     if not p.reshard_after_forward and platform == "tpu":
         notes.append("parallel.reshard_after_forward=false is a GPU setting; ignored on tpu, where it turned the "
                      "gradients' reduce-scatters into all-reduces.")

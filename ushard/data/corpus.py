@@ -128,10 +128,6 @@ def piece_scores(doc_hashes: np.ndarray, doc: np.ndarray, index: np.ndarray) -> 
     return (mixed >> np.uint64(11)).astype(np.float64) / 2.0**53
 
 
-def piece_score(name: str, index: int) -> float:
-    return float(piece_scores(name_hashes([name]), np.array([0]), np.array([index]))[0])
-
-
 def held_out_pieces(doc_hashes: np.ndarray, doc: np.ndarray, index: np.ndarray, eval_fraction: float) -> np.ndarray:
     score = piece_scores(doc_hashes, doc, index)
     held = score < eval_fraction

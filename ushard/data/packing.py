@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+# The arrays of a batch, each [rows, seq_len]: what the train step takes (ushard/training/step.py).
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 

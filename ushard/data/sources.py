@@ -52,12 +52,6 @@ def read_bytes(path: str) -> bytes:
         raise UserError(f"cannot read data file {path}: {e.strerror}.") from None
 
 
-def documents(data_cfg):
-    """Yields (name, bytes or str) for each document of the configured source."""
-    for _, name, content in component_documents(data_cfg):
-        yield name, content
-
-
 def component_documents(data_cfg):
     """Yields (component, name, bytes or str): component i is the i-th glob of data.paths (stdlib: 0)."""
     if data_cfg.source == "stdlib":

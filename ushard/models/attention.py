@@ -76,39 +76,14 @@ def spread_kv_heads(w):
     return gathered(jnp.repeat(w, copies, axis=1), ("embed", "heads", "head_dim"))
 
 
-def spread_qkv_groups(w):
-    """The fused weight [embed, kv_heads, q_per_kv + 2, head_dim] regrouped into one group per rank
-    that shares a KV head: q_per_kv / copies of that head's query heads, then its key and its value.
-
-    Query heads keep their order (group c holds heads c * q_per_kv/copies onwards), so the projection
-    computes the same q, k and v as the weight it came from, with the K/V heads repeated.
-    """
-    d, kv, groups, hd = w.shape
-    copies = kv_head_copies(kv)
-    if copies == 1:
-        return w
-    q_per_kv = groups - 2
-    # Both parts pinned whole on every rank (as stored): left to propagation, XLA split them along
-    # kv_heads before the repeat and moved the pieces between ranks (collective-permutes).
-    whole = ("embed", "kv_heads", None, "head_dim")
-    queries = gathered(w[:, :, :q_per_kv], whole).reshape(d, kv * copies, q_per_kv // copies, hd)
-    keys_values = jnp.repeat(gathered(w[:, :, q_per_kv:], whole), copies, axis=1)
-    return gathered(jnp.concatenate([queries, keys_values], axis=2), ("embed", "heads", None, "head_dim"))
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg, dtype, rngs: nnx.Rngs):
         d, h, kv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         hd = d // h
-        self.fused_qkv, self.fp8 = cfg.fused_qkv, cfg.fp8
-        if self.fused_qkv:
-            # Per KV head: its h/kv query heads, then its key, then its value: one GEMM for all three,
-            # and a tensor-parallel split over kv_heads keeps every group whole.
-            self.wqkv = param(rngs, (d, kv, h // kv + 2, hd), ("embed", "kv_heads", None, "head_dim"), fan_in_init(d), dtype)
-        else:
-            self.wq = param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), fan_in_init(d), dtype)
-            self.wk = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
-            self.wv = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
+        self.fp8 = cfg.fp8
+        self.wq = param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), fan_in_init(d), dtype)
+        self.wk = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
+        self.wv = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
         self.wo = param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), fan_in_init(h * hd), dtype)
         self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         self.impl = cfg.attention_impl
@@ -116,17 +91,9 @@ class Attention(nnx.Module):
 
     def _project(self, x, positions):
         """Queries, keys and values of x, rotated to their positions."""
-        if self.fused_qkv:
-            qkv = project("btd,dkgh->btkgh", x, spread_qkv_groups(self.wqkv[...]), self.fp8)
-            qkv = constrain(qkv, ("act_batch", "act_length", "act_kv_heads", None, "act_head_dim"))
-            b, t, kv, groups, hd = qkv.shape
-            q = constrain(qkv[:, :, :, : groups - 2].reshape(b, t, kv * (groups - 2), hd), Q_NAMES)
-            k = constrain(qkv[:, :, :, groups - 2], KV_NAMES)
-            v = constrain(qkv[:, :, :, groups - 1], KV_NAMES)
-        else:
-            q = constrain(project("btd,dhk->bthk", x, self.wq[...], self.fp8), Q_NAMES)
-            k = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wk[...]), self.fp8), KV_NAMES)
-            v = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wv[...]), self.fp8), KV_NAMES)
+        q = constrain(project("btd,dhk->bthk", x, self.wq[...], self.fp8), Q_NAMES)
+        k = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wk[...]), self.fp8), KV_NAMES)
+        v = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wv[...]), self.fp8), KV_NAMES)
         freqs = rope_frequencies(q.shape[-1], self.rope_theta, self.rope_scaling)
         q = rotary(q, positions, freqs)
         k = rotary(k, positions, freqs)

@@ -142,8 +142,7 @@ class ModelConfig:
     # Layers per iteration of the layer scan. 1 keeps compile time flat in depth; n_layers unrolls
     # fully, which lets XLA keep saved activations in place (see docs/benchmarks.md).
     scan_unroll: int = 1
-    # One weight and one GEMM for q, k and v together, and for the SwiGLU gate and up projections.
-    fused_qkv: bool = False
+    # One weight and one GEMM for the SwiGLU gate and up projections together.
     fused_mlp: bool = False
     # The transformer blocks' matmuls in FP8 (ushard/models/fp8.py; Hopper GPUs or newer). The LM head
     # and attention's softmax stay in the compute dtype.
@@ -152,8 +151,8 @@ class ModelConfig:
 
     # How the model is computed (or trained), not what it computes: a run may resume with these
     # changed. Every other setting (new ones included, unless added here) defines the model's function.
-    IMPLEMENTATION_SETTINGS = ("compute_dtype", "attention_impl", "remat", "scan_unroll", "fused_qkv",
-                               "fused_mlp", "fp8", "moe.aux_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate",
+    IMPLEMENTATION_SETTINGS = ("compute_dtype", "attention_impl", "remat", "scan_unroll", "fused_mlp",
+                               "fp8", "moe.aux_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate",
                                "moe.dispatch")
 
     @classmethod
@@ -226,9 +225,6 @@ class ModelConfig:
         mine, theirs = self.settings(), other.settings()
         return [f"model.{k}={mine[k]!r} there but {theirs[k]!r} here" for k in mine
                 if k not in skip and (only is None or k.split(".")[0] in only) and mine[k] != theirs[k]]
-
-    def replace(self, **changes) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
 
 
 def _rope_scaling(group) -> RopeScaling:

@@ -20,7 +20,7 @@ from ushard.models.config import ModelConfig
 from ushard.models.layers import BTD, RMSNorm, SwiGLU, embed_lookup, fan_in_init, param
 from ushard.models.moe import MoE
 from ushard.models.stack import run_layers
-from ushard.sharding import constrain, gathered
+from ushard.sharding import LOGITS_NAMES, constrain, gathered
 
 
 class Block(nnx.Module):
@@ -148,7 +148,7 @@ class Llama(nnx.Module):
         head = self.embedding[...].T if self.tie_embeddings else self.lm_head[...]
         head = gathered(head.astype(self.compute_dtype), ("embed", "vocab"))
         logits = jnp.einsum("btd,dv->btv", x, head)
-        return constrain(logits, ("act_batch", "act_length", "act_vocab"))
+        return constrain(logits, LOGITS_NAMES)
 
     def _stacks(self) -> list[tuple[nnx.Module, int, int]]:
         """The stacked layers in order: (stack, layers it holds, layers one of its items holds)."""

@@ -69,7 +69,7 @@ def scan_layers(graphdef, layer_states, x, args, remat: str, unroll: int, comput
         # (docs/dev-notes.md). A rolled scan keeps the two apart itself, and blocking costs speed there.
         one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=unroll > 1)
     layout = current_layout()
-    if layout is not None and layout.keep_gathered:
+    if layout is not None and layout.zero.keep_gathered:
         # Gathered outside the remat boundary, the weights become inputs the backward pass keeps.
         layer_body = one_layer
         one_layer = lambda x, layer_state: layer_body(x, weights_for_compute(layer_state, compute_dtype))  # noqa: E731

@@ -58,7 +58,7 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
         )
     groups = layout.size("experts")
 
-    stored_kind = "compute" if layout.keep_gathered else "params"  # the stack may have gathered them already
+    stored_kind = "compute" if layout.zero.keep_gathered else "params"  # the stack may have gathered them already
     stored = {name: layout.spec(weight_names[name], stored_kind) for name in weights}
     compute = {name: layout.spec(weight_names[name]) for name in weights}
 

@@ -276,7 +276,6 @@ class Trainer:
             last_time, last_step = time.perf_counter(), step
         if bar:
             bar.close()
-        self.state = state
         return records
 
     def _count_nonfinite(self, fetched, row: NonfiniteRow, last: bool) -> None:

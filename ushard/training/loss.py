@@ -17,9 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ushard.sharding import constrain
-
-LOGITS_NAMES = ("act_batch", "act_length", "act_vocab")
+from ushard.sharding import LOGITS_NAMES, constrain
 
 
 @jax.custom_vjp

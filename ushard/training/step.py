@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from ushard.data.packing import FIELDS as BATCH_FIELDS
 from ushard.models.definition import ModelDef
 from ushard.parallel import context
 from ushard.parallel.maps import nested_maps
@@ -30,8 +31,6 @@ from ushard.parallel.pipeline import one_f_one_b
 from ushard.sharding import Layout, current_layout, split_rows, use_layout, with_shardings
 from ushard.training.loss import cross_entropy_sums
 from ushard.training.state import TrainState
-
-BATCH_FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
 @dataclass
