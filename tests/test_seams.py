@@ -48,3 +48,19 @@ def test_build_makes_one_plan_and_the_layout_carries_it_and_the_seams():
     assert "context parallelism: all_gather over 2 devices, blocks on XLA attention\n" in described
     assert "attention: XLA attention (auto on cpu)\n" in described
     # Inside a stage the layout still carries the plan (the kernels it chose) and the seams.
+
+
+def test_grouped_matmul_matches_a_per_group_float32_reference():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ushard.kernels.grouped_matmul import grouped_matmul
+
+    rng = np.random.default_rng(0)
+    sizes = np.array([3, 0, 5, 2], np.int32)  # an empty group, and 2 rows past the last group
+    x, w = rng.normal(size=(12, 8)).astype(np.float32), rng.normal(size=(4, 8, 6)).astype(np.float32)
+    groups = np.repeat(np.arange(4), sizes)
+    want = np.zeros((12, 6), np.float32)
+    want[: len(groups)] = np.einsum("rk,rkn->rn", x[: len(groups)], w[groups])
+    got = grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

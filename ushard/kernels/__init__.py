@@ -8,7 +8,8 @@
   (`cudnn.py`, GPUs), Pallas splash (`splash.py`, TPUs). `resolve` is the one place that turns
   `model.attention_impl` into the kernel that runs, with `why`; the `ParallelPlan` records it.
 - Grouped matmul (`grouped_matmul.py`): rows sorted by group times one weight matrix per group, the
-  routed experts' matmul.
+  routed experts' matmul; XLA's `ragged_dot` today, JAX's Pallas grouped matmuls behind the same
+  contract next.
 
 Kernels know no layer and no mesh axis: parallel code (ushard/parallel) runs them on each device's
 blocks; the model calls them through its attention and MoE layers.

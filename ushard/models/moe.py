@@ -44,9 +44,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ushard.kernels.grouped_matmul import grouped_matmul
+from ushard.models import dispatch
 from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.layers import SwiGLU, fan_in_init, param
-from ushard.models import dispatch
 from ushard.sharding import current_layout, sum_over_rows
 
 
@@ -149,7 +150,7 @@ def expert_ffn(weights: dict, x, group_sizes=None):
     if group_sizes is None:
         matmul = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w)  # noqa: E731
     else:
-        matmul = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)  # noqa: E731
+        matmul = lambda a, w: grouped_matmul(a, w, group_sizes)  # noqa: E731
     hidden = jax.nn.silu(matmul(x, weights["w_gate"])) * matmul(x, weights["w_up"])
     return matmul(hidden, weights["w_down"])
 
