@@ -12,28 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ushard.mesh import build_mesh
+from helpers import assert_matches_reference, sequence_layout, split_on
 from ushard.models.attention import attention_block, causal_attention
 from ushard.parallel import context
-from ushard.sharding import Layout, use_layout
-
-RTOL = 1e-5
-
-
-def reference_attention(q, k, v, segment_ids):
-    """Softmax attention with an explicit causal and same-document mask, on one device."""
-    b, t, h, hd = q.shape
-    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
-    visible = jnp.tril(jnp.ones((t, t), bool))[None, None]
-    if segment_ids is not None:
-        visible = visible & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1), v)
-
-
-def sequence_layout(n: int) -> Layout:
-    shape = {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": n, "tensor": 1}
-    return Layout.create(build_mesh(shape, devices=jax.devices()[:n]))
+from ushard.sharding import use_layout
 
 
 def random_inputs(seed: int, n: int, documents: bool):
@@ -45,20 +27,6 @@ def random_inputs(seed: int, n: int, documents: bool):
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     segments = jnp.asarray(1 + np.cumsum(rng.random((b, t)) < 0.25, axis=1), jnp.int32) if documents else None
     return normal(b, t, heads, hd), normal(b, t, kv_heads, hd), normal(b, t, kv_heads, hd), segments, normal(b, t, heads, hd)
-
-
-def loss_and_grads(attention, q, k, v, segments, weights):
-    """A scalar of the output with random weights (so every output element has its own gradient)."""
-    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attention(q, k, v, segments) * weights), argnums=(0, 1, 2)))(q, k, v)
-
-
-def assert_matches_reference(attention, q, k, v, segments, weights):
-    """`attention`'s loss and gradients equal the one-device reference's, to RTOL."""
-    want_loss, want_grads = loss_and_grads(reference_attention, q, k, v, segments, weights)
-    got_loss, got_grads = loss_and_grads(attention, q, k, v, segments, weights)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
-    for name, got, want in zip("qkv", got_grads, want_grads):
-        assert np.linalg.norm(got - want) <= RTOL * np.linalg.norm(want), name
 
 
 # (mode, sequence ways, seed, documents, zig-zag order)
@@ -115,19 +83,6 @@ def _flash_backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
 
 
 FLASH_BLOCKS = context.FusedKernel(forward=_flash_forward, backward=_flash_backward, segments=True)
-
-
-def split_on(blocks, n, mode="ring", keep_kv=False):
-    """Attention with the sequence split n ways in `mode`, the blocks on the fused kernel `blocks`
-    (None: XLA blocks), in the train step's zig-zag order and back."""
-    layout = sequence_layout(n)
-
-    def split_attention(q, k, v, segments):
-        with use_layout(layout), context.context_parallel((q, k, v, segments), mode, keep_kv) as (q, k, v, segments):
-            out = context.attention(q, k, v, segments, attention_block, blocks)
-        return context.zigzag(out, n, inverse=True)
-
-    return split_attention
 
 
 @pytest.mark.parametrize("mode,n,seed,documents,keep_kv", [

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_context_parallel import loss_and_grads, reference_attention, sequence_layout
+from helpers import loss_and_grads, reference_attention, sequence_layout
 
 from ushard.models.attention import causal_attention
 from ushard.parallel import context

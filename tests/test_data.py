@@ -18,7 +18,8 @@ from ushard.data.pipeline import Batches, in_source_order, shuffled
 from ushard.data.tokenizer import ByteTokenizer, get_tokenizer
 from ushard.errors import UserError
 
-from conftest import assert_same_global_batch_on_every_mesh, data_config, source_documents
+from conftest import assert_same_global_batch_on_every_mesh, data_config
+from helpers import source_documents
 
 SEQ_LEN = 32
 BATCH = 8

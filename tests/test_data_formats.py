@@ -20,7 +20,8 @@ from ushard.data.pipeline import Batches
 from ushard.data.tokenizer import get_tokenizer
 from ushard.errors import UserError
 
-from conftest import assert_same_global_batch_on_every_mesh, data_config, small_config, source_documents
+from conftest import assert_same_global_batch_on_every_mesh, data_config, small_config
+from helpers import source_documents
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly dwarves".split()
 

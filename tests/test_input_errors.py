@@ -10,7 +10,7 @@ import pytest
 from ushard.config import apply_override_dict, apply_overrides, default_config, load_config
 from ushard.errors import UserError
 
-from conftest import source_documents
+from helpers import source_documents
 
 
 def _one_sentence(excinfo) -> str:

@@ -9,6 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config
+from helpers import layout_for
 from ushard import UserError, build
 from ushard.config import MESH_AXES, validate
 from ushard.mesh import build_mesh
@@ -16,12 +17,6 @@ from ushard.models.stack import run_layers
 from ushard.sharding import ZeroRules, check_divisible, use_layout, current_layout, Layout
 
 BATCH = ("data", "fsdp", "expert")
-
-
-def layout_for(zero_stage=3, **sizes) -> Layout:
-    shape = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
-    n = int(np.prod(list(shape.values())))
-    return Layout.create(build_mesh(shape, devices=jax.devices()[:n]), zero_stage)
 
 
 @pytest.mark.parametrize("stage, sizes, embed_by_kind", [

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_MOE, small_config
-from test_layout import layout_for
+from helpers import layout_for
 from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.definition import ModelDef
 from ushard.models.moe import (

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_MOE, small_config
-from test_parallel_parity import assert_same_training, per_device_bytes, run_config, tree_relative_difference
+from helpers import assert_same_training, per_device_bytes, run_config, tree_relative_difference
 from ushard import build
 from ushard.config import MESH_AXES
 from ushard.mesh import build_mesh

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_context_parallel import reference_attention
+from helpers import assert_matches_reference, reference_attention, split_on
 from ushard.errors import UserError
 from ushard.mesh import build_mesh
 from ushard.models.attention import check_impl, resolve_impl
@@ -101,8 +101,6 @@ def test_auto_picks_each_platforms_kernel():
 def test_splash_blocks_of_a_split_sequence_match_plain_attention(mode, documents):
     """Splash as context parallelism's block kernel (interpreted), sequence split 2 ways, grouped K/V
     heads, with and without documents (some of them wholly outside a block's keys)."""
-    from test_context_parallel import assert_matches_reference, split_on
-
     from ushard.parallel.splash import splash_blocks
 
     n, t, heads, kv_heads, hd = 2, 512, 4, 2, 16  # each device's halves: one 128-lane block
