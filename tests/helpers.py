@@ -133,7 +133,8 @@ def reference_attention(q, k, v, segment_ids):
 
 def loss_and_grads(attention, q, k, v, segments, weights):
     """A scalar of the output with random weights (so every output element has its own gradient)."""
-    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attention(q, k, v, segments) * weights), argnums=(0, 1, 2)))(q, k, v)
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v, segments) * weights)  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 
 def assert_matches_reference(attention, q, k, v, segments, weights):

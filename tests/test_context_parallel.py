@@ -26,7 +26,8 @@ def random_inputs(seed: int, n: int, documents: bool):
     t = 2 * n * chunk
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     segments = jnp.asarray(1 + np.cumsum(rng.random((b, t)) < 0.25, axis=1), jnp.int32) if documents else None
-    return normal(b, t, heads, hd), normal(b, t, kv_heads, hd), normal(b, t, kv_heads, hd), segments, normal(b, t, heads, hd)
+    q_shape, kv_shape = (b, t, heads, hd), (b, t, kv_heads, hd)
+    return normal(*q_shape), normal(*kv_shape), normal(*kv_shape), segments, normal(*q_shape)
 
 
 # (mode, sequence ways, seed, documents, zig-zag order)
@@ -176,10 +177,10 @@ def test_split_blocks_say_which_kernel_runs_them_and_why_not(impl, dtype, length
 
 def test_the_start_up_report_says_what_runs_a_split_sequences_blocks():
     from conftest import small_config
-
     from ushard.build import build
 
     setup = build(small_config(**{"mesh.sequence": 2, "mesh.fsdp": 1}), devices=jax.devices()[:2])
     assert "context parallelism: ring over 2 devices, blocks on XLA attention\n" in setup.describe()
-    kept = build(small_config(**{"mesh.sequence": 2, "mesh.fsdp": 1, "parallel.context_keep_kv": True}), devices=jax.devices()[:2])
+    kept = build(small_config(**{"mesh.sequence": 2, "mesh.fsdp": 1, "parallel.context_keep_kv": True}),
+                 devices=jax.devices()[:2])
     assert "blocks on XLA attention, K/V kept for the backward pass\n" in kept.describe()

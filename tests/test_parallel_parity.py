@@ -91,7 +91,8 @@ LAYOUTS = {
 REFERENCES = {"fused": "single_fused", "fp8": "single_fp8", "moe": "single_moe", "moecap": "single_moecap"}
 MOE_LAYOUTS = [n for n in LAYOUTS if n.endswith(("_moe", "_moecap"))]
 # The dense tensor layouts, whose collectives the tests below read.
-TENSOR_LAYOUTS = [n for n, (overrides, _) in LAYOUTS.items() if overrides.get("mesh.tensor", 1) > 1 and n not in MOE_LAYOUTS]
+TENSOR_LAYOUTS = [n for n, (overrides, _) in LAYOUTS.items()
+                  if overrides.get("mesh.tensor", 1) > 1 and n not in MOE_LAYOUTS]
 
 
 def run_layout(name, batches):
@@ -288,7 +289,8 @@ def test_the_vocabulary_stays_split(results, name):
     # ...while the loss does reduce over the vocab shards: maxima and sums of [rows, tokens].
     overrides = LAYOUTS[name][0]
     rows, tokens = 16 // overrides["mesh.fsdp"], 32 // overrides.get("mesh.sequence", 1)  # per device
-    assert [n for n, kind, shapes in collectives(results[name]["hlo"]) if kind == "all-reduce" and (rows, tokens) in shapes]
+    assert [n for n, kind, shapes in collectives(results[name]["hlo"])
+            if kind == "all-reduce" and (rows, tokens) in shapes]
 
 
 @pytest.mark.parametrize("tensor", [2, 4])

@@ -63,11 +63,13 @@ class Setup:
 
     def _describe_context(self) -> str:
         ways = self.layout.size("act_length")
-        _, blocks = context_blocks(self.model_config, self.config.train.seq_len, self.mesh.devices.flat[0].platform, ways)
+        platform = self.mesh.devices.flat[0].platform
+        _, blocks = context_blocks(self.model_config, self.config.train.seq_len, platform, ways)
         if not blocks:
             return ""
         kept = ", K/V kept for the backward pass" if self.config.parallel.context_keep_kv else ""
-        return f"context parallelism: {self.config.parallel.context_parallel} over {ways} devices, blocks on {blocks}{kept}\n"
+        mode = self.config.parallel.context_parallel
+        return f"context parallelism: {mode} over {ways} devices, blocks on {blocks}{kept}\n"
 
     def _describe_pipeline(self) -> str:
         pipe = self.layout.pipeline
@@ -77,8 +79,8 @@ class Setup:
         rounds = f" x {pipe.repeats} rounds" if pipe.name == "circular" else ""
         bubble = bubble_fraction(pipe.name, stages, pipe.microbatches, pipe.repeats)
         head = "split over the stages" if "pipeline" in self.layout.axes("vocab") else "whole on every stage"
-        line = (f"pipeline: {pipe.name}, {stages} stages{rounds}, {pipe.microbatches} microbatches, bubble {bubble:.1%}, "
-                f"embedding and head {head}\n")
+        line = (f"pipeline: {pipe.name}, {stages} stages{rounds}, {pipe.microbatches} microbatches, "
+                f"bubble {bubble:.1%}, embedding and head {head}\n")
         if self.mesh.devices.flat[0].platform == "gpu":
             line += "note: attention runs as XLA attention in the pipeline's stages, not cuDNN (docs/dev-notes.md)\n"
         return line
