@@ -43,13 +43,6 @@ def data_config(**values):
     return c
 
 
-def source_documents(data_cfg) -> list:
-    """(name, bytes or str) of each document the configured source yields, in order."""
-    from ushard.data.sources import component_documents
-
-    return [(name, content) for _, name, content in component_documents(data_cfg)]
-
-
 # configs/tiny_moe.py's experts (8, top-2) at the test sizes, dropless, with the loss-free balancing
 # bias moving.
 SMALL_MOE = {"model.moe.expert_d_ff": 32, "model.moe.capacity_factor": 0.0, "model.moe.bias_update_rate": 0.01}

@@ -56,8 +56,8 @@ def test_api_train_writes_the_cli_losses_bitwise(api_run, tmp_path):
     where, _ = api_run
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(jax.device_count()), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "ushard", "train", "--config", "tiny", "--config.train.steps=10", "--config.train.log_every=1",
-           "--workdir", str(tmp_path / "cli")]
+    cmd = [sys.executable, "-m", "ushard", "train", "--config", "tiny", "--config.train.steps=10",
+           "--config.train.log_every=1", "--workdir", str(tmp_path / "cli")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     api, cli = losses(where / "runs" / "api-demo"), losses(tmp_path / "cli")

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-
 REQUIRED_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tflops_per_device", "mfu"}
 
 

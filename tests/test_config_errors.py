@@ -107,7 +107,8 @@ def test_shipped_configs_are_valid_and_the_size_they_say(name, params):
 
     config = load_config(name)
     assert validate(config, DEVICES)["fsdp"] == 8
-    assert ModelDef(ModelConfig.from_config(config.model)).num_params() == params  # for Llama 3, Meta's published counts
+    # For Llama 3, Meta's published counts.
+    assert ModelDef(ModelConfig.from_config(config.model)).num_params() == params
 
 
 @pytest.mark.parametrize("name, devices, mesh, params, active", [
@@ -199,7 +200,8 @@ def test_cli_main_in_process_returns_2(capsys):
     ("model.rope_theta=0", "model.rope_theta=0.0 must be a finite number > 0."),
     ("model.rope_scaling.type=yarn", "model.rope_scaling.type='yarn' is not valid; choose one of: none, llama3."),
     ("model.rope_scaling.high_freq_factor=1", "model.rope_scaling.high_freq_factor=1.0 must be larger than "
-                                              "model.rope_scaling.low_freq_factor=1.0 (the blend between them divides by the gap)."),
+                                              "model.rope_scaling.low_freq_factor=1.0 (the blend between them "
+                                              "divides by the gap)."),
 ])
 def test_cli_refuses_a_bad_value_before_any_work(tmp_path, capsys, override, sentence):
     assert main(["train", "--config", "tiny", f"--config.{override}", "--workdir", str(tmp_path / "run")]) == 2
@@ -274,9 +276,11 @@ def test_broken_config_file(tmp_path, body, match):
         (["mesh.pipeline=2", "parallel.pipeline_head=last"],
          r"parallel\.pipeline_head='last' is not valid; choose one of: auto, split, whole"),
         (["mesh.pipeline=8", "mesh.fsdp=1"],
-         r"model\.n_layers=4 does not split into mesh\.pipeline=8 stages x parallel\.pipeline_repeats=1 .*multiple of 8"),
+         r"model\.n_layers=4 does not split into mesh\.pipeline=8 stages x parallel\.pipeline_repeats=1 "
+         r".*multiple of 8"),
         (["mesh.pipeline=2", "parallel.pipeline_schedule=circular", "parallel.pipeline_repeats=4"],
-         r"model\.n_layers=4 does not split into mesh\.pipeline=2 stages x parallel\.pipeline_repeats=4 .*multiple of 8"),
+         r"model\.n_layers=4 does not split into mesh\.pipeline=2 stages x parallel\.pipeline_repeats=4 "
+         r".*multiple of 8"),
         (["parallel.pipeline_repeats=2"], r"parallel\.pipeline_repeats=2 needs parallel\.pipeline_schedule='circular'"),
         (["mesh.pipeline=4", "mesh.fsdp=2", "parallel.pipeline_schedule=circular", "parallel.pipeline_microbatches=2"],
          r"parallel\.pipeline_microbatches=2 is fewer than the circular schedule needs.*at least mesh\.pipeline=4"),
@@ -286,21 +290,30 @@ def test_broken_config_file(tmp_path, body, match):
          r"train\.grad_accum=2 / parallel\.pipeline_microbatches=8 .*'act_batch' dimension of 2, .*mesh\.fsdp=4"),
         (["parallel.pipeline_microbatches=0"], r"parallel\.pipeline_microbatches=0 must be a number >= 1"),
         # mixture of experts
-        (["mesh.expert=2", "mesh.fsdp=4"], r"mesh\.expert=2 splits the experts of an MoE model, but this model has none"),
-        (["model.moe.num_experts=8", "model.moe.top_k=9"], r"model\.moe\.top_k=9 is more than model\.moe\.num_experts=8"),
-        (["model.moe.num_experts=8", "model.moe.score_func=relu"], r"model\.moe\.score_func='relu' is not valid; choose one of: softmax, sigmoid"),
-        (["model.moe.num_experts=8", "model.moe.num_groups=3"], r"model\.moe\.num_experts=8 does not split into model\.moe\.num_groups=3 equal groups"),
+        (["mesh.expert=2", "mesh.fsdp=4"],
+         r"mesh\.expert=2 splits the experts of an MoE model, but this model has none"),
+        (["model.moe.num_experts=8", "model.moe.top_k=9"],
+         r"model\.moe\.top_k=9 is more than model\.moe\.num_experts=8"),
+        (["model.moe.num_experts=8", "model.moe.score_func=relu"],
+         r"model\.moe\.score_func='relu' is not valid; choose one of: softmax, sigmoid"),
+        (["model.moe.num_experts=8", "model.moe.num_groups=3"],
+         r"model\.moe\.num_experts=8 does not split into model\.moe\.num_groups=3 equal groups"),
         (["model.moe.num_experts=8", "model.moe.num_groups=4", "model.moe.top_groups=1", "model.moe.top_k=3"],
          r"model\.moe\.top_k=3 is more than the 2 experts in model\.moe\.top_groups=1 groups"),
         (["model.moe.num_experts=8", "model.moe.every=2", "model.moe.first_dense_layers=1"],
-         r"model\.n_layers=4 minus model\.moe\.first_dense_layers=1 leaves 3 layers, not a positive multiple of model\.moe\.every=2"),
+         r"model\.n_layers=4 minus model\.moe\.first_dense_layers=1 leaves 3 layers, not a positive multiple of "
+         r"model\.moe\.every=2"),
         (["model.moe.capacity_factor=-1"], r"model\.moe\.capacity_factor=-1\.0 must be a finite number >= 0"),
-        (["model.moe.num_experts=8", "model.moe.dispatch=sparse"], r"model\.moe\.dispatch='sparse' is not valid; choose one of: padded, ragged"),
+        (["model.moe.num_experts=8", "model.moe.dispatch=sparse"],
+         r"model\.moe\.dispatch='sparse' is not valid; choose one of: padded, ragged"),
         (["model.moe.num_experts=4", "mesh.expert=8", "mesh.fsdp=1"],
-         r"parameter blocks\.mlp\.experts\.w_down has a 'experts' dimension of 4, which does not split over mesh\.expert=8"),
-        (["model.moe.num_experts=8", "model.moe.expert_d_ff=100", "mesh.tensor=8", "mesh.fsdp=1", "model.n_heads=8", "model.n_kv_heads=8", "model.d_model=192"],
+         r"parameter blocks\.mlp\.experts\.w_down has a 'experts' dimension of 4, which does not split over "
+         r"mesh\.expert=8"),
+        (["model.moe.num_experts=8", "model.moe.expert_d_ff=100", "mesh.tensor=8", "mesh.fsdp=1", "model.n_heads=8",
+          "model.n_kv_heads=8", "model.d_model=192"],
          r"'expert_mlp' dimension of 100, which does not split over mesh\.tensor=8"),
-        (["mesh.pipeline=2", "model.moe.num_experts=8", "model.moe.first_dense_layers=2", "parallel.pipeline_schedule=1f1b"],
+        (["mesh.pipeline=2", "model.moe.num_experts=8", "model.moe.first_dense_layers=2",
+          "parallel.pipeline_schedule=1f1b"],
          r"parallel\.pipeline_schedule='1f1b' runs one stack of layers .*first_dense_layers=2 makes two"),
         # heads
         (["model.n_kv_heads=4"], r"model\.n_heads=6 is not divisible by model\.n_kv_heads=4"),
@@ -323,7 +336,8 @@ def test_broken_config_file(tmp_path, body, match):
         (["mesh.sequence=4", "mesh.fsdp=2", "train.seq_len=36"],
          r"train\.seq_len=36 must be a multiple of 8 when the sequence is split 4 ways"),
         # the batch
-        (["train.batch_size=12"], r"train\.batch_size=12 .*'act_batch' dimension of 12, .* mesh\.fsdp=8; make 12 a multiple of 8"),
+        (["train.batch_size=12"],
+         r"train\.batch_size=12 .*'act_batch' dimension of 12, .* mesh\.fsdp=8; make 12 a multiple of 8"),
         (["train.batch_size=8", "train.grad_accum=2"],
          r"train\.batch_size=8 / train\.grad_accum=2 .*'act_batch' dimension of 4, .*multiple of 8"),
         (["train.batch_size=9", "train.grad_accum=2"], r"train\.batch_size=9 is not divisible by train\.grad_accum=2"),
@@ -334,7 +348,8 @@ def test_broken_config_file(tmp_path, body, match):
         (["train.schedule=exp"], r"train\.schedule='exp' is not valid; choose one of: cosine"),
         (["parallel.zero_stage=4"], r"parallel\.zero_stage=4 is not valid; choose one of: 0, 1, 2, 3"),
         (["parallel.collective_combine_mib=-1"], r"parallel\.collective_combine_mib=-1 is negative"),
-        (["parallel.context_parallel=ulysses"], r"parallel\.context_parallel='ulysses' is not valid; choose one of: ring, all_gather"),
+        (["parallel.context_parallel=ulysses"],
+         r"parallel\.context_parallel='ulysses' is not valid; choose one of: ring, all_gather"),
         (["model.attention_impl=flash"], r"model\.attention_impl='flash' is not valid"),
         (["model.compute_dtype=fp8"], r"model\.compute_dtype='fp8' is not valid"),
         (["model.param_dtype=int8"], r"model\.param_dtype='int8' is not valid"),

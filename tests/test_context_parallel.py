@@ -5,7 +5,6 @@ with the batch in zig-zag order as the train step feeds it, and compares the out
 gradients of q, k and v (mapped back to the original order) with the reference on one device.
 """
 
-import dataclasses
 import re
 
 import jax
@@ -13,37 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import small_config
+from helpers import assert_matches_reference, sequence_layout, split_on
 from ushard.kernels.attention import BlockKernel, xla_block
-from ushard.mesh import build_mesh
 from ushard.models.attention import causal_attention
 from ushard.parallel import context
-from ushard.plan import ParallelPlan
-from ushard.sharding import Q_NAMES, TOKEN_NAMES, Layout, use_layout
-
-RTOL = 1e-5
-
-
-def reference_attention(q, k, v, segment_ids):
-    """Softmax attention with an explicit causal and same-document mask, on one device."""
-    b, t, h, hd = q.shape
-    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
-    visible = jnp.tril(jnp.ones((t, t), bool))[None, None]
-    if segment_ids is not None:
-        visible = visible & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1), v)
-
-
-def sequence_layout(n: int, mode: str = "ring", keep_kv: bool = False, zigzag: bool = False, impl: str = "xla") -> Layout:
-    """The sequence split n ways in `mode`, its tokens in zig-zag order (as the train step reorders
-    them, `context.reordered`) or in their own, attention on `impl` as the run's plan decides it."""
-    shape = {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": n, "tensor": 1}
-    config = small_config(**{"mesh.sequence": n, "parallel.context_parallel": mode, "parallel.context_keep_kv": keep_kv,
-                             "model.attention_impl": impl})
-    plan = ParallelPlan.create(config, shape, jax.devices()[0].platform, n_kv_heads=2)
-    layout = Layout.from_plan(build_mesh(shape, devices=jax.devices()[:n]), plan)
-    return dataclasses.replace(layout, zigzag=zigzag)
+from ushard.sharding import Q_NAMES, TOKEN_NAMES, use_layout
 
 
 def random_inputs(seed: int, n: int, documents: bool):
@@ -54,21 +27,8 @@ def random_inputs(seed: int, n: int, documents: bool):
     t = 2 * n * chunk
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     segments = jnp.asarray(1 + np.cumsum(rng.random((b, t)) < 0.25, axis=1), jnp.int32) if documents else None
-    return normal(b, t, heads, hd), normal(b, t, kv_heads, hd), normal(b, t, kv_heads, hd), segments, normal(b, t, heads, hd)
-
-
-def loss_and_grads(attention, q, k, v, segments, weights):
-    """A scalar of the output with random weights (so every output element has its own gradient)."""
-    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attention(q, k, v, segments) * weights), argnums=(0, 1, 2)))(q, k, v)
-
-
-def assert_matches_reference(attention, q, k, v, segments, weights):
-    """`attention`'s loss and gradients equal the one-device reference's, to RTOL."""
-    want_loss, want_grads = loss_and_grads(reference_attention, q, k, v, segments, weights)
-    got_loss, got_grads = loss_and_grads(attention, q, k, v, segments, weights)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
-    for name, got, want in zip("qkv", got_grads, want_grads):
-        assert np.linalg.norm(got - want) <= RTOL * np.linalg.norm(want), name
+    q_shape, kv_shape = (b, t, heads, hd), (b, t, kv_heads, hd)
+    return normal(*q_shape), normal(*kv_shape), normal(*kv_shape), segments, normal(*q_shape)
 
 
 # (mode, sequence ways, seed, documents, zig-zag order)
@@ -125,20 +85,6 @@ def _flash_backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
 
 
 FLASH_BLOCKS = BlockKernel(forward=_flash_forward, backward=_flash_backward, segments=True)
-
-
-def split_on(blocks, n, mode="ring", keep_kv=False):
-    """Attention with the sequence split n ways in `mode`, the blocks on the fused kernel `blocks`
-    (None: XLA blocks), in the train step's zig-zag order and back."""
-    layout = sequence_layout(n, mode, keep_kv, zigzag=True)
-
-    def split_attention(q, k, v, segments):
-        with use_layout(layout):
-            q, k, v, segments = context.reordered((q, k, v, segments), layout)
-            out = context.attention(q, k, v, segments, xla_block, blocks)
-        return context.zigzag(out, n, inverse=True)
-
-    return split_attention
 
 
 @pytest.mark.parametrize("mode,n,seed,documents,keep_kv", [
@@ -232,10 +178,10 @@ def test_split_blocks_say_which_kernel_runs_them_and_why_not(impl, dtype, length
 
 def test_the_start_up_report_says_what_runs_a_split_sequences_blocks():
     from conftest import small_config
-
     from ushard.build import build
 
     setup = build(small_config(**{"mesh.sequence": 2, "mesh.fsdp": 1}), devices=jax.devices()[:2])
     assert "context parallelism: ring over 2 devices, blocks on XLA attention\n" in setup.describe()
-    kept = build(small_config(**{"mesh.sequence": 2, "mesh.fsdp": 1, "parallel.context_keep_kv": True}), devices=jax.devices()[:2])
+    kept = build(small_config(**{"mesh.sequence": 2, "mesh.fsdp": 1, "parallel.context_keep_kv": True}),
+                 devices=jax.devices()[:2])
     assert "blocks on XLA attention, K/V kept for the backward pass\n" in kept.describe()

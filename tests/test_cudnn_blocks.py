@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_context_parallel import loss_and_grads, reference_attention, sequence_layout
 
+from helpers import loss_and_grads, reference_attention, sequence_layout
 from ushard.models.attention import causal_attention
 from ushard.parallel import context
 from ushard.sharding import use_layout
@@ -28,13 +28,15 @@ def test_cudnn_blocks_of_a_split_sequence_match_float32_attention(mode):
     rng = np.random.default_rng(0)
     b, t, heads, kv_heads, hd = 2, 2 * n * 256, 8, 2, 128
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
-    q, k, v, weights = normal(b, t, heads, hd), normal(b, t, kv_heads, hd), normal(b, t, kv_heads, hd), normal(b, t, heads, hd)
+    q_shape, kv_shape = (b, t, heads, hd), (b, t, kv_heads, hd)
+    q, k, v, weights = normal(*q_shape), normal(*kv_shape), normal(*kv_shape), normal(*q_shape)
     layout = sequence_layout(n, mode, zigzag=True, impl="cudnn")
 
     def split_attention(q, k, v, segments):
         with use_layout(layout):
             q, k, v = context.reordered((q, k, v), layout)
-            out = causal_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), None, "cudnn")
+            q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+            out = causal_attention(q, k, v, None, "cudnn")
         return context.zigzag(out.astype(jnp.float32), n, inverse=True)
 
     hlo = jax.jit(split_attention).lower(q, k, v, None).as_text()

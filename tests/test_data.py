@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import re
 
-import jax
 import numpy as np
 import pytest
 
+from conftest import assert_same_global_batch_on_every_mesh, data_config
+from helpers import source_documents
 from ushard.config import load_config
 from ushard.data import make_batches
 from ushard.data.corpus import Pieces, cut_into_pieces, held_out_pieces, load_corpus, name_hashes, piece_scores
@@ -17,8 +18,6 @@ from ushard.data.packing import FIELDS, PackedStream, window_rows
 from ushard.data.pipeline import Batches, in_source_order, shuffled
 from ushard.data.tokenizer import ByteTokenizer, get_tokenizer
 from ushard.errors import UserError
-
-from conftest import assert_same_global_batch_on_every_mesh, data_config, source_documents
 
 SEQ_LEN = 32
 BATCH = 8
@@ -119,7 +118,7 @@ def test_row_slices_concatenate_to_the_global_batch(batches):
     """Each process builds only its own rows; together they are the global batch, and all agree on the next state."""
     for state in _states(batches, (0, 3)):
         full, next_state = batches.train_batch(state, BATCH)
-        halves = [batches.train_batch(state, BATCH, rows=range(0, 4)), batches.train_batch(state, BATCH, rows=range(4, 8))]
+        halves = [batches.train_batch(state, BATCH, rows=range(i, i + 4)) for i in (0, 4)]
         quarters = [batches.train_batch(state, BATCH, rows=range(i, i + 2)) for i in range(0, BATCH, 2)]
         for parts in (halves, quarters):
             _assert_same(full, {k: np.concatenate([p[k] for p, _ in parts]) for k in FIELDS})
@@ -128,7 +127,8 @@ def test_row_slices_concatenate_to_the_global_batch(batches):
     for s in (0, 3):
         _assert_same(
             batches.eval_batch(s, BATCH),
-            {k: np.concatenate([batches.eval_batch(s, BATCH, rows=range(i, i + 4))[k] for i in (0, 4)]) for k in FIELDS},
+            {k: np.concatenate([batches.eval_batch(s, BATCH, rows=range(i, i + 4))[k] for i in (0, 4)])
+             for k in FIELDS},
         )
 
 

@@ -13,14 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 
 import ushard
+from conftest import assert_same_global_batch_on_every_mesh, data_config, small_config
+from helpers import source_documents
 from ushard.config import check_settings, load_config
 from ushard.data import make_batches
 from ushard.data.corpus import load_corpus
 from ushard.data.pipeline import Batches
 from ushard.data.tokenizer import get_tokenizer
 from ushard.errors import UserError
-
-from conftest import assert_same_global_batch_on_every_mesh, data_config, small_config, source_documents
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly dwarves".split()
 

@@ -132,7 +132,8 @@ def test_a_matching_state_continues(small):
     # restart only replaces an order that cannot be continued: a config left with it on loses nothing.
     assert small.check_resume(saved, restart=True) == state
     longer = Batches(small.corpus, 40, seed=7, chunk_tokens=16)
-    assert longer.check_resume(saved, restart=False) == {"position": 2 * 4 * 17, "order": longer.initial_state()["order"]}
+    expected = {"position": 2 * 4 * 17, "order": longer.initial_state()["order"]}
+    assert longer.check_resume(saved, restart=False) == expected
 
 
 def _changed(batches: Batches, key: str, value) -> Batches:

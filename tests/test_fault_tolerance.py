@@ -54,7 +54,7 @@ def wait_for_step(workdir, step, proc, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline:
         path = workdir / "metrics.jsonl"
-        if path.exists() and any(json.loads(l)["step"] >= step for l in path.read_text().splitlines() if l):
+        if path.exists() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines() if line):
             return
         assert proc.poll() is None, "the run ended before it was interrupted"
         time.sleep(0.05)
@@ -217,7 +217,8 @@ class Watched:
 
 def saving(checkpoints, step: int) -> bool:
     """Whether the save of `step` is under way: orbax writes it into a temporary directory first."""
-    return checkpoints.is_dir() and any(p.name.startswith(f"{step}.orbax-checkpoint-tmp") for p in checkpoints.iterdir())
+    temporary = f"{step}.orbax-checkpoint-tmp"
+    return checkpoints.is_dir() and any(p.name.startswith(temporary) for p in checkpoints.iterdir())
 
 
 @pytest.mark.slow  # seven runs: about 100 s on two busy cores
@@ -303,17 +304,20 @@ def _garble(path):
 # name: (damage done to checkpoints/<step>, which orbax still lists; how the one-line warning's reason starts)
 DAMAGE = {
     "array file garbled": (lambda d: _garble(_array_file(d)), "Exception: Encountered error while reading array"),
-    "state/_METADATA deleted": (lambda d: (d / "state" / "_METADATA").unlink(), "the metadata of its state cannot be read"),
+    "state/_METADATA deleted": (lambda d: (d / "state" / "_METADATA").unlink(),
+                                "the metadata of its state cannot be read"),
     "manifest.ocdbt emptied": (lambda d: (d / "state" / "manifest.ocdbt").write_bytes(b""), "ValueError: DATA_LOSS"),
     "data/metadata emptied": (lambda d: (d / "data" / "metadata").write_bytes(b""), "JSONDecodeError"),
-    "data/metadata is {}": (lambda d: (d / "data" / "metadata").write_text("{}"), "its data state {} holds no position"),
+    "data/metadata is {}": (lambda d: (d / "data" / "metadata").write_text("{}"),
+                            "its data state {} holds no position"),
     "config/metadata emptied": (lambda d: (d / "config" / "metadata").write_bytes(b""), "JSONDecodeError"),
     "an empty directory": (lambda d: (shutil.rmtree(d), d.mkdir()), "KeyError"),
 }
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_a_damaged_checkpoint_is_moved_aside_and_the_rerun_finishes_bitwise(tmp_path, finished_run, uninterrupted, damage):
+def test_a_damaged_checkpoint_is_moved_aside_and_the_rerun_finishes_bitwise(tmp_path, finished_run, uninterrupted,
+                                                                             damage):
     shutil.copytree(finished_run, tmp_path, dirs_exist_ok=True)
     damage_fn, reason = DAMAGE[damage]
     damage_fn(tmp_path / "checkpoints" / "12")
@@ -340,7 +344,8 @@ def test_every_damaged_step_after_the_restored_one_is_moved(tmp_path, finished_r
     trainer.checkpoints.close()
     assert [line.split(" is damaged")[0] for line in lines[:2]] == [
         "ushard: warning: checkpoint 12", "ushard: warning: checkpoint 9"]
-    assert lines[2:] == ["resumed from the checkpoint at step 6"] and data_state["position"] == 6 * 8 * 33  # 6 steps of 8 rows of 33 tokens
+    assert lines[2:] == ["resumed from the checkpoint at step 6"]
+    assert data_state["position"] == 6 * 8 * 33  # 6 steps of 8 rows of 33 tokens
     assert sorted(p.name.split("-")[0] for p in (tmp_path / "checkpoints-damaged").iterdir()) == ["12", "9"]
     # Neither is listed any more, so saving steps 9 and 12 again cannot collide with them.
     assert trainer.checkpoints.manager.all_steps() == [6] and os.listdir(tmp_path / "checkpoints") == ["6"]
@@ -471,7 +476,8 @@ def zero3_run(tmp_path_factory, stdlib_batches):
 
 
 # The layers in two stages of the 1F1B pipeline, each stage's layer ZeRO-3 sharded over fsdp=4.
-PIPELINED = {"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_schedule": "1f1b", "parallel.pipeline_microbatches": 4}
+PIPELINED = {"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_schedule": "1f1b",
+             "parallel.pipeline_microbatches": 4}
 
 
 @pytest.fixture(scope="module")
@@ -580,11 +586,13 @@ def test_resume_with_another_seed_is_refused_unless_restart(tmp_path, zero3_run)
                              r"and 9 more.*model\.d_model=64 there but 128 here"),
     ({"model.fused_mlp": True}, r"blocks\.mlp\.w_gate_up is missing there.*"  # another parameter tree
                                 r"model\.fused_mlp=False there but True here"),
-    ({"model.param_dtype": "bfloat16"}, r"blocks\.attn\.wk is \(2, 64, 2, 16\) float32 there but \(2, 64, 2, 16\) bfloat16 here"),
+    ({"model.param_dtype": "bfloat16"},
+     r"blocks\.attn\.wk is \(2, 64, 2, 16\) float32 there but \(2, 64, 2, 16\) bfloat16 here"),
     # Same parameters, another function:
     ({"model.rope_theta": 500000.0}, r"holds another model: model\.rope_theta=10000\.0 there but 500000\.0 here"),
     ({"model.document_mask": False}, r"holds another model: model\.document_mask=True there but False here"),
-    ({"model.rope_scaling.type": "llama3"}, r"holds another model: model\.rope_scaling\.type='none' there but 'llama3' here"),
+    ({"model.rope_scaling.type": "llama3"},
+     r"holds another model: model\.rope_scaling\.type='none' there but 'llama3' here"),
 ])
 def test_incompatible_checkpoint_names_the_difference(zero3_run, stdlib_batches, override, match):
     saved_dir, _ = zero3_run
@@ -652,7 +660,7 @@ def test_nonfinite_rollback_restores_and_moves_past_the_batch(tmp_path, stdlib_b
     config = ckpt_config(**{"mesh.fsdp": 8, "train.on_nonfinite": "rollback", "checkpoint.every": 2})
     trainer = Trainer(config, str(tmp_path), batches=PoisonedBatches(stdlib_batches, bad={4}))
     records = trainer.run(log=lines.append)
-    assert any("rolled back to step 4, skipping that batch" in l for l in lines), lines
+    assert any("rolled back to step 4, skipping that batch" in line for line in lines), lines
     final = {r["step"]: r for r in records}  # the last record of each step: after the rollback
     assert all(np.isfinite(final[s]["loss"]) for s in range(1, 7))
     poisoned = trainer.batches
@@ -682,17 +690,17 @@ def test_nonfinite_rollback_gives_up_when_the_trouble_stays(tmp_path, stdlib_bat
     lines = []
     config = single_device_config(**{"train.on_nonfinite": "rollback", "checkpoint.every": 2,
                                      "train.max_nonfinite_steps": 3})
-    trainer = Trainer(config, str(tmp_path), devices=jax.devices()[:1], batches=PoisonedBatches(stdlib_batches, FOREVER))
+    trainer = Trainer(config, str(tmp_path), devices=jax.devices()[:1],
+                      batches=PoisonedBatches(stdlib_batches, FOREVER))
     with pytest.raises(UserError) as excinfo:
         trainer.run(log=lines.append)
     assert str(excinfo.value) == (
-        "training stopped: 3 steps in a row gave a non-finite loss or gradient norm (the last, step 3 on the batch at data "
-        "position 1,056: "
-        "loss nan, gradient norm nan), the limit train.max_nonfinite_steps=3 for train.on_nonfinite='rollback'; "
-        "lower train.lr or check the data (checkpoints hold only finite states)."
+        "training stopped: 3 steps in a row gave a non-finite loss or gradient norm (the last, step 3 on the batch "
+        "at data position 1,056: loss nan, gradient norm nan), the limit train.max_nonfinite_steps=3 for "
+        "train.on_nonfinite='rollback'; lower train.lr or check the data (checkpoints hold only finite states)."
     )
     # Step 3 failed on batches 2 and 3 (each time rolled back to step 2), then on batch 4: the limit.
-    assert [l for l in lines if "rolled back" in l] == [
+    assert [line for line in lines if "rolled back" in line] == [
         f"ushard: step 3 (the batch at data position {p}) gave loss nan, gradient norm nan; rolled back to step 2, "
         f"skipping that batch." for p in ("528", "792")  # batches 2 and 3 of 8 rows of 33 tokens
     ]
@@ -720,10 +728,9 @@ def run_skipping(trainer, stdlib_batches, bad, limit):
     (5, "training stopped: every step of this run up to step 3 gave a non-finite loss or gradient norm (the last, "
         "on the batch at data position 528: loss nan, gradient norm nan), so it trained nothing; lower train.lr "
         "or check the data."),
-    (2, "training stopped: 2 steps in a row gave a non-finite loss or gradient norm (the last, step 2 on the batch at data "
-        "position 264: "
-        "loss nan, gradient norm nan), the limit train.max_nonfinite_steps=2 for train.on_nonfinite='skip'; "
-        "lower train.lr or check the data (checkpoints hold only finite states)."),
+    (2, "training stopped: 2 steps in a row gave a non-finite loss or gradient norm (the last, step 2 on the batch "
+        "at data position 264: loss nan, gradient norm nan), the limit train.max_nonfinite_steps=2 for "
+        "train.on_nonfinite='skip'; lower train.lr or check the data (checkpoints hold only finite states)."),
 ])
 def test_nonfinite_skip_of_every_step_stops_without_saving(skipping_trainer, stdlib_batches, limit, expected):
     with pytest.raises(UserError) as excinfo:
@@ -766,7 +773,8 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, uninterrupte
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     assert "on 8 cpu device(s), mesh fsdp=8" in outputs[0]
     two = losses_by_step(tmp_path)  # written by process 0 only
-    np.testing.assert_allclose([two[s] for s in sorted(two)], [uninterrupted[s] for s in sorted(uninterrupted)], rtol=1e-5)
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [uninterrupted[s] for s in sorted(uninterrupted)],
+                               rtol=1e-5)
     assert (tmp_path / "checkpoints" / "12").is_dir()
 
 

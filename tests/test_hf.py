@@ -186,8 +186,8 @@ FINETUNE = [
     "--config", "tiny", "--config.model.vocab_size=300", "--config.model.d_model=64", "--config.model.n_layers=2",
     "--config.model.n_heads=4", "--config.model.n_kv_heads=2", "--config.model.d_ff=128",
     "--config.model.norm_eps=1e-06", "--config.train.seq_len=32", "--config.train.batch_size=8",
-    "--config.train.steps=1", "--config.train.warmup_steps=0", "--config.train.log_every=1", "--config.train.eval_every=0",
-    "--config.data.source=text",
+    "--config.train.steps=1", "--config.train.warmup_steps=0", "--config.train.log_every=1",
+    "--config.train.eval_every=0", "--config.data.source=text",
 ]
 
 
@@ -218,7 +218,8 @@ def transformers_loss(model, batch) -> float:
         segments = batch["segment_ids"][row]
         for segment in np.unique(segments):
             where = segments == segment
-            assert np.array_equal(batch["positions"][row][where], np.arange(where.sum()))  # as transformers numbers them
+            # Positions as transformers numbers them.
+            assert np.array_equal(batch["positions"][row][where], np.arange(where.sum()))
             logits = torch_logits(model, batch["inputs"][row][where][None])[0].astype(np.float64)
             log_z = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
             targets = batch["targets"][row][where]
@@ -334,8 +335,10 @@ def edited(saved, tmp_path, **changes) -> str:
     ({"model_type": "mistral", "sliding_window": 4096}, r"sliding_window=4096 is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling\.rope_type=\"yarn\" is not supported: "
                                                               r"ushard computes RoPE of types default, llama3\."),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, r"rope_parameters\.rope_type=\"linear\""),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"the llama3 type needs low_freq_factor, high_freq_factor"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+     r"rope_parameters\.rope_type=\"linear\""),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     r"the llama3 type needs low_freq_factor, high_freq_factor"),
     ({"intermediate_size": 96}, r"tensor model\.layers\.0\.mlp\.gate_proj\.weight is \[128, 64\], but config\.json's "
                                 r"sizes make it \[96, 64\]"),
     ({"num_hidden_layers": 3}, r"has no tensor model\.layers\.2\.input_layernorm\.weight \(and 8 more\)"),
@@ -348,9 +351,11 @@ def test_what_ushard_cannot_compute_is_refused_naming_the_field(saved, tmp_path,
 @pytest.mark.parametrize("changes, match", [
     ({"router_jitter_noise": 0.01}, r"router_jitter_noise=0\.01 is not supported: ushard's router adds no noise\."),
     ({"num_local_experts": 2.5}, r"num_local_experts=2\.5 is not supported: it must be a whole number\."),
-    ({"num_local_experts": 6}, r"has no tensor model\.layers\.0\.block_sparse_moe\.experts\.4\.w1\.weight \(and 11 more\)"),
-    ({"num_local_experts": 3}, r"tensor model\.layers\.0\.block_sparse_moe\.gate\.weight is \[4, 64\], but config\.json's "
-                               r"sizes make it \[3, 64\]"),
+    ({"num_local_experts": 6},
+     r"has no tensor model\.layers\.0\.block_sparse_moe\.experts\.4\.w1\.weight \(and 11 more\)"),
+    ({"num_local_experts": 3},
+     r"tensor model\.layers\.0\.block_sparse_moe\.gate\.weight is \[4, 64\], but config\.json's "
+     r"sizes make it \[3, 64\]"),
 ])
 def test_what_ushard_cannot_compute_of_mixtral_is_refused(saved_moe, tmp_path, changes, match):
     with pytest.raises(ushard.UserError, match=match):
@@ -407,8 +412,8 @@ def test_convert_a_mixtral_both_ways(saved_moe, tmp_path):
 
 
 def test_init_from_a_mixtral_compares_the_routing_only(saved_moe):
-    from ushard.training.init_from import initial_params
     from ushard.trained import abstract_params, inference_layout
+    from ushard.training.init_from import initial_params
 
     with pytest.raises(ushard.UserError, match=r"holds another model: model\.moe\.top_k=2 there but 1 here; set"):
         initial_params(saved_moe, dataclasses.replace(SMALL_MOE, moe=MoEConfig(num_experts=4, top_k=1)), target=None)
@@ -435,7 +440,11 @@ def test_each_device_block_is_read_once_and_alone(saved, monkeypatch):
     device's share: no host ever holds a whole tensor of the model, let alone the whole model."""
     reads = []
     read = hf.SafetensorsFiles.read
-    monkeypatch.setattr(hf.SafetensorsFiles, "read", lambda self, name, slices: reads.append(read(self, name, slices)) or reads[-1])
+    def recorded(self, name, slices):
+        reads.append(read(self, name, slices))
+        return reads[-1]
+
+    monkeypatch.setattr(hf.SafetensorsFiles, "read", recorded)
     spread = ushard.from_hf(saved, devices=jax.devices())
     stored = hf_tensors(saved)
     assert sum(r.size for r in reads) == sum(t.size for t in stored.values())

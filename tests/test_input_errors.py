@@ -7,10 +7,9 @@ import json
 import numpy as np
 import pytest
 
+from helpers import source_documents
 from ushard.config import apply_override_dict, apply_overrides, default_config, load_config
 from ushard.errors import UserError
-
-from conftest import source_documents
 
 
 def _one_sentence(excinfo) -> str:
@@ -56,7 +55,8 @@ def test_config_file_returning_a_config_still_loads(tmp_path):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("train.step=5", "unknown config key 'train.step': train has no 'step' (did you mean 'steps'?); valid keys there: "),
+    ("train.step=5",
+     "unknown config key 'train.step': train has no 'step' (did you mean 'steps'?); valid keys there: "),
     ("modle.d_model=3", "unknown config key 'modle.d_model': the config has no 'modle' (did you mean 'model'?); "
                         "valid keys there: checkpoint, data, mesh, model, parallel, train."),
     ("model.remmat=full", "model has no 'remmat' (did you mean 'remat'?); valid keys there: attention_impl, "),

@@ -9,25 +9,21 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config
+from helpers import layout_for
 from ushard import UserError, build
 from ushard.config import MESH_AXES, validate
 from ushard.mesh import build_mesh
 from ushard.models.stack import run_layers
-from ushard.sharding import ZeroRules, check_divisible, use_layout, current_layout, Layout
+from ushard.sharding import Layout, ZeroRules, check_divisible, current_layout, use_layout
 
 BATCH = ("data", "fsdp", "expert")
-
-
-def layout_for(zero_stage=3, **sizes) -> Layout:
-    shape = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
-    n = int(np.prod(list(shape.values())))
-    return Layout.create(build_mesh(shape, devices=jax.devices()[:n]), zero_stage)
 
 
 @pytest.mark.parametrize("stage, sizes, embed_by_kind", [
     (3, {"fsdp": 8}, {"params": ("fsdp",), "grads": ("fsdp",), "opt_state": ("fsdp",), "compute": ()}),
     (1, {"tensor": 2, "fsdp": 4}, {"params": (), "grads": (), "opt_state": ("fsdp",), "compute": ()}),
-    (2, {"data": 2, "fsdp": 2, "sequence": 2}, {"params": (), "grads": ("fsdp",), "opt_state": ("fsdp",), "compute": ()}),
+    (2, {"data": 2, "fsdp": 2, "sequence": 2},
+     {"params": (), "grads": ("fsdp",), "opt_state": ("fsdp",), "compute": ()}),
     (0, {"data": 8}, {"params": (), "grads": (), "opt_state": (), "compute": ()}),
 ])
 def test_layout_answers_axes_and_specs(stage, sizes, embed_by_kind):
@@ -90,7 +86,8 @@ def test_divisibility_check_names_the_parameter_dimension_and_axis():
     shapes = {"parameter w": (("embed", "mlp"), (4096, 14336)), "parameter v": (("vocab", "embed"), (128256, 4100))}
     rules = ZeroRules.for_stage(3)
     check_divisible({"parameter w": shapes["parameter w"]}, rules.params, sizes)
-    with pytest.raises(UserError, match=r"parameter v has a 'embed' dimension of 4100, which does not split over mesh\.fsdp=16"):
+    with pytest.raises(UserError,
+                       match=r"parameter v has a 'embed' dimension of 4100, which does not split over mesh\.fsdp=16"):
         check_divisible(shapes, rules.params, sizes)
     check_divisible(shapes, rules.compute, sizes)  # gathered for compute: embed is not split
 
@@ -161,7 +158,8 @@ def test_aux_terms_join_the_loss_token_weighted_and_are_reported(stdlib_batches)
             logits, _ = plain_apply(params, micro["inputs"], micro["positions"], micro["segment_ids"])
             ce, count = cross_entropy_sums(logits, micro["targets"], micro["loss_mask"])
             penalty = 0.01 * jnp.mean(logits ** 2)
-            total, count_all, penalty_sum = total + ce + count * penalty, count_all + count, penalty_sum + count * penalty
+            total, count_all = total + ce + count * penalty, count_all + count
+            penalty_sum = penalty_sum + count * penalty
         return total / count_all, penalty_sum / count_all
 
     params = jax.device_get(state.params)

@@ -8,9 +8,9 @@ import pytest
 from conftest import small_config
 from ushard.metrics import flops_per_token
 from ushard.models.attention import causal_attention
-from ushard.models.layers import embed_lookup, gated_silu_pair
 from ushard.models.config import ModelConfig
 from ushard.models.definition import ModelDef
+from ushard.models.layers import embed_lookup, gated_silu_pair
 from ushard.training.loss import cross_entropy_sums
 
 

@@ -9,12 +9,19 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_MOE, small_config
-from test_layout import layout_for
+from helpers import layout_for
 from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.definition import ModelDef
 from ushard.models.moe import (
-    RoutedExperts, assignment_shares, expert_ffn, load_balancing_loss, load_signal, route, router_z_loss,
-    row_capacity, within_capacity,
+    RoutedExperts,
+    assignment_shares,
+    expert_ffn,
+    load_balancing_loss,
+    load_signal,
+    route,
+    router_z_loss,
+    row_capacity,
+    within_capacity,
 )
 from ushard.parallel.expert import routed_experts
 from ushard.sharding import use_layout
@@ -230,8 +237,9 @@ def test_loss_free_bias_lowers_the_expert_load_imbalance(stdlib_batches):
     expert's load closer to the mean than no balancing does (measured: 1.9 against 3.7 at step 20)."""
 
     def max_over_mean(rate):
-        config = small_config("tiny_moe", **{**SMALL_MOE, "model.moe.aux_loss_weight": 0.0, "model.moe.bias_update_rate": rate,
-                                             "train.steps": 20, "train.log_every": 10})
+        config = small_config("tiny_moe", **{**SMALL_MOE, "model.moe.aux_loss_weight": 0.0,
+                                             "model.moe.bias_update_rate": rate, "train.steps": 20,
+                                             "train.log_every": 10})
         records = Trainer(config, devices=jax.devices()[:1], batches=stdlib_batches).run(log=lambda *_: None)
         assert records[-1]["aux/moe_dropped_fraction"] == 0.0  # dropless
         return records[-1]["aux/moe_load_max_over_mean"]

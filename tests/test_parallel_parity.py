@@ -6,26 +6,21 @@ is packed from short documents, several to a row, so document masking and restar
 part of every comparison.
 """
 
-import contextlib
 import json
-import os
 import re
-import tempfile
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import SMALL_MOE, small_config
+from helpers import RTOL, assert_same_training, per_device_bytes, run_config
 from ushard import build
 from ushard.data.corpus import Corpus
 from ushard.data.pipeline import Batches
 from ushard.data.tokenizer import get_tokenizer
-from ushard.training.loop import Trainer
 
-RTOL = 1e-5
 FP8_TRAINED_RTOL = 5e-3  # measured 1.3e-3 for the parameters after 3 steps
 # FP8 step-0 gradients: 1.295e-5 on this repository's dev machine with the code before and after the
 # layout refactor alike (CI's CPU measured under 1e-5): which float32 sums round across an e4m3 step
@@ -96,60 +91,14 @@ LAYOUTS = {
 REFERENCES = {"fused": "single_fused", "fp8": "single_fp8", "moe": "single_moe", "moecap": "single_moecap"}
 MOE_LAYOUTS = [n for n in LAYOUTS if n.endswith(("_moe", "_moecap"))]
 # The dense tensor layouts, whose collectives the tests below read.
-TENSOR_LAYOUTS = [n for n, (overrides, _) in LAYOUTS.items() if overrides.get("mesh.tensor", 1) > 1 and n not in MOE_LAYOUTS]
-
-
-@contextlib.contextmanager
-def compiler_log():
-    """Collects what XLA's C++ code writes to file descriptor 2 (its warnings) while the block runs."""
-    lines = []
-    with tempfile.TemporaryFile(mode="w+") as log:
-        saved = os.dup(2)
-        os.dup2(log.fileno(), 2)
-        try:
-            yield lines
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            log.seek(0)
-            lines.extend(log.read().splitlines())
+TENSOR_LAYOUTS = [n for n, (overrides, _) in LAYOUTS.items()
+                  if overrides.get("mesh.tensor", 1) > 1 and n not in MOE_LAYOUTS]
 
 
 def run_layout(name, batches):
     overrides, devices = LAYOUTS[name]
     config = small_config("tiny_moe" if name in MOE_LAYOUTS else "tiny", **overrides)
     return run_config(config, jax.devices()[:devices], batches)
-
-
-def run_config(config, devices, batches):
-    """Step-0 loss and gradients, the compiled train step (memory, HLO, compiler log) and the losses
-    of train.steps steps."""
-    trainer = Trainer(config, devices=devices, batches=batches)
-    state = trainer.steps.init(config.train.seed)
-    batches = trainer.global_batches(config.train.steps)
-    first = batches[0]
-    with compiler_log() as log:
-        loss0, grads0 = trainer.steps.loss_and_grads(state.params, first)
-        compiled = trainer.steps.train_step.lower(state, first).compile()
-    result = {
-        "trainer": trainer,
-        "loss0": float(loss0),
-        "grads0": jax.device_get(grads0),
-        "grad_shardings": jax.tree.map(lambda g: g.sharding, grads0),
-        "init_shardings": jax.tree.map(lambda x: x.sharding, state),
-        "memory": compiled.memory_analysis(),
-        "all_gathers": len(re.findall(r"= \S+ all-gather(?:-start)?\(", compiled.as_text())),
-        "hlo": compiled.as_text(),
-        "compiler_log": log,
-        "losses": [],
-        "aux": [],
-    }
-    for batch in batches:
-        state, metrics = compiled(state, batch)
-        result["losses"].append(float(metrics["loss"]))
-        result["aux"].append({k: float(v) for k, v in metrics["aux"].items()})
-    result["params"] = jax.device_get(state.params)
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +138,6 @@ def results(packed_batches):
     return LayoutResults(packed_batches)
 
 
-def tree_relative_difference(a, b) -> float:
-    diffs = jax.tree.map(lambda x, y: np.linalg.norm(np.asarray(x) - y) / max(np.linalg.norm(y), 1e-30), a, b)
-    return max(jax.tree.leaves(diffs))
-
-
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("single")])
 def test_layout_matches_single_device(results, name):
     reference = REFERENCES.get(name.rsplit("_", 1)[-1], "single")
@@ -203,16 +147,6 @@ def test_layout_matches_single_device(results, name):
     assert_same_training(results[name], results[reference], FP8_STEP0_RTOL if fp8 else RTOL,
                          FP8_TRAINED_RTOL if fp8 else RTOL)
 
-
-def assert_same_training(got, ref, step0_rtol=RTOL, trained_rtol=RTOL):
-    """Step-0 loss and gradients, then the losses and parameters of the steps after, as `ref`'s."""
-    np.testing.assert_allclose(got["loss0"], ref["loss0"], rtol=RTOL)
-    assert tree_relative_difference(got["grads0"], ref["grads0"]) <= step0_rtol
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=trained_rtol)
-    assert tree_relative_difference(got["params"], ref["params"]) <= trained_rtol
-    for got_aux, ref_aux in zip(got["aux"], ref["aux"]):  # MoE: losses, expert loads, drops
-        assert got_aux.keys() == ref_aux.keys()
-        np.testing.assert_allclose([got_aux[k] for k in ref_aux], list(ref_aux.values()), rtol=trained_rtol)
 
 
 def test_training_moves_the_loss(results):
@@ -268,11 +202,6 @@ def test_zero_stage_places_the_states_it_promises(results, stage):
     w = got["trainer"].steps.init(0).params["blocks"]["mlp"]["w_gate"]
     local_rows = w.addressable_shards[0].data.shape[1]
     assert local_rows == (w.shape[1] // 8 if stage >= 3 else w.shape[1])
-
-
-def per_device_bytes(memory) -> int:
-    # Donated state aliases the outputs, so arguments + temporaries is what a device holds at peak.
-    return memory.argument_size_in_bytes + memory.temp_size_in_bytes
 
 
 def test_zero_memory_falls_stage_by_stage(results):
@@ -360,7 +289,8 @@ def test_the_vocabulary_stays_split(results, name):
     # ...while the loss does reduce over the vocab shards: maxima and sums of [rows, tokens].
     overrides = LAYOUTS[name][0]
     rows, tokens = 16 // overrides["mesh.fsdp"], 32 // overrides.get("mesh.sequence", 1)  # per device
-    assert [n for n, kind, shapes in collectives(results[name]["hlo"]) if kind == "all-reduce" and (rows, tokens) in shapes]
+    assert [n for n, kind, shapes in collectives(results[name]["hlo"])
+            if kind == "all-reduce" and (rows, tokens) in shapes]
 
 
 @pytest.mark.parametrize("tensor", [2, 4])

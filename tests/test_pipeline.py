@@ -15,12 +15,19 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_MOE, small_config
-from test_parallel_parity import assert_same_training, per_device_bytes, run_config, tree_relative_difference
+from helpers import assert_same_training, per_device_bytes, run_config, tree_relative_difference
 from ushard import build
 from ushard.config import MESH_AXES
 from ushard.mesh import build_mesh
 from ushard.parallel.pipeline import (
-    IDLE, PipelineSchedule, bubble_fraction, forward_table, one_f_one_b, one_f_one_b_table, ring_size, run_stages,
+    IDLE,
+    PipelineSchedule,
+    bubble_fraction,
+    forward_table,
+    one_f_one_b,
+    one_f_one_b_table,
+    ring_size,
+    run_stages,
 )
 from ushard.sharding import Layout, use_layout
 from ushard.training.step import BATCH_FIELDS
@@ -136,7 +143,8 @@ def toy():
     keys = jax.random.split(jax.random.key(0), 6)
     stack = {"w": jax.random.normal(keys[0], (TOY_LAYERS, TOY_DIM, TOY_DIM)) / np.sqrt(TOY_DIM),
              "b": 0.1 * jax.random.normal(keys[1], (TOY_LAYERS, TOY_DIM))}
-    outer = {"embedding": jax.random.normal(keys[2], (TOY_VOCAB, TOY_DIM)), "head": jax.random.normal(keys[3], (TOY_DIM, 3))}
+    outer = {"embedding": jax.random.normal(keys[2], (TOY_VOCAB, TOY_DIM)),
+             "head": jax.random.normal(keys[3], (TOY_DIM, 3))}
     batch = {"tokens": jax.random.randint(keys[4], (TOY_ROWS,), 0, TOY_VOCAB),
              "targets": jax.random.normal(keys[5], (TOY_ROWS, 3)), "scale": jnp.linspace(0.5, 1.5, TOY_ROWS)}
     reference = jax.jit(jax.value_and_grad(toy_reference, argnums=(0, 1), has_aux=True))
@@ -201,9 +209,10 @@ def devices_for(settings):
 # Each schedule: 2 and 4 stages, 4 and 8 microbatches, alone and with fsdp=2 (1F1B's with tensor=2 too);
 # on the way, what the pipeline composes with: train.grad_accum (its parts run one after another, each
 # cut into the pipeline's microbatches), remat, ZeRO-3 with the gathered weights kept.
-ACCUM, REMAT, KEEP_GATHERED = {"train.grad_accum": 2}, {"model.remat": "full"}, {"parallel.reshard_after_forward": False}
+ACCUM, REMAT = {"train.grad_accum": 2}, {"model.remat": "full"}
+KEEP_GATHERED = {"parallel.reshard_after_forward": False}
 WHOLE_HEAD = {"parallel.pipeline_head": "whole"}
-ALL_GATHER, RING = {"parallel.context_parallel": "all_gather"}, {"parallel.context_parallel": "ring"}  # every stage holds the whole vocabulary (as across slices)
+ALL_GATHER, RING = {"parallel.context_parallel": "all_gather"}, {"parallel.context_parallel": "ring"}
 LAYOUTS = {
     "gpipe_2x8_accum2": pipelined("gpipe", 2, 8, ACCUM),
     "gpipe_4x4_fsdp2_remat": pipelined("gpipe", 4, 4, REMAT, fsdp=2),
@@ -287,7 +296,8 @@ MOE_LAYOUTS = {
 def one_device_moe(stdlib_batches):
     """The MoE model on one device, with and without the bias moving, each step in 4 parts."""
     def run(settings):
-        return run_config(small_config("tiny_moe", **settings, **{"train.grad_accum": 4}), jax.devices()[:1], stdlib_batches)
+        config = small_config("tiny_moe", **settings, **{"train.grad_accum": 4})
+        return run_config(config, jax.devices()[:1], stdlib_batches)
 
     return {"moving": run(MOE), "still": run({**MOE, **STILL})}
 

@@ -12,10 +12,10 @@ import pytest
 
 from conftest import small_config
 from ushard.errors import UserError
-from ushard.sample import sample
-from ushard.training.loop import Trainer
 from ushard.models.config import ModelConfig
 from ushard.models.definition import ModelDef
+from ushard.sample import sample
+from ushard.training.loop import Trainer
 
 
 def test_kv_cache_decoding_matches_full_forward():
@@ -67,7 +67,8 @@ def test_sample_command_continues_the_prompt(trained_workdir):
 
 def test_sampling_is_seeded_and_greedy_is_the_argmax(trained_workdir):
     def text(**kwargs):
-        return sample(str(trained_workdir), "import ", max_new_tokens=6, out=io.StringIO(), log=lambda *_: None, **kwargs)
+        return sample(str(trained_workdir), "import ", max_new_tokens=6, out=io.StringIO(), log=lambda *_: None,
+                      **kwargs)
 
     assert text(temperature=1.0, top_k=5, seed=7) == text(temperature=1.0, top_k=5, seed=7)
     greedy = text(temperature=0.0)

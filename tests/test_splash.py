@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_context_parallel import reference_attention
+from helpers import assert_matches_reference, reference_attention, split_on
 from ushard.errors import UserError
-from ushard.mesh import build_mesh
-from ushard.kernels.attention import check as check_impl, resolve as resolve_impl
+from ushard.kernels.attention import check as check_impl
+from ushard.kernels.attention import resolve as resolve_impl
 from ushard.kernels.splash import splash_attention
+from ushard.mesh import build_mesh
 from ushard.sharding import Layout, use_layout
 
 
@@ -24,7 +25,8 @@ def test_splash_matches_plain_attention_in_value_and_gradient():
     rng = np.random.default_rng(0)
     b, t, heads, kv_heads, hd = 4, 128, 4, 2, 16  # 128: one block of the kernel's 128 lanes
     normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
-    q, k, v, weights = normal(b, t, heads, hd), normal(b, t, kv_heads, hd), normal(b, t, kv_heads, hd), normal(b, t, heads, hd)
+    q_shape, kv_shape = (b, t, heads, hd), (b, t, kv_heads, hd)
+    q, k, v, weights = normal(*q_shape), normal(*kv_shape), normal(*kv_shape), normal(*q_shape)
     segments = jnp.asarray(1 + np.cumsum(rng.random((b, t)) < 0.03, axis=1), jnp.int32)  # a few documents a row
     assert len(np.unique(segments[0])) > 1
 
@@ -35,7 +37,8 @@ def test_splash_matches_plain_attention_in_value_and_gradient():
     def loss(attention):
         return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attention(q, k, v) * weights), argnums=(0, 1, 2)))
 
-    (got, got_grads), (want, want_grads) = loss(splash)(q, k, v), loss(lambda *a: reference_attention(*a, segments))(q, k, v)
+    got, got_grads = loss(splash)(q, k, v)
+    want, want_grads = loss(lambda *a: reference_attention(*a, segments))(q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
@@ -75,9 +78,11 @@ def test_splash_inside_a_pipeline_stage_matches_plain_attention():
 
 
 @pytest.mark.parametrize("impl, platform, seq_len, stages, match", [
-    ("splash", "gpu", 2048, 1, r"^model.attention_impl='splash' is Pallas splash attention, which runs on TPUs only, and these devices are gpu"),
+    ("splash", "gpu", 2048, 1,
+     r"^model.attention_impl='splash' is Pallas splash attention, which runs on TPUs only, and these devices are gpu"),
     ("splash", "cpu", 2048, 1, r"runs on TPUs only, and these devices are cpu; use 'auto'"),
-    ("cudnn", "tpu", 2048, 1, r"^model.attention_impl='cudnn' is cuDNN flash attention, which runs on GPUs only, and these devices are tpu"),
+    ("cudnn", "tpu", 2048, 1,
+     r"^model.attention_impl='cudnn' is cuDNN flash attention, which runs on GPUs only, and these devices are tpu"),
     ("splash", "tpu", 1000, 1, r"needs train.seq_len to be a multiple of 128 .*; it is 1000\.$"),
     ("cudnn", "cpu", 2048, 2, r"model\.attention_impl='cudnn' cannot run inside pipeline stages \(mesh\.pipeline=2\)"),
 ])
@@ -101,13 +106,12 @@ def test_auto_picks_each_platforms_kernel():
 def test_splash_blocks_of_a_split_sequence_match_plain_attention(mode, documents):
     """Splash as context parallelism's block kernel (interpreted), sequence split 2 ways, grouped K/V
     heads, with and without documents (some of them wholly outside a block's keys)."""
-    from test_context_parallel import assert_matches_reference, split_on
-
     from ushard.kernels.splash import splash_blocks
 
     n, t, heads, kv_heads, hd = 2, 512, 4, 2, 16  # each device's halves: one 128-lane block
     rng = np.random.default_rng(1)
     normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
-    q, k, v, weights = normal(1, t, heads, hd), normal(1, t, kv_heads, hd), normal(1, t, kv_heads, hd), normal(1, t, heads, hd)
+    q_shape, kv_shape = (1, t, heads, hd), (1, t, kv_heads, hd)
+    q, k, v, weights = normal(*q_shape), normal(*kv_shape), normal(*kv_shape), normal(*q_shape)
     segments = jnp.asarray(1 + np.cumsum(rng.random((1, t)) < 0.01, axis=1), jnp.int32) if documents else None
     assert_matches_reference(split_on(splash_blocks(interpret=True), n, mode), q, k, v, segments, weights)

@@ -1,6 +1,7 @@
 """tools/: kernels of a profiled step attributed to HLO instructions (hlo_ops.py); the transfers a
-schedule lets overlap compute (permute_schedule.py); the matmuls whose ceilings tools/ceilings.py measures; the pipeline schedule drawn by tools/pipeline_schedule.py; the
-ring-transfer probe (tools/p2p_overlap.py); bench.py's refusal of a variant without a label."""
+schedule lets overlap compute (permute_schedule.py); the matmuls whose ceilings tools/ceilings.py
+measures; the pipeline schedule drawn by tools/pipeline_schedule.py; the ring-transfer probe
+(tools/p2p_overlap.py); bench.py's refusal of a variant without a label."""
 
 import json
 import os
@@ -38,7 +39,7 @@ ENTRY %main.9 (p0: bf16[64,32], p1: bf16[32,16], p2: bf16[48,32]) -> bf16[64,48]
   %loop_add_fusion.4 = bf16[64,48]{1,0} fusion(%get-tuple-element.3), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/add"}
   ROOT %loop_select_fusion.5 = (f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, /*index=5*/f32[4]{0}) fusion(%p0), kind=kLoop, calls=%fused_select, metadata={op_name="jit(f)/select_n"}
 }
-"""
+"""  # noqa: E501  (HLO lines as XLA prints them)
 
 
 def test_matmul_flops_from_the_contracted_dimension():
@@ -119,12 +120,13 @@ def test_ceilings_times_every_matmul_of_the_model(fused):
 
     cfg = small_config(**{"model.fused_mlp": fused, "model.n_kv_heads": 2}).model
     per_layer = sum(k * n for _, k, n in ceilings.layer_matmuls(cfg))
-    assert cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size == ModelDef(ModelConfig.from_config(cfg)).num_matmul_params()
+    matmul_params = ModelDef(ModelConfig.from_config(cfg)).num_matmul_params()
+    assert cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size == matmul_params
     out_shapes = {}
     for form, ((lhs, rhs), (lhs_c, rhs_c)) in ceilings.matmul_forms(tokens=8, k=3, n=5).items():
         dims = ((lhs_c, rhs_c), ((), ()))
-        out_shapes[form] = jax.eval_shape(lambda a, b, d=dims: jax.lax.dot_general(a, b, d),
-                                          jax.ShapeDtypeStruct(lhs, "float32"), jax.ShapeDtypeStruct(rhs, "float32")).shape
+        operands = jax.ShapeDtypeStruct(lhs, "float32"), jax.ShapeDtypeStruct(rhs, "float32")
+        out_shapes[form] = jax.eval_shape(lambda a, b, d=dims: jax.lax.dot_general(a, b, d), *operands).shape
     # activations [tokens, n], their gradient [tokens, k], the weight's gradient [k, n]
     assert out_shapes == {"forward": (8, 5), "input grad": (8, 3), "weight grad": (3, 5)}
 
@@ -190,8 +192,9 @@ def test_bench_runs_a_variant_as_one_process_per_device():
     """`--processes 2`: the variant trains as two processes of one device each, and process 0 reports
     a step over both (tokens/s of the global batch)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, os.path.join(TOOLS, "bench.py"), "--config", "configs/tiny.py", "--steps", "1",
-                          "--warmup", "1", "--processes", "2", "--variant", "fsdp2=--config.mesh.fsdp=2"],
+    out = subprocess.run([sys.executable, os.path.join(TOOLS, "bench.py"), "--config", "configs/tiny.py",
+                          "--steps", "1", "--warmup", "1", "--processes", "2",
+                          "--variant", "fsdp2=--config.mesh.fsdp=2"],
                          cwd=os.path.dirname(TOOLS), env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:]
     result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))

@@ -32,7 +32,8 @@ LAYOUTS = {
     "fsdp8": ("v5p:2x2x2", 1, {"mesh.fsdp": 8, **SPLASH}, GATHERS, SPLASH_KERNELS),
     "data2_fsdp4": ("v5p:2x2x2", 1, {"mesh.data": 2, "mesh.fsdp": 4}, GATHERS, 0),
     # Megatron: attention's and the MLP's outputs all-reduced, forward and backward.
-    "tensor2_fsdp4": ("v5p:2x2x2", 1, {"mesh.tensor": 2, "mesh.fsdp": 4, **SPLASH}, {"all-reduce": 2 * LAYERS * 2}, SPLASH_KERNELS),
+    "tensor2_fsdp4": ("v5p:2x2x2", 1, {"mesh.tensor": 2, "mesh.fsdp": 4, **SPLASH}, {"all-reduce": 2 * LAYERS * 2},
+                      SPLASH_KERNELS),
     "two_slices_data2_fsdp8": ("v5p:2x2x2", 2, {"mesh.data": 2, "mesh.dcn.data": 2, "mesh.fsdp": 8}, GATHERS, 0),
     # 1F1B: an activation sent on and a gradient sent back in each of its M + 2S - 2 ticks; splash
     # attention inside the stages.
@@ -92,9 +93,9 @@ def test_a_pipeline_across_slices_sends_little_beside_its_activations():
     stages, hidden-size all-reduces cross the DCN in every tick, more bytes than the stages' own
     transfers; with the default across slices (parallel.pipeline_head='whole') only small ones do
     (token ids, and once a step the embedding's and head's gradients)."""
-    settings = {"model.compute_dtype": "bfloat16", "model.n_layers": LAYERS, "train.seq_len": 128, "train.batch_size": 32,
-                "mesh.pipeline": 2, "mesh.dcn.pipeline": 2, "mesh.fsdp": 8, "parallel.pipeline_schedule": "1f1b",
-                "parallel.pipeline_microbatches": 4}
+    settings = {"model.compute_dtype": "bfloat16", "model.n_layers": LAYERS, "train.seq_len": 128,
+                "train.batch_size": 32, "mesh.pipeline": 2, "mesh.dcn.pipeline": 2, "mesh.fsdp": 8,
+                "parallel.pipeline_schedule": "1f1b", "parallel.pipeline_microbatches": 4}
     tpu_devices("v5p:2x2x2", 2)  # skips without libtpu
     dcn = {head: collectives_per_step(ushard.compile_for(small_config(**settings, **{"parallel.pipeline_head": head}),
                                                          topology="v5p:2x2x2", num_slices=2).as_text())
@@ -151,7 +152,8 @@ def test_v4_is_laid_out_one_device_a_chip():
 
 
 @pytest.mark.parametrize("topology, slices, match", [
-    ("v9z:2x2", 1, r"^libtpu does not know the TPU topology 'v9z:2x2' \(.*\); write it as GENERATION:SHAPE, e\.g\. v5p:4x4x4"),
+    ("v9z:2x2", 1,
+     r"^libtpu does not know the TPU topology 'v9z:2x2' \(.*\); write it as GENERATION:SHAPE, e\.g\. v5p:4x4x4"),
     ("v5p:3x3x3", 1, r"^libtpu does not know the TPU topology 'v5p:3x3x3' \(Topology layout .* is not divisible"),
     ("v5p-128", 1, r"^topology='v5p-128' is not a TPU topology name; write it as GENERATION:SHAPE"),
     ("v5p:2x2x2", 0, r"^num_slices=0 must be a whole number of slices >= 1\.$"),
@@ -247,7 +249,7 @@ ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {
   %init = (s32[], f32[8]) tuple(%zero, %x)
   ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
 }
-"""
+"""  # noqa: E501  (HLO lines as XLA prints them)
 
 
 def test_collectives_in_a_loop_count_once_per_iteration():

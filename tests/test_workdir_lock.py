@@ -40,7 +40,8 @@ def test_second_holder_in_one_process_is_refused_naming_the_first(tmp_path):
         with pytest.raises(UserError) as excinfo:
             WorkdirLock(str(tmp_path)).acquire()
         message = _one_sentence(excinfo)
-        assert message.startswith(f"workdir {tmp_path} is in use by another run (pid {os.getpid()} on host {HOST}, since ")
+        assert message.startswith(
+            f"workdir {tmp_path} is in use by another run (pid {os.getpid()} on host {HOST}, since ")
         assert f"lock file {tmp_path / '.lock'}); wait for it to end or choose another --workdir." in message
     assert _holder_in_file(tmp_path) is None  # released: emptied, kept
     with WorkdirLock(str(tmp_path), log=logged.append):
@@ -131,7 +132,8 @@ def test_a_lock_kept_by_a_forked_child_names_the_ended_parent(tmp_path):
 
 
 @pytest.mark.parametrize("make, needle", [
-    (lambda d: (d / "run").write_text("x"), "workdir {d}/run exists and is not a directory; give a directory for --workdir."),
+    (lambda d: (d / "run").write_text("x"),
+     "workdir {d}/run exists and is not a directory; give a directory for --workdir."),
     (lambda d: (d / "run" / ".lock").mkdir(parents=True), "cannot create the lock file {d}/run/.lock: Is a directory"),
 ])
 def test_unusable_workdir_is_one_sentence(tmp_path, make, needle):
@@ -168,7 +170,8 @@ def test_a_read_only_filesystem_is_one_sentence(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("workdir, sentence", [
     ("file", "workdir {d}/file exists and is not a directory; give a directory for --workdir."),
-    ("file/run", "cannot create the lock file {d}/file/run/.lock: Not a directory; give a writable directory for --workdir."),
+    ("file/run",
+     "cannot create the lock file {d}/file/run/.lock: Not a directory; give a writable directory for --workdir."),
 ])
 def test_cli_refuses_an_unusable_workdir_before_loading_data(tmp_path, capsys, monkeypatch, workdir, sentence):
     from ushard.cli import main

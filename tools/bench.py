@@ -139,8 +139,11 @@ def print_table(results: list[dict]) -> None:
         cells = []
         for c in cols:
             v = r.get(c)
-            cells.append((r.get("error", "-") if v is None and c == cols[0] else
-                          "-" if v is None else f"{100 * v:.1f}%" if c == "mfu" else f"{v:,.3f}" if v < 100 else f"{v:,.0f}").rjust(19))
+            if v is None:
+                cell = r.get("error", "-") if c == cols[0] else "-"
+            else:
+                cell = f"{100 * v:.1f}%" if c == "mfu" else f"{v:,.3f}" if v < 100 else f"{v:,.0f}"
+            cells.append(cell.rjust(19))
         print(r["name"].ljust(width) + "".join(cells))
 
 
@@ -174,7 +177,8 @@ def main() -> None:
 
     unnamed = [v for v in args.variant if "=" not in v or not v.split("=", 1)[0]]
     if unnamed:
-        parser.error(f"--variant {unnamed[0]!r} has no label: write LABEL=\"--config.a=b ...\" (LABEL= alone for no overrides)")
+        parser.error(f"--variant {unnamed[0]!r} has no label: write LABEL=\"--config.a=b ...\" "
+                     "(LABEL= alone for no overrides)")
     variants = [v.split("=", 1) for v in args.variant] or [["ushard", ""]]
     results = []
     for label, extra in variants:
@@ -185,7 +189,8 @@ def main() -> None:
         cmd += ["--config." + o for o in overrides] + [w for w in words if w.startswith("--")]
         results.append(_subprocess_json(label, cmd, env, args.processes))
     for peer in filter(None, args.peers.split(",")):
-        results.append(_subprocess_json(f"peer_{peer}", peer_command(peer, args.config, overrides, args.steps, args.warmup)))
+        command = peer_command(peer, args.config, overrides, args.steps, args.warmup)
+        results.append(_subprocess_json(f"peer_{peer}", command))
     print_table(results)
 
 

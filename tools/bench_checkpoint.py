@@ -64,7 +64,8 @@ def main() -> None:
         print(json.dumps(r))
     print("\nmode    state GiB   blocked s (median)   complete s (median)")
     for r in results:
-        print(f"{'async' if r['async'] else 'sync':<8}{r['state_gib']:>9.2f}{r['blocked_s']:>21.3f}{r['complete_s']:>22.3f}")
+        mode = "async" if r["async"] else "sync"
+        print(f"{mode:<8}{r['state_gib']:>9.2f}{r['blocked_s']:>21.3f}{r['complete_s']:>22.3f}")
 
 
 if __name__ == "__main__":

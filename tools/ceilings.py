@@ -84,8 +84,8 @@ def elementwise_bytes(m, tokens: int, n_params: int) -> dict[str, float]:
     write the input gradient; read x and the output gradient again for the scale's gradient: 6 rows);
     rotary (4 rows of q/k); the SwiGLU gradient (read 3 mlp rows, write 2). The loss (its matmul's
     write of the logits is in the matmul's time): the logits read once for the softmax statistics and
-    once for their gradient, the gradient written (3 passes of [tokens, vocab]). AdamW: read weight, gradient and two moments, write weight and
-    moments (7 float32 numbers per parameter).
+    once for their gradient, the gradient written (3 passes of [tokens, vocab]). AdamW: read weight,
+    gradient and two moments, write weight and moments (7 float32 numbers per parameter).
     """
     row, mlp_row = 2 * tokens * m.d_model, 2 * tokens * m.d_ff
     qk_rows = 2 * tokens * (m.d_model + m.d_model * m.n_kv_heads // m.n_heads)
@@ -122,13 +122,16 @@ def main() -> None:
             flops = 2 * tokens * k * n
             matmul_ms += count * ms
             matmul_flops += count * flops
-            print(f"{name:<10} {form:<12} {str(shapes[0]) + 'x' + str(shapes[1]):<24} {ms:7.3f} {flops / ms / 1e9:8.0f}")
-    print(f"all matmuls of a step: {matmul_ms:.1f} ms, {matmul_flops / 1e12:.1f} TFLOP at {matmul_flops / matmul_ms / 1e9:.0f} TFLOP/s")
+            operands = f"{shapes[0]}x{shapes[1]}"
+            print(f"{name:<10} {form:<12} {operands:<24} {ms:7.3f} {flops / ms / 1e9:8.0f}")
+    rate = matmul_flops / matmul_ms / 1e9
+    print(f"all matmuls of a step: {matmul_ms:.1f} ms, {matmul_flops / 1e12:.1f} TFLOP at {rate:.0f} TFLOP/s")
 
     hd = m.d_model // m.n_heads
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
-    q, d_out = random(3, (t.batch_size, t.seq_len, m.n_heads, hd)), random(4, (t.batch_size, t.seq_len, m.n_heads, hd))
-    k, v = random(5, (t.batch_size, t.seq_len, m.n_kv_heads, hd)), random(6, (t.batch_size, t.seq_len, m.n_kv_heads, hd))
+    q_shape, kv_shape = (t.batch_size, t.seq_len, m.n_heads, hd), (t.batch_size, t.seq_len, m.n_kv_heads, hd)
+    q, d_out = random(3, q_shape), random(4, q_shape)
+    k, v = random(5, kv_shape), random(6, kv_shape)
     attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)  # noqa: E731
     forward_ms = time_ms(attend, q, k, v, repeats=reps)
     train_ms = time_ms(lambda q, k, v, d: jax.vjp(attend, q, k, v)[1](d), q, k, v, d_out, repeats=reps)

@@ -48,7 +48,8 @@ DESCRIPTIONS = {
     "model.rope_theta": "RoPE base frequency",
     "model.rope_scaling.type": "`none` or `llama3` (Llama 3.1's long-context frequency scaling; the keys below)",
     "model.rope_scaling.factor": "llama3: long wavelengths are divided by this",
-    "model.rope_scaling.low_freq_factor": "llama3: wavelengths above original_max_position_embeddings / this are scaled",
+    "model.rope_scaling.low_freq_factor": "llama3: wavelengths above original_max_position_embeddings / this are "
+                                          "scaled",
     "model.rope_scaling.high_freq_factor": "llama3: wavelengths below original_max_position_embeddings / this are kept",
     "model.rope_scaling.original_max_position_embeddings": "llama3: the context length the model was trained with",
     "model.norm_eps": "RMSNorm epsilon (Hugging Face `rms_norm_eps`)",
@@ -56,14 +57,16 @@ DESCRIPTIONS = {
     "model.compute_dtype": "dtype of activations and matmuls: float32, bfloat16 or float16",
     "model.param_dtype": "dtype parameters and optimizer state are stored in",
     "model.attention_impl": "`auto` (cuDNN flash attention on GPUs in 16-bit compute, else XLA), `xla` or `cudnn`",
-    "model.remat": "what the backward pass recomputes: none, full, dots, dots_no_batch, dots_attention, dots_attention_norms",
+    "model.remat": "what the backward pass recomputes: none, full, dots, dots_no_batch, dots_attention, "
+                   "dots_attention_norms",
     "model.document_mask": "packed documents never attend to each other (segment ids)",
     "model.scan_unroll": "layers per iteration of the layer scan; n_layers unrolls fully (faster, longer compile)",
     "model.fused_mlp": "one weight and one matmul for the SwiGLU gate and up projections",
     "model.fp8": "the blocks' matmuls in FP8 (Hopper GPUs or newer)",
     "model.moe.num_experts": "routed experts per MoE layer; 0: a dense model",
     "model.moe.top_k": "routed experts per token",
-    "model.moe.capacity_factor": "an expert takes at most ceil(factor * tokens * top_k / num_experts) tokens; 0: dropless",
+    "model.moe.capacity_factor": "an expert takes at most ceil(factor * tokens * top_k / num_experts) tokens; 0: "
+                                 "dropless",
     "model.moe.num_shared_experts": "experts every token goes through beside its routed ones",
     "model.moe.expert_d_ff": "hidden width of one expert; 0: model.d_ff",
     "model.moe.every": "after the first dense layers, every `every`-th layer is an MoE layer",
@@ -76,7 +79,8 @@ DESCRIPTIONS = {
     "model.moe.aux_loss_weight": "weight of the load-balancing loss",
     "model.moe.z_loss_weight": "weight of the router z-loss",
     "model.moe.bias_update_rate": "auxiliary-loss-free balancing: each step's move of an expert's routing bias; 0: off",
-    "model.moe.dispatch": "with mesh.expert > 1: `padded` all-to-all of fixed-capacity buffers or `ragged` (only the rows used)",
+    "model.moe.dispatch": "with mesh.expert > 1: `padded` all-to-all of fixed-capacity buffers or `ragged` (only the "
+                          "rows used)",
     # train
     "train.steps": "optimizer steps of the run",
     "train.batch_size": "global batch, in sequences",
@@ -95,28 +99,37 @@ DESCRIPTIONS = {
     "train.log_every": "steps between rows of metrics.jsonl",
     "train.eval_every": "steps between held-out loss evaluations; 0: none",
     "train.eval_batches": "batches per evaluation",
-    "train.on_nonfinite": "a NaN/inf loss or gradient: `skip` the update, `rollback` to the last checkpoint past the batch, or `stop`",
+    "train.on_nonfinite": "a NaN/inf loss or gradient: `skip` the update, `rollback` to the last checkpoint past the "
+                          "batch, or `stop`",
     "train.max_nonfinite_steps": "skip / rollback give up after this many non-finite steps in a row",
     # checkpoint
     "checkpoint.every": "steps between checkpoints; 0: only at the end and on SIGTERM",
     "checkpoint.keep": "newest checkpoints kept",
     "checkpoint.async_save": "write checkpoints in the background (training waits only for the device-to-host copy)",
-    "checkpoint.init_from": "a new run starts from these parameters (a workdir or a Hugging Face checkpoint) with a fresh optimizer; empty: none",
+    "checkpoint.init_from": "a new run starts from these parameters (a workdir or a Hugging Face checkpoint) with a "
+                            "fresh optimizer; empty: none",
     # mesh
     **{f"mesh.{axis}": text for axis, text in _MESH.items()},
     **{f"mesh.dcn.{axis}": _DCN.format(axis=axis) for axis in _MESH},
     # parallel
     "parallel.zero_stage": "what the fsdp axis shards: 0 nothing, 1 optimizer state, 2 + gradients, 3 + parameters",
-    "parallel.collective_combine_mib": "GPU: merge neighbouring all-gathers / reduce-scatters up to this many MiB; 0: XLA's default",
-    "parallel.context_keep_kv": "mesh.sequence > 1: the backward pass reuses the forward's keys and values instead of passing them around (ring) or gathering them (all_gather) again; a third less traffic, K/V memory growing with mesh.sequence (every layer's received blocks held until its backward pass)",
-    "parallel.reshard_after_forward": "ZeRO-3: gather each layer's weights again for the backward pass (false keeps the forward's copy)",
-    "parallel.sequence_parallel": "Megatron sequence parallelism: activations between blocks also split along the sequence over tensor",
+    "parallel.collective_combine_mib": "GPU: merge neighbouring all-gathers / reduce-scatters up to this many MiB; 0: "
+                                       "XLA's default",
+    "parallel.context_keep_kv": "mesh.sequence > 1: the backward pass reuses the forward's keys and values instead of "
+                                "passing them around (ring) or gathering them (all_gather) again; a third less "
+                                "traffic, K/V memory growing with mesh.sequence (every layer's received blocks held "
+                                "until its backward pass)",
+    "parallel.reshard_after_forward": "ZeRO-3: gather each layer's weights again for the backward pass (false keeps "
+                                      "the forward's copy)",
+    "parallel.sequence_parallel": "Megatron sequence parallelism: activations between blocks also split along the "
+                                  "sequence over tensor",
     "parallel.context_parallel": "attention with mesh.sequence > 1: `ring` (K/V passed around) or `all_gather`",
     "parallel.pipeline_schedule": "with mesh.pipeline > 1: gpipe, circular or 1f1b",
-    "parallel.pipeline_head": "with mesh.pipeline > 1, where the embedding and LM head run: `split` (the vocabulary over "
-                              "the stages; hidden-size all-reduces over the stage axis each 1F1B tick), `whole` (every stage "
-                              "holds the whole vocabulary; under 1F1B only the stages' own sends cross the stage axis in a "
-                              "tick), `auto` (`whole` when mesh.dcn.pipeline > 1, else `split`)",
+    "parallel.pipeline_head": "with mesh.pipeline > 1, where the embedding and LM head run: `split` (the "
+                              "vocabulary over the stages; hidden-size all-reduces over the stage axis each 1F1B "
+                              "tick), `whole` (every stage holds the whole vocabulary; under 1F1B only the stages' "
+                              "own sends cross the stage axis in a tick), `auto` (`whole` when mesh.dcn.pipeline > 1, "
+                              "else `split`)",
     "parallel.pipeline_microbatches": "microbatches per step (per grad_accum part) flowing through the stages",
     "parallel.pipeline_repeats": "circular schedule: chunks of layers (virtual stages) per device",
     # data

@@ -109,7 +109,8 @@ class HloOps:
         """The operations grouped by (op name, shape), largest first, with each matmul group's TFLOP/s."""
         groups = collections.defaultdict(lambda: [0.0, 0, 0, set()])
         for name, (ms, launches, kernel) in self.attribute(kernels, steps).items():
-            op = re.sub(r"jit\([^)]*\)/|eval_jaxpr/|checkpoint/|rematted_computation/", "", self.op_name.get(name, name))
+            op = re.sub(r"jit\([^)]*\)/|eval_jaxpr/|checkpoint/|rematted_computation/", "",
+                        self.op_name.get(name, name))
             g = groups[(op, self.shape.get(name, "").split("{")[0][:48])]
             g[0] += ms
             g[1] += launches

@@ -14,7 +14,9 @@ def start(cmd: list[str], processes: int, env: dict | None = None, **popen) -> l
     with socket.socket() as sock:  # a free port for the coordinator
         sock.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
-    return [subprocess.Popen(cmd + ["--processes", str(processes), "--coordinator", coordinator, "--process-id", str(i)],
-                             env={**os.environ, **(env or {}), "CUDA_VISIBLE_DEVICES": str(i), "JAX_NUM_CPU_DEVICES": "1"},
-                             **popen)
-            for i in range(processes)]
+    started = []
+    for i in range(processes):
+        role = ["--processes", str(processes), "--coordinator", coordinator, "--process-id", str(i)]
+        one_device = {"CUDA_VISIBLE_DEVICES": str(i), "JAX_NUM_CPU_DEVICES": "1"}
+        started.append(subprocess.Popen(cmd + role, env={**os.environ, **(env or {}), **one_device}, **popen))
+    return started

@@ -30,7 +30,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import local_processes  # tools/, this script's folder
 
@@ -131,7 +132,8 @@ def main() -> None:
     if args.processes:
         jax.distributed.initialize(args.coordinator, args.processes, args.process_id)
     if len(jax.devices()) < 2:
-        raise SystemExit(f"p2p_overlap needs two or more devices to make a ring; this machine has {len(jax.devices())}.")
+        raise SystemExit(f"p2p_overlap needs two or more devices to make a ring; "
+                         f"this machine has {len(jax.devices())}.")
     r = measure(args.rows, args.tokens, args.heads, args.head_dim, args.hops, args.matmul)
     if jax.process_index() == 0:
         print(f"{r['devices']} devices in {jax.process_count()} process(es): ppermute {r['ppermute_gb_s']:.0f} GB/s "

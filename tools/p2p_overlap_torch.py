@@ -91,7 +91,8 @@ def _ring(rank: int, n: int, port: int, args, cpu: bool) -> None:
     if rank == 0:
         gb_s = args.hops * block.numel() * block.element_size() / t_transfer / 1e9
         backend = "gloo" if cpu else "NCCL"
-        print(_line(f"{n} devices, {backend} send/recv ring, one process each", gb_s, t_transfer, t_matmul, t_both), flush=True)
+        what = f"{n} devices, {backend} send/recv ring, one process each"
+        print(_line(what, gb_s, t_transfer, t_matmul, t_both), flush=True)
     dist.destroy_process_group()
 
 

@@ -24,7 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ushard.config import load_config  # noqa: E402
 from ushard.parallel.pipeline import (  # noqa: E402
-    IDLE, SCHEDULES, bubble_fraction, forward_table, one_f_one_b_table, ring_size,
+    IDLE,
+    SCHEDULES,
+    bubble_fraction,
+    forward_table,
+    one_f_one_b_table,
+    ring_size,
 )
 
 FORWARD, BACKWARD = "F", "B"

@@ -23,11 +23,10 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hlo_ops import HloOps, kernel_class  # noqa: E402  (tools/ is this script's folder)
 from ushard import xla_flags  # noqa: E402
 from ushard.config import load_config  # noqa: E402
 from ushard.training.loop import Trainer  # noqa: E402
-
-from hlo_ops import HloOps, kernel_class  # noqa: E402  (tools/ is this script's folder)
 
 
 def _merged(intervals) -> list[tuple[float, float]]:
@@ -75,7 +74,8 @@ def exposed_gaps(kernels: list[dict], top: int = 10) -> list[str]:
     lines = []
     for lo, hi in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
         during = {e["name"].split("(")[0] for e in collectives if e["ts"] < hi and e["ts"] + e["dur"] > lo}
-        lines.append(f"  gap {(hi - lo) / 1e3:6.2f} ms at {(lo - origin) / 1e3:8.1f} ms: {', '.join(sorted(during)) or 'idle'}")
+        running = ", ".join(sorted(during)) or "idle"
+        lines.append(f"  gap {(hi - lo) / 1e3:6.2f} ms at {(lo - origin) / 1e3:8.1f} ms: {running}")
     return lines
 
 

@@ -13,5 +13,5 @@ from ushard.errors import UserError  # noqa: E402
 from ushard.hf import from_hf, to_hf  # noqa: E402
 from ushard.trained import TrainedModel, load_model  # noqa: E402
 
-__all__ = ["Setup", "TrainedModel", "UserError", "build", "compile_for", "from_hf", "load_config", "load_model", "to_hf",
-           "train"]
+__all__ = ["Setup", "TrainedModel", "UserError", "build", "compile_for", "from_hf", "load_config", "load_model",
+           "to_hf", "train"]

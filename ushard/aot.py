@@ -43,7 +43,8 @@ def tpu_devices(topology: str, num_slices: int = 1) -> list:
     try:
         import libtpu  # noqa: F401
     except ImportError:
-        raise UserError("compiling for a TPU topology needs libtpu; install it with pip install 'ushard[tpu]'.") from None
+        raise UserError("compiling for a TPU topology needs libtpu; install it with "
+                        "pip install 'ushard[tpu]'.") from None
     from jax.experimental import topologies
 
     _quiet_libtpu()
@@ -56,7 +57,8 @@ def tpu_devices(topology: str, num_slices: int = 1) -> list:
         if "INVALID_ARGUMENT" not in str(e):  # not the name: libtpu itself failed
             raise
         reason = " ".join(str(e).split()).removeprefix("INVALID_ARGUMENT: ").rstrip(".")
-        raise UserError(f"libtpu does not know the TPU topology {topology!r} ({reason}); write it as {TOPOLOGY_FORM}.") from None
+        raise UserError(f"libtpu does not know the TPU topology {topology!r} ({reason}); "
+                        f"write it as {TOPOLOGY_FORM}.") from None
 
 
 def _quiet_libtpu() -> None:
@@ -123,7 +125,8 @@ _DCN_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SC
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
 # The computations an instruction runs: fusions, loop bodies, branches (not reducers' `to_apply`).
-_CALLED = re.compile(r"\b(?:calls|body|branch_computations|true_computation|false_computation)=\{?(%?[\w.\-]+(?:, %?[\w.\-]+)*)")
+_CALLED = re.compile(r"\b(?:calls|body|branch_computations|true_computation|false_computation)"
+                     r"=\{?(%?[\w.\-]+(?:, %?[\w.\-]+)*)")
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,

@@ -83,7 +83,8 @@ def _hide_stray_tensorstore_errors(previous_hook):
 
     def hook(unraisable):
         error = unraisable.exc_value
-        stray = (isinstance(error, RuntimeError) and str(error) == "Event loop is closed") or "TensorStore" in str(error)
+        closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        stray = closed_loop or "TensorStore" in str(error)
         if not stray:
             previous_hook(unraisable)
 
@@ -108,7 +109,8 @@ class Checkpoints:
         self.damaged_directory = os.path.join(os.path.dirname(self.directory), DAMAGED_DIR)
         self.move_damaged = create
         if not create and not os.path.isdir(self.directory):
-            raise UserError(f"{self.directory} does not exist; train a model first with `ushard train --workdir {workdir}`.")
+            raise UserError(f"{self.directory} does not exist; train a model first with "
+                            f"`ushard train --workdir {workdir}`.")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=create,
             # Directories made by save() itself: a read-only directory fails there and then. Made in the

@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--prompt", required=True, help="the text to continue")
     sample.add_argument("--max_new_tokens", type=int, default=200, help="at most this many tokens (default: 200)")
     sample.add_argument("--temperature", type=float, default=0.8, help="0 picks the likeliest token (default: 0.8)")
-    sample.add_argument("--top_k", type=int, default=40, help="sample among the k likeliest tokens; 0: all (default: 40)")
+    sample.add_argument("--top_k", type=int, default=40,
+                        help="sample among the k likeliest tokens; 0: all (default: 40)")
     sample.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default: 0)")
     convert = sub.add_parser(
         "convert", help="convert between Hugging Face checkpoints and ushard workdirs",
@@ -63,10 +64,13 @@ def _parser() -> argparse.ArgumentParser:
                     "workdir's checkpoint; --from WORKDIR --to-hf DIR: a workdir's newest checkpoint into a "
                     "Hugging Face checkpoint.",
     )
-    convert.add_argument("--from-hf", dest="from_hf", metavar="DIR", help="a Hugging Face checkpoint directory to import")
+    convert.add_argument("--from-hf", dest="from_hf", metavar="DIR",
+                         help="a Hugging Face checkpoint directory to import")
     convert.add_argument("--to", metavar="WORKDIR", help="the new workdir to write the imported checkpoint into")
-    convert.add_argument("--from", dest="from_workdir", metavar="WORKDIR", help="a workdir whose newest checkpoint to export")
-    convert.add_argument("--to-hf", dest="to_hf", metavar="DIR", help="the new directory to write the Hugging Face checkpoint into")
+    convert.add_argument("--from", dest="from_workdir", metavar="WORKDIR",
+                         help="a workdir whose newest checkpoint to export")
+    convert.add_argument("--to-hf", dest="to_hf", metavar="DIR",
+                         help="the new directory to write the Hugging Face checkpoint into")
     convert.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                          help="--to-hf: the weights' dtype on disk (default: the parameters')")
     aot = sub.add_parser(
@@ -76,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     aot.add_argument("--config", required=True, help="a shipped config name (e.g. llama3_8b) or a path to a config .py")
     aot.add_argument("--topology", required=True, help="GENERATION:SHAPE, e.g. v5p:4x4x4, v5e:4x4, v6e:4x4, v4:2x2x2")
-    aot.add_argument("--num_slices", type=int, default=1, help="slices of that topology (default: 1); mesh.dcn.* spans them")
+    aot.add_argument("--num_slices", type=int, default=1,
+                     help="slices of that topology (default: 1); mesh.dcn.* spans them")
     return parser
 
 
@@ -96,14 +101,16 @@ def start_processes(args) -> None:
     flags = (args.coordinator_address, args.num_processes, args.process_id)
     given = [f is not None for f in flags]
     if any(given) and not all(given):
-        raise UserError("a multi-process run needs all of --coordinator_address HOST:PORT, --num_processes N and --process_id I.")
+        raise UserError("a multi-process run needs all of --coordinator_address HOST:PORT, --num_processes N "
+                        "and --process_id I.")
     if not all(given) and not _cluster_launched():
         return
     import jax
 
     if all(given):
         if not 0 <= args.process_id < args.num_processes:
-            raise UserError(f"--process_id={args.process_id} must be between 0 and --num_processes-1={args.num_processes - 1}.")
+            raise UserError(f"--process_id={args.process_id} must be between 0 and "
+                            f"--num_processes-1={args.num_processes - 1}.")
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     else:
         jax.distributed.initialize()
@@ -135,7 +142,8 @@ def convert(args) -> None:
     elif all(exporting) and not any(importing):
         hf.convert_to_hf(args.from_workdir, args.to_hf, args.dtype)
     else:
-        raise UserError("convert takes either --from-hf DIR --to WORKDIR (import) or --from WORKDIR --to-hf DIR (export).")
+        raise UserError("convert takes either --from-hf DIR --to WORKDIR (import) or --from WORKDIR --to-hf DIR "
+                        "(export).")
 
 
 def compile_step(args, overrides) -> None:
@@ -160,13 +168,15 @@ def main(argv=None) -> int:
             compile_step(args, overrides)
         elif args.command == "sample":
             if overrides:
-                raise UserError(f"sample takes no --config overrides (--config.{overrides[0]}); the model's settings come from its checkpoint.")
+                raise UserError(f"sample takes no --config overrides (--config.{overrides[0]}); the model's "
+                                "settings come from its checkpoint.")
             from ushard.sample import sample
 
             sample(args.workdir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
         elif args.command == "convert":
             if overrides:
-                raise UserError(f"convert takes no --config overrides (--config.{overrides[0]}); the model's settings come from the checkpoint.")
+                raise UserError(f"convert takes no --config overrides (--config.{overrides[0]}); the model's "
+                                "settings come from the checkpoint.")
             convert(args)
         return 0
     except UserError as e:

@@ -199,7 +199,8 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
         overrides = [overrides]
     for item in overrides or ():
         if not isinstance(item, str):
-            raise UserError(f"override {item!r} is not a string; write overrides like 'train.steps=50', or pass a dict.")
+            raise UserError(f"override {item!r} is not a string; write overrides like 'train.steps=50', "
+                            "or pass a dict.")
         item = item.removeprefix("--config.")
         if "=" not in item:
             raise UserError(f"override --config.{item} has no value; write --config.{item}=VALUE.")
@@ -260,7 +261,8 @@ def _lookup_parent(config, key):
             close = difflib.get_close_matches(part, names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UserError(
-                f"unknown config key {key!r}: {where} has no {part!r}{hint}; valid keys there: {', '.join(names) or 'none'}."
+                f"unknown config key {key!r}: {where} has no {part!r}{hint}; "
+                f"valid keys there: {', '.join(names) or 'none'}."
             )
         if depth == len(parts) - 1:
             return node, part
@@ -309,7 +311,8 @@ def _check_optimizer(t) -> None:
     (rows of the embedding that the data never uses)."""
     for key in ("b1", "b2"):
         if not 0.0 <= t[key] < 1.0:
-            raise UserError(f"train.{key}={t[key]!r} must be >= 0 and < 1 (AdamW's decay rate; typical: b1=0.9, b2=0.95).")
+            raise UserError(f"train.{key}={t[key]!r} must be >= 0 and < 1 (AdamW's decay rate; "
+                            "typical: b1=0.9, b2=0.95).")
     if not (math.isfinite(t.eps) and t.eps > 0):
         raise UserError(f"train.eps={t.eps!r} must be a finite number > 0 (AdamW's denominator term; typical: 1e-8).")
 
@@ -369,7 +372,8 @@ def check_settings(config) -> ModelConfig:
         group, name = key.split(".")
         _choice(config[group][name], valid, key)
     if config.parallel.collective_combine_mib < 0:
-        raise UserError(f"parallel.collective_combine_mib={config.parallel.collective_combine_mib} is negative; use 0 for XLA's default or a size in MiB.")
+        raise UserError(f"parallel.collective_combine_mib={config.parallel.collective_combine_mib} is negative; "
+                        "use 0 for XLA's default or a size in MiB.")
     if not 0.0 < d.eval_fraction < 1.0:
         raise UserError(f"data.eval_fraction={d.eval_fraction!r} must be strictly between 0 and 1.")
     _check_optimizer(t)
@@ -379,12 +383,14 @@ def check_settings(config) -> ModelConfig:
         raise UserError(f"train.min_lr_ratio={t.min_lr_ratio!r} must be between 0 and 1.")
     tokens = get_tokenizer(d.tokenizer).vocab_size
     if model_cfg.vocab_size < tokens:
-        raise UserError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the {d.tokenizer!r} tokenizer's {tokens} tokens; use at least that.")
+        raise UserError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the {d.tokenizer!r} tokenizer's "
+                        f"{tokens} tokens; use at least that.")
     if d.source != "stdlib" and not d.paths:
         raise UserError(f"data.source={d.source!r} needs data.paths, a glob of files to read.")
     mixture_weights(d)
     if t.batch_size % t.grad_accum:
-        raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; use a multiple of {t.grad_accum}.")
+        raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
+                        f"use a multiple of {t.grad_accum}.")
     return model_cfg
 
 
@@ -458,7 +464,8 @@ def validate(config, num_devices: int) -> dict[str, int]:
         check_divisible(parameters, rules, mesh)
     rows, split = t.batch_size // t.grad_accum, f"train.batch_size={t.batch_size} / train.grad_accum={t.grad_accum}"
     if mesh["pipeline"] > 1:
-        rows, split = rows // p.pipeline_microbatches, f"{split} / parallel.pipeline_microbatches={p.pipeline_microbatches}"
+        rows = rows // p.pipeline_microbatches
+        split = f"{split} / parallel.pipeline_microbatches={p.pipeline_microbatches}"
     what = f"a microbatch ({split} sequences of train.seq_len={t.seq_len})"
     micro = (rows, t.seq_len)
     check_divisible({what: (BATCH_NAMES, micro)}, zero.compute, mesh)
@@ -477,6 +484,7 @@ def check_kv_heads(n_kv_heads: int, tensor: int) -> bool:
     if tensor % n_kv_heads:
         raise UserError(
             f"model.n_kv_heads={n_kv_heads} and mesh.tensor={tensor}: each tensor rank needs whole key/value "
-            f"heads, so one must be a multiple of the other; choose mesh.tensor among the divisors or multiples of {n_kv_heads}."
+            f"heads, so one must be a multiple of the other; choose mesh.tensor among the divisors or multiples "
+            f"of {n_kv_heads}."
         )
     return False

@@ -98,8 +98,9 @@ def _check_expressible(hf: dict, directory: str) -> None:
             _refuse(directory, key, hf[key], "ushard's projections have no biases")
     head_dim = hf["hidden_size"] // hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, head_dim) or hf["hidden_size"] % hf["num_attention_heads"]:
+        ratio = hf["hidden_size"] / hf["num_attention_heads"]
         _refuse(directory, "head_dim", hf.get("head_dim"),
-                f"ushard's head_dim is hidden_size / num_attention_heads = {hf['hidden_size'] / hf['num_attention_heads']:g}")
+                f"ushard's head_dim is hidden_size / num_attention_heads = {ratio:g}")
     if hf.get("sliding_window") is not None:
         _refuse(directory, "sliding_window", hf["sliding_window"], "ushard's attention sees the whole context; "
                 "set it to null if the model was trained without one")
@@ -144,7 +145,8 @@ def _rope(hf: dict, directory: str) -> tuple[float, RopeScaling]:
         _refuse(directory, f"{field}.rope_type", kind, f"ushard computes RoPE of types {', '.join(ROPE_TYPES)}")
     theta = params.get("rope_theta")
     if not isinstance(theta, (int, float)):
-        _refuse(directory, f"{field}.rope_theta" if field == "rope_parameters" else "rope_theta", theta, "it must be a number")
+        key = f"{field}.rope_theta" if field == "rope_parameters" else "rope_theta"
+        _refuse(directory, key, theta, "it must be a number")
     if kind == "default":
         return float(theta), RopeScaling()
     keys = [f.name for f in dataclasses.fields(RopeScaling) if f.name != "type"]
@@ -514,7 +516,8 @@ def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, 
         check_mixtral_routing(cfg)
         _check_no_routing_bias(params, model_definition(cfg))
     if dtype not in DTYPE_NAMES:
-        raise UserError(f"dtype={dtype!r} is not one safetensors export takes; choose one of: {', '.join(DTYPE_NAMES)}.")
+        raise UserError(f"dtype={dtype!r} is not one safetensors export takes; "
+                        f"choose one of: {', '.join(DTYPE_NAMES)}.")
     np_dtype = np.dtype(DTYPE_NAMES[dtype])
     named = _named(tensor_map(cfg), cfg.n_layers)
     shapes = {path: s.shape for path, s in _param_shapes(model_definition(cfg)).items()}
@@ -616,7 +619,8 @@ def convert_from_hf(hf_dir: str, workdir: str, log=print) -> None:
     finally:
         checkpoints.close()
     overrides = " ".join(f"--config.model.{k}={v}" for k, v in _hf_settings(cfg).items())
-    log(f"wrote {os.path.join(workdir, 'checkpoints', '0')}: {model_definition(cfg).num_params() / 1e6:.1f}M parameters "
+    millions = model_definition(cfg).num_params() / 1e6
+    log(f"wrote {os.path.join(workdir, 'checkpoints', '0')}: {millions:.1f}M parameters "
         f"from {hf_dir}.\nTo fine-tune it, train in another workdir with --config.checkpoint.init_from={workdir} "
         f"and these model settings:\n{overrides}")
 

@@ -54,9 +54,13 @@ class ParallelPlan:
 
         p, m, t = config.parallel, config.model, config.train
         stages, ways = mesh_shape["pipeline"], mesh_shape["sequence"]
-        pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats) if stages > 1 else None
+        pipeline = None
+        if stages > 1:
+            pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats)
         attention = _choice(m.attention_impl, platform, m.compute_dtype, t.seq_len, in_stage=False)
-        stage_attention = _choice(m.attention_impl, platform, m.compute_dtype, t.seq_len, in_stage=True) if pipeline else None
+        stage_attention = None
+        if pipeline is not None:
+            stage_attention = _choice(m.attention_impl, platform, m.compute_dtype, t.seq_len, in_stage=True)
         blocks = None
         if ways > 1:
             # Inside stages attention resolves as `stage_attention` does; the blocks follow it.

@@ -116,7 +116,8 @@ class ZeroRules:
                   sequence_parallel: bool = False, split_kv_heads: bool = True,
                   pipeline_size: int = 1, split_head: bool = True) -> "ZeroRules":
         def rules(shard_state_over_fsdp):
-            return logical_rules(shard_state_over_fsdp, sequence_parallel, split_kv_heads, pipeline_size > 1, split_head)
+            return logical_rules(shard_state_over_fsdp, sequence_parallel, split_kv_heads, pipeline_size > 1,
+                                 split_head)
 
         return cls(
             params=rules(stage >= 3),
@@ -272,7 +273,8 @@ class Layout:
 
     def shardings(self, logical_tree, kind: str):
         """A pytree of logical-name tuples -> the same pytree of NamedShardings."""
-        return jax.tree.map(lambda names: self.sharding(names, kind), logical_tree, is_leaf=lambda x: isinstance(x, tuple))
+        return jax.tree.map(lambda names: self.sharding(names, kind), logical_tree,
+                            is_leaf=lambda x: isinstance(x, tuple))
 
     @property
     def replicated(self) -> NamedSharding:

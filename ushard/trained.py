@@ -43,7 +43,8 @@ class TrainedModel:
     def __call__(self, tokens) -> jax.Array:
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise UserError(f"the model takes int32 token ids of shape [batch, length]; got {tokens.dtype} {tokens.shape}.")
+            raise UserError(f"the model takes int32 token ids of shape [batch, length]; "
+                            f"got {tokens.dtype} {tokens.shape}.")
         if self.layout.mesh.size > 1 and tokens.shape[0] % self.layout.mesh.size:
             raise UserError(f"a batch of {tokens.shape[0]} rows does not split over {self.layout.mesh.size} devices; "
                             f"use a multiple of {self.layout.mesh.size} rows, or load the model onto one device.")

@@ -16,9 +16,9 @@ and a run that creates a new one both hold "the" lock.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
-import contextlib
 import json
 import os
 import socket
@@ -98,9 +98,11 @@ class WorkdirLock:
             os.makedirs(self.workdir, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except FileExistsError:
-            raise UserError(f"workdir {self.workdir} exists and is not a directory; give a directory for --workdir.") from None
+            raise UserError(f"workdir {self.workdir} exists and is not a directory; "
+                            "give a directory for --workdir.") from None
         except OSError as e:
-            raise UserError(f"cannot create the lock file {self.path}: {e.strerror}; give a writable directory for --workdir.") from None
+            raise UserError(f"cannot create the lock file {self.path}: {e.strerror}; "
+                            "give a writable directory for --workdir.") from None
         try:
             previous = self._take(fd)
             os.ftruncate(fd, 0)
@@ -136,7 +138,8 @@ class WorkdirLock:
 
     def _busy(self, holder: dict | None) -> UserError:
         # A forked child shares its parent's flock, so the lock can outlive the process it names.
-        gone = ", which has ended, but a process it started still holds it" if holder and holder_alive(holder) is False else ""
+        ended = holder and holder_alive(holder) is False
+        gone = ", which has ended, but a process it started still holds it" if ended else ""
         return UserError(
             f"workdir {self.workdir} is in use by another run ({_describe(holder)}{gone}; lock file {self.path}); "
             f"wait for it to end or choose another --workdir."

@@ -20,7 +20,8 @@ def flags_for(config) -> list[str]:
     it a layer ahead instead of just before its first use (docs/benchmarks.md). 0 keeps XLA's default."""
     p, flags = config.parallel, []
     if p.collective_combine_mib:
-        flags += [f"--xla_gpu_{kind}_combine_threshold_bytes={p.collective_combine_mib * 2**20}" for kind in COMBINED_COLLECTIVES]
+        threshold = p.collective_combine_mib * 2**20
+        flags += [f"--xla_gpu_{kind}_combine_threshold_bytes={threshold}" for kind in COMBINED_COLLECTIVES]
     return flags
 
 

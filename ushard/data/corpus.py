@@ -289,8 +289,9 @@ def document_ends(tokens: np.ndarray, tokenizer, path: str) -> np.ndarray:
         block = np.asarray(tokens[start:start + SCAN_BLOCK])
         bad = np.flatnonzero((block < 0) | (block >= tokenizer.vocab_size))
         if len(bad):
-            raise UserError(f"{path} holds token id {block[bad[0]]} at index {start + bad[0]}, outside data.tokenizer's "
-                            f"vocabulary of {tokenizer.vocab_size}; tokenize with the same tokenizer as data.tokenizer.")
+            raise UserError(f"{path} holds token id {block[bad[0]]} at index {start + bad[0]}, outside "
+                            f"data.tokenizer's vocabulary of {tokenizer.vocab_size}; tokenize with the same "
+                            f"tokenizer as data.tokenizer.")
         ends.append(np.flatnonzero(block == tokenizer.eos_id) + start)
     return np.concatenate(ends) if ends else np.zeros(0, np.int64)
 

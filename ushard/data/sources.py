@@ -25,7 +25,8 @@ def stdlib_files() -> list[str]:
         if not any(part in skip for part in path[len(root):].split(os.sep))
     ]
     if not files:
-        raise UserError(f"data.source='stdlib' found no .py files under {root}; use data.source='text' with data.paths.")
+        raise UserError(f"data.source='stdlib' found no .py files under {root}; use data.source='text' with "
+                        "data.paths.")
     return sorted(files, key=lambda p: os.path.relpath(p, root))
 
 
@@ -106,7 +107,8 @@ def parquet_records(path: str, column: str):
                         f"its columns: {', '.join(schema.names)}.")
     kind = schema.field(column).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise UserError(f"{path}: column {column!r} holds {kind}, not text; set data.parquet_column to a string column.")
+        raise UserError(f"{path}: column {column!r} holds {kind}, not text; set data.parquet_column to a string "
+                        "column.")
     row = 0
     for group in range(file.num_row_groups):
         for text in file.read_row_group(group, columns=[column]).column(0).to_pylist():

@@ -94,8 +94,9 @@ def splash_blocks(interpret: bool = False) -> BlockKernel:
                                           residuals, d_out)
             return grads[3:6]  # after the three mask infos: dq, dk, dv
 
-        dq, dk, dv = jax.vmap(row)(_heads_major(q * scale), _heads_major(k), _heads_major(v), _heads_major(out.astype(q.dtype)),
-                                   jnp.swapaxes(lse, 1, 2), _heads_major(d_out), q_segments, k_segments)
+        dq, dk, dv = jax.vmap(row)(_heads_major(q * scale), _heads_major(k), _heads_major(v),
+                                   _heads_major(out.astype(q.dtype)), jnp.swapaxes(lse, 1, 2), _heads_major(d_out),
+                                   q_segments, k_segments)
         return tuple(_heads_major(g) for g in (dq * scale, dk, dv))
 
     return BlockKernel(forward=forward, backward=backward, segments=True, typed=False)

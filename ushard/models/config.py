@@ -69,7 +69,8 @@ class MoEConfig:
         p = "model.moe."
         _check_at_least(self, ("num_experts", "num_shared_experts", "expert_d_ff", "first_dense_layers"), 0, p)
         _check_at_least(self, ("top_k", "every", "num_groups", "top_groups"), 1, p)
-        _check_finite(self, ("capacity_factor", "aux_loss_weight", "z_loss_weight", "bias_update_rate"), p, allow_zero=True)
+        _check_finite(self, ("capacity_factor", "aux_loss_weight", "z_loss_weight", "bias_update_rate"), p,
+                      allow_zero=True)
         _check_finite(self, ("routed_scale",), p, allow_zero=False)
         for key, valid in (("score_func", SCORE_FUNCS), ("dispatch", DISPATCHES)):
             if getattr(self, key) not in valid:
@@ -79,13 +80,16 @@ class MoEConfig:
         if not self.num_experts:
             return
         if self.top_k > self.num_experts:
-            raise UserError(f"{p}top_k={self.top_k} is more than {p}num_experts={self.num_experts}; a token picks distinct experts.")
+            raise UserError(f"{p}top_k={self.top_k} is more than {p}num_experts={self.num_experts}; a token picks "
+                            "distinct experts.")
         if self.num_experts % self.num_groups:
-            raise UserError(f"{p}num_experts={self.num_experts} does not split into {p}num_groups={self.num_groups} equal groups; use a divisor.")
+            raise UserError(f"{p}num_experts={self.num_experts} does not split into {p}num_groups={self.num_groups} "
+                            "equal groups; use a divisor.")
         if self.top_groups > self.num_groups:
             raise UserError(f"{p}top_groups={self.top_groups} is more than {p}num_groups={self.num_groups}.")
         if self.top_k > self.top_groups * (self.num_experts // self.num_groups):
-            raise UserError(f"{p}top_k={self.top_k} is more than the {self.top_groups * (self.num_experts // self.num_groups)} "
+            within = self.top_groups * (self.num_experts // self.num_groups)
+            raise UserError(f"{p}top_k={self.top_k} is more than the {within} "
                             f"experts in {p}top_groups={self.top_groups} groups; raise top_groups.")
 
 
@@ -110,14 +114,16 @@ class RopeScaling:
 
     def check(self) -> None:
         if self.type not in ROPE_SCALING_TYPES:
-            raise UserError(f"model.rope_scaling.type={self.type!r} is not valid; choose one of: {', '.join(ROPE_SCALING_TYPES)}.")
+            raise UserError(f"model.rope_scaling.type={self.type!r} is not valid; "
+                            f"choose one of: {', '.join(ROPE_SCALING_TYPES)}.")
         for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
                 raise UserError(f"model.rope_scaling.{key}={value!r} must be a finite number > 0.")
         if self.high_freq_factor <= self.low_freq_factor:
             raise UserError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor!r} must be larger than "
-                            f"model.rope_scaling.low_freq_factor={self.low_freq_factor!r} (the blend between them divides by the gap).")
+                            f"model.rope_scaling.low_freq_factor={self.low_freq_factor!r} (the blend between them "
+                            "divides by the gap).")
 
 
 @dataclass(frozen=True)
@@ -196,18 +202,21 @@ class ModelConfig:
         if not isinstance(self.rope_scaling, RopeScaling):  # a group of the config (ConfigDict) or saved JSON (dict)
             object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
         self.rope_scaling.check()
-        _check_at_least(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "scan_unroll"), 1, "model.")
+        _check_at_least(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "scan_unroll"), 1,
+                        "model.")
         _check_finite(self, ("rope_theta", "norm_eps"), "model.", allow_zero=False)
         for key, valid in (("remat", tuple(REMAT_POLICIES)), ("attention_impl", ATTENTION_IMPLS),
                            ("compute_dtype", DTYPES), ("param_dtype", DTYPES)):
             if getattr(self, key) not in valid:
                 raise UserError(f"model.{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}.")
         if self.d_model % self.n_heads:
-            raise UserError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; pick sizes so head_dim is whole.")
+            raise UserError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                            "pick sizes so head_dim is whole.")
         if self.head_dim % 2:
             raise UserError(f"head_dim = d_model/n_heads = {self.head_dim} must be even for rotary embeddings.")
         if self.n_heads % self.n_kv_heads:
-            raise UserError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; grouped-query attention needs whole groups.")
+            raise UserError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
+                            "grouped-query attention needs whole groups.")
         moe = self.moe
         if moe.num_experts:
             rest = self.n_layers - moe.first_dense_layers

@@ -71,7 +71,8 @@ def buffered(x, experts, gates, keep, weights, expert_fn, capacity: int, groups:
     tokens, key, gates = flat(x, experts, gates, keep, num_experts)
     _, _, rank = sort_by_expert(key, num_experts)
     slot = jnp.where(key < num_experts, key * capacity + rank, num_experts * capacity)  # past the end: dropped
-    send = jnp.zeros((num_experts * capacity, d), x.dtype).at[slot].set(tokens[jnp.arange(key.shape[0]) // k], mode="drop")
+    rows = tokens[jnp.arange(key.shape[0]) // k]
+    send = jnp.zeros((num_experts * capacity, d), x.dtype).at[slot].set(rows, mode="drop")
 
     exchange = exchange or (lambda buffer: buffer)
     received = exchange(send.reshape(groups, local_experts, capacity, d))

@@ -29,7 +29,10 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
         self.attn = Attention(cfg, dtype, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
-        self.mlp = MoE(cfg, dtype, rngs) if moe else SwiGLU(cfg.d_model, cfg.d_ff, dtype, rngs, fused=cfg.fused_mlp, fp8=cfg.fp8)
+        if moe:
+            self.mlp = MoE(cfg, dtype, rngs)
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, dtype, rngs, fused=cfg.fused_mlp, fp8=cfg.fp8)
 
     def _feed_forward(self, x):
         """x + the MLP's output, and the MLP's aux terms (an MoE block's; a dense MLP adds none)."""
@@ -131,7 +134,8 @@ class Llama(nnx.Module):
             self.blocks = stacked(cfg.moe_layers, period, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), fan_in_init(cfg.d_model), dtype)
+            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), fan_in_init(cfg.d_model),
+                                 dtype)
 
     # The three parts a pipeline schedule calls separately (ModelDef.embed / layers / head).
     def embed(self, tokens):

@@ -31,7 +31,8 @@ REMAT_POLICIES = {
     "full": _saveable.nothing_saveable,
     "dots": _saveable.dots_saveable,
     "dots_no_batch": _saveable.dots_with_no_batch_dims_saveable,
-    "dots_attention": _saveable.save_from_both_policies(_saveable.dots_with_no_batch_dims_saveable, _is_fused_attention),
+    "dots_attention": _saveable.save_from_both_policies(_saveable.dots_with_no_batch_dims_saveable,
+                                                        _is_fused_attention),
 }
 # ...and also the norm outputs and the SwiGLU product (tagged in models/layers.py): only rotary
 # embeddings and activation functions are recomputed.

@@ -338,7 +338,8 @@ def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
             (o_p, lse_p) enters the output with weight w = exp(lse_p - lse), so its cotangents are
             w * dO and w * (rowsum(dO * o_p) - rowsum(dO * O))."""
             k, v, k_segments = kv
-            partials, pull_back = jax.vjp(lambda q, k, v: _blocks(kernel, ring, diagonal, q, segments, (k, v, k_segments), src), q, k, v)
+            partials, pull_back = jax.vjp(
+                lambda q, k, v: _blocks(kernel, ring, diagonal, q, segments, (k, v, k_segments), src), q, k, v)
             cotangents = []
             for o_p, lse_p in partials:
                 w = jnp.exp(lse_p - lse)
@@ -428,7 +429,8 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
 
         def grads(rows, keys, causal):
             (q, out, lse, d_out, q_segments), (k, v, k_segments) = rows, keys
-            return [g.astype(jnp.float32) for g in fused.backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments)]
+            block = fused.backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments)
+            return [g.astype(jnp.float32) for g in block]
 
         def block_grads(keys, src, diagonal, dq):
             """dQ with this block's share added (early and late halves), and the block's own dK, dV."""
@@ -442,7 +444,8 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
                 either = grads(*_choose(before, (rows_lo, k_lo), (rows_hi, k_hi)), False)
                 zero = jnp.zeros_like(either[0])
                 share = (jnp.where(before, either[0], zero), late_early[0] + jnp.where(before, zero, either[0]))
-                dk, dv = (_join(late_early[i] + jnp.where(before, either[i], 0), jnp.where(before, 0, either[i])) for i in (1, 2))
+                dk, dv = (_join(late_early[i] + jnp.where(before, either[i], 0), jnp.where(before, 0, either[i]))
+                          for i in (1, 2))
             return (share if dq is None else jax.tree.map(jnp.add, dq, share)), dk, dv
 
         def travel(keys, src, diagonal, acc):
@@ -460,8 +463,8 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
             """From the all-gather, each block's dK, dV add into a buffer of all of them, reduce-scattered
             after the last block (the all-gather's transpose)."""
             dq, dk, dv = block_grads(keys, src, diagonal, None if acc is None else acc[0])
-            everything = acc[1:] if acc is not None else [jnp.zeros((x.shape[0], ring.size * t, *x.shape[2:]), jnp.float32)
-                                                          for x in (dk, dv)]
+            everything = acc[1:] if acc is not None else [
+                jnp.zeros((x.shape[0], ring.size * t, *x.shape[2:]), jnp.float32) for x in (dk, dv)]
             add = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
                 whole, jax.lax.dynamic_slice_in_dim(whole, src * t, t, axis=1) + part, src * t, axis=1)
             return dq, add(everything[0], dk), add(everything[1], dv)
@@ -471,11 +474,13 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
                 dq, dk, dv = _gathered_visits(ring, (k, v, segments), collect, everything=received)
             else:
                 dq, dk, dv = _gathered_visits(ring, _sent_again((k, v, segments)), _unpacked(collect))
-            dk, dv = (jax.lax.psum_scatter(x.astype(y.dtype), ring.axes, scatter_dimension=1, tiled=True) for x, y in ((dk, k), (dv, v)))
+            dk, dv = (jax.lax.psum_scatter(x.astype(y.dtype), ring.axes, scatter_dimension=1, tiled=True)
+                      for x, y in ((dk, k), (dv, v)))
         elif keep:
             dq, dk, dv = _revisit(ring, (k, v, segments), received, travel, unroll=True, home_last=True)
         else:
-            (dq, dk, dv), _ = _around_ring(ring, _sent_again((k, v, segments)), _unpacked(travel), unroll=True, home_last=True)
+            (dq, dk, dv), _ = _around_ring(ring, _sent_again((k, v, segments)), _unpacked(travel), unroll=True,
+                                           home_last=True)
         return _join(*dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attend.defvjp(forward, backward)

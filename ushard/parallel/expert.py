@@ -37,7 +37,6 @@ from ushard.models import dispatch as local_dispatch
 from ushard.sharding import TOKEN_NAMES, current_layout
 
 
-
 def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int,
                    dispatch: str = "padded"):
     """Every token through its kept experts, weighted by its gates: x [batch, length, d], experts int /
@@ -148,7 +147,10 @@ def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, out
     per_device = input_offsets.shape[0] // groups
     me = jax.lax.axis_index(axis_name)
     operands = jax.lax.all_gather(operand, axis_name)  # [groups, rows, ...]
-    mine = lambda a: jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(a, axis_name), me * per_device, per_device, axis=1).reshape(-1)  # noqa: E731
+    def mine(a):
+        gathered = jax.lax.all_gather(a, axis_name)
+        return jax.lax.dynamic_slice_in_dim(gathered, me * per_device, per_device, axis=1).reshape(-1)
+
     starts, sizes, lands = mine(input_offsets), mine(send_sizes), mine(output_offsets)  # [groups * per_device]
     row = jnp.arange(output.shape[0])
     inside = (lands[:, None] <= row) & (row < lands[:, None] + sizes[:, None])  # [slices, output rows]

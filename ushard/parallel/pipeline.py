@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ushard.sharding import Layout, merge_rows, split_rows, use_layout, varying
 
@@ -227,7 +228,8 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
         return jax.vjp(lambda o: enter(o, mb), outer)[1](d_activation)[0]
 
     # Per group of rows (one per device of the batch axes): [groups, ...] in and out.
-    enter_each, finish_each, enter_grads_each = (groups.each(fn, layout, shared=1) for fn in (enter, finish, enter_grads))
+    enter_each, finish_each, enter_grads_each = (groups.each(fn, layout, shared=1)
+                                                 for fn in (enter, finish, enter_grads))
     heads = (SplitHead if axis in layout.axes("vocab") else StageHeads)(finish_each, enter_grads_each, on_every_stage,
                                                                           axis, stages)
     slots = StageSlots(chained, ring_size(stages), layout, axis, groups)
@@ -251,7 +253,8 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
     zeros = functools.partial(groups.zeros, layout=layout)
     carry = (zeros(activation, before=(axis,)), zeros(activation, before=(axis,)), zeros(ring, before=(axis, None)),
              zeros(groups.shapes(chunks, at=2, dtype=jnp.float32), before=(None, axis)),
-             zeros(heads.shapes(groups.shapes(outer)), before=heads.before), zeros(heads.shapes(sums), before=heads.before))
+             zeros(heads.shapes(groups.shapes(outer)), before=heads.before),
+             zeros(heads.shapes(sums), before=heads.before))
     schedule = jnp.asarray(one_f_one_b_table(stages, count))
     (_, _, _, d_chunks, d_outer, sums), _ = jax.lax.scan(tick, carry, schedule)
     d_stack = jax.tree.map(lambda g, w: g.sum(axis=2).reshape(w.shape).astype(w.dtype), d_chunks, stack)
@@ -357,7 +360,10 @@ class Groups:
     def shapes(self, tree, at: int = 0, dtype=None):
         """Shapes of one copy of `tree` per group (e.g. a gradient accumulator), the group dimension
         at `at`, in `dtype` (None: each leaf's own)."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*a.shape[:at], self.count, *a.shape[at:]), dtype or a.dtype),
+        def one_per_group(a):
+            return jax.ShapeDtypeStruct((*a.shape[:at], self.count, *a.shape[at:]), dtype or a.dtype)
+
+        return jax.tree.map(one_per_group,
                             tree)
 
     def pin(self, tree, layout: Layout, before=()):
@@ -455,7 +461,8 @@ class StageSlots:
     def _residuals_body(self, chunks, f, mb, activation):
         chunk, f, mb, activation = self._local(chunks, f, (mb, activation))
         with self._inside():
-            residuals = zeros_of(lambda *a: self._forward_with_residuals(*a)[1], chunk, activation, mb, axis=self.manual)
+            residuals = zeros_of(lambda *a: self._forward_with_residuals(*a)[1], chunk, activation, mb,
+                                 axis=self.manual)
         return jax.tree.map(lambda a: a[None, None], residuals)
 
     def _forward_body(self, chunks, f, mb, entered, received, ring):
@@ -476,7 +483,8 @@ class StageSlots:
         kept = take(jax.tree.map(lambda a: a[0, :, 0], ring), jnp.maximum(b, 0) % self.keep)
         with self._inside():
             d_out = jax.tree.map(lambda h, r: jnp.where(index == self.stages - 1, h, r), d_out, d_received)
-            d_chunk, d_in = when(b != IDLE, self._grads, chunk, kept, d_out, axis=self.manual, branch_free=self.branch_free)
+            d_chunk, d_in = when(b != IDLE, self._grads, chunk, kept, d_out, axis=self.manual,
+                                 branch_free=self.branch_free)
         d_chunks = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype)[None, None, None], d_chunks, d_chunk)
         d_sent = jax.lax.ppermute(d_in, self.axis, self.backward_pairs)
         return *jax.tree.map(lambda a: a[None, None], (d_in, d_sent)), d_chunks

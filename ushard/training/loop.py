@@ -203,7 +203,8 @@ class Trainer:
             writer.close()
             if self.checkpoints:
                 self.checkpoints.close()
-        signals.check(f"as the run ended at step {t.steps} ({'checkpoint saved' if self.checkpoints else 'no workdir'})")
+        saved = "checkpoint saved" if self.checkpoints else "no workdir"
+        signals.check(f"as the run ended at step {t.steps} ({saved})")
         return records
 
     def _nothing_new(self, step: int) -> str:
@@ -271,7 +272,8 @@ class Trainer:
             if stop:
                 if self.checkpoints:
                     self.checkpoints.wait()
-                where = "checkpoint saved; run the same command to resume" if self.checkpoints else "no workdir, nothing saved"
+                where = ("checkpoint saved; run the same command to resume" if self.checkpoints
+                         else "no workdir, nothing saved")
                 raise Preempted(stop, f"at step {step} ({where})")
             last_time, last_step = time.perf_counter(), step
         if bar:
@@ -289,9 +291,9 @@ class Trainer:
             if row.add(step, bool(metrics["finite"])):
                 raise UserError(
                     f"training stopped: {row.count} steps in a row gave a non-finite loss or gradient norm (the "
-                    f"last, step {step} on the batch at data position {position:,}: {_nonfinite_values(metrics)}), the limit "
-                    f"train.max_nonfinite_steps={limit} for train.on_nonfinite={policy!r}; lower train.lr or check "
-                    f"the data (checkpoints hold only finite states)."
+                    f"last, step {step} on the batch at data position {position:,}: {_nonfinite_values(metrics)}), "
+                    f"the limit train.max_nonfinite_steps={limit} for train.on_nonfinite={policy!r}; lower train.lr "
+                    f"or check the data (checkpoints hold only finite states)."
                 )
             if not metrics["finite"] and policy == "rollback":
                 return  # the steps after it are rolled back: they never happened
@@ -299,9 +301,8 @@ class Trainer:
             step, position, metrics = fetched[-1]
             raise UserError(
                 f"training stopped: every step of this run up to step {step} gave a non-finite loss or gradient "
-                f"norm (the last, on the batch at data position {position:,}: {_nonfinite_values(metrics)}), so it trained "
-                f"nothing; lower "
-                f"train.lr or check the data."
+                f"norm (the last, on the batch at data position {position:,}: {_nonfinite_values(metrics)}), so it "
+                f"trained nothing; lower train.lr or check the data."
             )
 
     def _handle_nonfinite(self, bad, log):

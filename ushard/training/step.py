@@ -84,7 +84,8 @@ class Steps:
         self.fresh_state = jax.jit(self._fresh_state, in_shardings=(sh.params,), out_shardings=sh.state,
                                    donate_argnums=0)
         self.train_step = jax.jit(
-            self._train_step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, sh.replicated), donate_argnums=0
+            self._train_step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, sh.replicated),
+            donate_argnums=0
         )
         self.loss_and_grads = jax.jit(
             self._loss_and_grads, in_shardings=(sh.params, batch_sh), out_shardings=(sh.replicated, sh.grads)
@@ -115,7 +116,8 @@ class Steps:
         stack, others = model.split_stack(params)
         # The embedding, final norm and head, gathered for compute once per step rather than once per
         # microbatch (ZeRO-3 would gather them in every tick of the pipeline).
-        others = jax.lax.with_sharding_constraint(others, self.layout.shardings(model.split_stack(model.logical)[1], "compute"))
+        compute = self.layout.shardings(model.split_stack(model.logical)[1], "compute")
+        others = jax.lax.with_sharding_constraint(others, compute)
         sums, d_others, d_stack = one_f_one_b(
             first=lambda others, mb: model.embed(others, mb["inputs"]),
             stage=lambda chunk, x, mb: model.layers(chunk, x, mb["positions"], mb["segment_ids"]),
