@@ -1,0 +1,49 @@
+"""deepseek_v3_like laid out as DeepSeek-V3 was trained: pipeline x expert x ZeRO-1 data parallelism.
+
+The layout is the DeepSeek-V3 technical report's (section 3.2, "Training Framework"): 16-way pipeline
+parallelism, 64-way expert parallelism spanning 8 nodes, and ZeRO-1 data parallelism, on 2048 H800s.
+Here: mesh.pipeline=16, mesh.expert=64 (4 of the 256 routed experts a device; outside the MoE layers
+`expert` is one more data-parallel axis, as DeepSeek's expert-parallel ranks are data-parallel ranks
+for attention), mesh.fsdp=-1 with parallel.zero_stage=1 (only the optimizer state is split over it).
+1024 devices a replica; 2048 (DeepSeek's count, v5p:8x16x16) gives fsdp=2.
+
+What differs, and why:
+- Schedule: DeepSeek ran DualPipe (two pipelines in opposite directions, overlapping the expert
+  all-to-alls with computation), which ushard does not have. The nearest it has is the circular
+  (interleaved) schedule: 4 rounds of one layer each, 24 microbatches, bubble 15 / (4·24 + 15) =
+  14%. 1F1B is refused for MoE models (its per-device rows would skew the balancing statistics).
+- Layers: 64 MoE layers where DeepSeek-V3 has 61 (3 dense, then 58 MoE). ushard's stages are equal,
+  and each stack of layers (the leading dense ones, the MoE ones) is split over the stages on its
+  own, so both counts must be multiples of mesh.pipeline x parallel.pipeline_repeats; 61 is prime.
+  The report does not say how its 61 layers (and the multi-token-prediction module, which ushard
+  lacks) sat on the 16 stages. The nearest equal split keeps every layer an MoE layer: 64, 6 more
+  MoE layers and 3 fewer dense ones than DeepSeek-V3 (734B parameters here against
+  deepseek_v3_like's 667B; 34B active against 32B).
+- Batch: DeepSeek-V3's, 15360 sequences of 4096 (63M tokens; the report ramps it up from 3072 over
+  the first 469B tokens, ushard has no batch schedule), in 5 gradient-accumulation parts of 3072,
+  each in 24 microbatches of 128 sequences: one or two a device over expert x fsdp at 2048 or 1024
+  devices.
+- Attention is ushard's GQA, not multi-head latent attention (see configs/deepseek_v3_like.py).
+
+Compiled for TPU without a TPU in docs/benchmarks.md ("Production layouts compiled for TPU").
+"""
+
+from ushard.configs.deepseek_v3_like import get_config as deepseek_v3_like_config
+
+
+def get_config():
+    c = deepseek_v3_like_config()
+    c.model.n_layers = 64  # DeepSeek-V3: 61, the first 3 dense; see the docstring
+    c.model.moe.first_dense_layers = 0
+    c.model.compute_dtype = "bfloat16"
+    c.model.remat = "full"
+    c.mesh.pipeline = 16
+    c.mesh.expert = 64
+    c.mesh.fsdp = -1
+    c.parallel.zero_stage = 1
+    c.parallel.pipeline_schedule = "circular"
+    c.parallel.pipeline_repeats = 4
+    c.parallel.pipeline_microbatches = 24
+    c.train.batch_size = 15360
+    c.train.grad_accum = 5
+    return c
