@@ -28,9 +28,9 @@ parallel.pipeline_head=whole (128256 does not split over 14 x 8 or 18 x 8 device
 Schedule: 1F1B, 64 microbatches of 32 sequences a step (bubble (S - 1) / (M + S - 1) = 15 / 79, 19%);
 a microbatch's rows split over up to 32 FSDP groups (8192 devices; at Meta's 16,384 set
 parallel.pipeline_microbatches=32). Meta ran an interleaved schedule; ushard's interleaved one
-(circular) keeps every tick's residuals, and compiled for v5p they include each tick's copy of the
-stage's weights in bf16: 60 GiB of temporaries a chip for GPipe and 85 GiB for 2 rounds where 1F1B
-needs 10 (one layer a stage; docs/benchmarks.md).
+(circular) keeps every tick's residuals, each tick's bf16 copy of the stage's weights among them:
+compiled for v5p with 32 microbatches, GPipe needed 60 GiB of temporaries a chip and circular with 2
+rounds 85 GiB where 1F1B needed 10 (one layer a stage, two for circular; docs/benchmarks.md).
 
 Attention: XLA's (model.attention_impl='xla'). Inside pipeline stages GPUs run XLA attention anyway;
 on TPUs 'auto' would be splash attention, whose all-gather context-parallel blocks do not yet trace
@@ -39,7 +39,9 @@ inside a stage (a custom VJP's gradient loses the stage axis's varying type; doc
 Training settings from the paper (section 3.4.1): peak learning rate 8e-5, 8,000 warm-up steps, cosine
 decay to 8e-7 over 1,200,000 steps, 16M tokens a step at 8192 (Meta grew the batch from 4M tokens to
 16M during training; ushard has no batch schedule). bf16 compute, f32 state, full remat.
-Compiled for TPU without a TPU in docs/benchmarks.md ("Production layouts compiled for TPU").
+Compiled for TPU without a TPU in docs/benchmarks.md ("Production layouts compiled for TPU"): all
+128 layers at one sequence a chip in each microbatch peak at 67.8 GiB a v5p chip on one replica
+(v5p:4x8x8), 49.8 GiB at fsdp=2 (v5p:8x8x8).
 """
 
 from ushard.config import default_config
