@@ -211,7 +211,7 @@ def devices_for(settings):
 # cut into the pipeline's microbatches), remat, ZeRO-3 with the gathered weights kept.
 ACCUM, REMAT = {"train.grad_accum": 2}, {"model.remat": "full"}
 KEEP_GATHERED = {"parallel.reshard_after_forward": False}
-WHOLE_HEAD = {"parallel.pipeline_head": "whole"}
+WHOLE_HEAD = {"parallel.pipeline_head": "whole"}  # every stage holds the whole vocabulary (as across slices)
 ALL_GATHER, RING = {"parallel.context_parallel": "all_gather"}, {"parallel.context_parallel": "ring"}
 LAYOUTS = {
     "gpipe_2x8_accum2": pipelined("gpipe", 2, 8, ACCUM),
@@ -286,30 +286,38 @@ STILL = {"model.moe.bias_update_rate": 0.0}
 MOE_RTOL, MOE_AUX_RTOL = 5e-5, 2e-3
 MOE_LAYOUTS = {
     "1f1b_2x4_expert2_fsdp2": pipelined("1f1b", 2, 4, MOE, expert=2, fsdp=2),
+    "circular_2x4_expert4": pipelined("circular", 2, 4, {**MOE, **STILL}, expert=4),
+    # In the slow sweep (`-m slow`): the suite's time, not their result (both matched when added).
     "1f1b_2x4_expert2_tensor2": pipelined("1f1b", 2, 4, MOE, expert=2, tensor=2),
     "gpipe_2x4_expert2_fsdp2": pipelined("gpipe", 2, 4, {**MOE, **STILL}, expert=2, fsdp=2),
-    "circular_2x4_expert4": pipelined("circular", 2, 4, {**MOE, **STILL}, expert=4),
 }
+SLOW_MOE_LAYOUTS = ("1f1b_2x4_expert2_tensor2", "gpipe_2x4_expert2_fsdp2")
+
+
+def one_device_moe_run(settings, batches):
+    """The MoE model on one device, each step's batch in the 4 parts the pipeline cuts it into."""
+    return run_config(small_config("tiny_moe", **settings, **{"train.grad_accum": 4}), jax.devices()[:1], batches)
 
 
 @pytest.fixture(scope="module")
-def one_device_moe(stdlib_batches):
-    """The MoE model on one device, with and without the bias moving, each step in 4 parts."""
-    def run(settings):
-        config = small_config("tiny_moe", **settings, **{"train.grad_accum": 4})
-        return run_config(config, jax.devices()[:1], stdlib_batches)
-
-    return {"moving": run(MOE), "still": run({**MOE, **STILL})}
+def one_device_moe_moving(stdlib_batches):
+    return one_device_moe_run(MOE, stdlib_batches)
 
 
-@pytest.mark.parametrize("name", MOE_LAYOUTS)
-def test_moe_pipeline_matches_one_device(one_device_moe, stdlib_batches, name):
+@pytest.fixture(scope="module")
+def one_device_moe_still(stdlib_batches):
+    return one_device_moe_run({**MOE, **STILL}, stdlib_batches)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MOE_LAYOUTS else n
+                                  for n in MOE_LAYOUTS])
+def test_moe_pipeline_matches_one_device(request, stdlib_batches, name):
     settings = MOE_LAYOUTS[name]
     got = run_config(small_config("tiny_moe", **settings), devices_for(settings), stdlib_batches)
     if settings["parallel.pipeline_schedule"] == "1f1b":
-        assert_same_training(got, one_device_moe["moving"])
+        assert_same_training(got, request.getfixturevalue("one_device_moe_moving"))
     else:
-        reference = one_device_moe["still"]
+        reference = request.getfixturevalue("one_device_moe_still")
         assert_same_training({**got, "aux": []}, reference, MOE_RTOL, MOE_RTOL)
         for got_aux, ref_aux in zip(got["aux"], reference["aux"], strict=True):
             assert got_aux.keys() == ref_aux.keys()
