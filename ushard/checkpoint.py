@@ -60,9 +60,6 @@ class _OrbaxLogFilter(logging.Filter):
 
 
 _orbax_log = _OrbaxLogFilter()
-logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
-logging.getLogger("absl").addFilter(_orbax_log)
-logging.getLogger("asyncio").addFilter(_orbax_log)
 
 
 @contextlib.contextmanager
@@ -91,7 +88,22 @@ def _hide_stray_tensorstore_errors(previous_hook):
     return hook
 
 
-sys.unraisablehook = _hide_stray_tensorstore_errors(sys.unraisablehook)
+_quieted = False
+
+
+def quiet_orbax() -> None:
+    """Keeps what orbax reports about failures ushard reports itself out of the output: its log filter,
+    `sys.unraisablehook` wrapped, one warnings filter. They are process-wide, so they are installed
+    (once) when checkpoints are first opened, not when ushard is imported."""
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
+    logging.getLogger("absl").addFilter(_orbax_log)
+    logging.getLogger("asyncio").addFilter(_orbax_log)
+    sys.unraisablehook = _hide_stray_tensorstore_errors(sys.unraisablehook)
+    warnings.filterwarnings("ignore", message=".*Couldn't find sharding info under RestoreArgs.*")
 
 
 class Checkpoints:
@@ -103,6 +115,7 @@ class Checkpoints:
 
     def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, create: bool = True,
                  another_model: str = ANOTHER_MODEL):
+        quiet_orbax()
         self.workdir = workdir
         self.another_model = another_model
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
@@ -320,5 +333,3 @@ def check_compatible(on_disk, expected, saved_config: dict, model_cfg: ModelConf
         what = f"holds another model: {'; '.join(function)}"
     raise UserError(f"the checkpoint at step {step} {what}; {remedy}.")
 
-
-warnings.filterwarnings("ignore", message=".*Couldn't find sharding info under RestoreArgs.*")
