@@ -43,7 +43,7 @@ def test_build_makes_one_plan_and_the_layout_carries_it_and_the_seams():
     plan = setup.plan
     assert setup.layout.plan is plan and setup.layout.seams is SEAMS
     assert plan.shape["pipeline"] == 2 and plan.context_mode == "all_gather" and plan.pipeline.name == "1f1b"
-    assert plan.attention.name == "xla" and plan.context_blocks.name == "XLA attention"
+    assert plan.attention.name == "xla" and plan.context_blocks.name == "xla"
     described = setup.describe()
     assert "context parallelism: all_gather over 2 devices, blocks on XLA attention\n" in described
     assert "attention: XLA attention (auto on cpu)\n" in described

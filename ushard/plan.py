@@ -11,7 +11,6 @@ records what was chosen.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ushard.kernels import attention as attention_kernels
@@ -65,8 +64,8 @@ class ParallelPlan:
         if ways > 1:
             # Inside stages attention resolves as `stage_attention` does; the blocks follow it.
             resolved = (stage_attention or attention).name
-            _, what = attention_kernels.block_kernel(resolved, m.compute_dtype, t.seq_len, ways, m.document_mask)
-            blocks = KernelChoice(what.split(" (")[0], what)
+            kernel, what = attention_kernels.block_kernel(resolved, m.compute_dtype, t.seq_len, ways, m.document_mask)
+            blocks = KernelChoice(resolved if kernel is not None else "xla", what)
         return cls(
             mesh_shape=tuple(mesh_shape.items()),
             dcn_shape=tuple((a, int(config.mesh.dcn[a])) for a in mesh_shape),
@@ -92,10 +91,6 @@ class ParallelPlan:
 
     def size(self, axis: str) -> int:
         return self.shape[axis]
-
-    @property
-    def num_devices(self) -> int:
-        return math.prod(self.shape.values())
 
     def attention_for(self, in_stage: bool) -> str:
         """The attention kernel a layer runs: inside a pipeline stage or outside one."""
