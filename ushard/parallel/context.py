@@ -58,17 +58,6 @@ from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout
 MODES = ("ring", "all_gather")
 
 
-def ways() -> int:
-    """How many ways the active layout splits the sequence (1 outside a layout)."""
-    layout = current_layout()
-    return 1 if layout is None else layout.size("act_length")
-
-
-def is_split() -> bool:
-    """Whether attention must run as context-parallel code: the active layout splits `act_length`."""
-    return ways() > 1
-
-
 def check_length(seq_len: int, n: int) -> None:
     """UserError unless a sequence of `seq_len` tokens cuts into the 2n chunks of the zig-zag order."""
     if n > 1 and seq_len % (2 * n):
