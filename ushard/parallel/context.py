@@ -232,38 +232,96 @@ def _merge(acc, partials):
     return acc
 
 
-def _around_ring(ring, kv, visit, carry=None, unroll: bool = False, keep: bool = False, home_last: bool = False):
-    """carry = visit(kv, src, diagonal, carry) for every device's key/value block, the local one first
-    (or last, `home_last`).
+@dataclass(frozen=True)
+class _Passed:
+    """Blocks that travel one device on per step (`ppermute`); the transfer of the next block is issued
+    before the current one is used, so they can overlap."""
 
-    The blocks travel one device on per step; the transfer of the next block is issued before the
-    current one is used, so they can overlap. Steps 1 .. n-2 run in a `lax.scan` (program size and,
-    on XLA's CPU backend, memory flat in n); the last is outside it, so no block is sent further than
-    needed. `unroll`: no step in a while loop, where XLA's GPU compiler crashed on cuDNN blocks
-    (SIGSEGV, JAX 0.11.2, n = 4; docs/dev-notes.md). Returns (carry, the blocks received for
-    `_revisit` if `keep`, else None). `home_last`: what a visit sends on with the block (its dK, dV)
-    then reaches home after n - 1 steps, in time for the last visit, instead of one step after it.
+    ring: _Ring
+
+    def start(self, home):
+        """(the state before step 1, the steps' stacked inputs)."""
+        return self.ring.shift(home), None
+
+    def take(self, state, src, step_input, last=False):
+        """(step's block, the state after it); the last block is sent no further."""
+        return state, (None if last else self.ring.shift(state))
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """The blocks an earlier walk received and kept (`keep`): steps 1 .. n-2 stacked (None for n = 2)
+    and the last. Nothing travels again but what the visits send themselves."""
+
+    received: tuple
+
+    def start(self, home):
+        return None, self.received[0]
+
+    def take(self, state, src, step_input, last=False):
+        return (self.received[1] if last else step_input), None
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """Each block sliced out of one all-gather of them all (`everything` [B, n T, ...] over `size` devices)."""
+
+    everything: tuple
+    size: int
+
+    def start(self, home):
+        return None, None
+
+    def take(self, state, src, step_input, last=False):
+        def block(x):
+            t = x.shape[1] // self.size
+            return jax.lax.dynamic_slice_in_dim(x, src * t, t, axis=1)
+
+        return jax.tree.map(block, self.everything), None
+
+
+def _walk(ring, home, visit, source, carry=None, unroll: bool = False, keep: bool = False,
+          home_last: bool = False):
+    """carry = visit(block, src, diagonal, carry) for every device's key/value block in the ring's
+    order: step s visits the block of the device s places back, the local one (`home`) at step 0, or
+    last (`home_last`). `source` (`_Passed`, `_Kept`, `_Gathered`) says how the others' blocks reach
+    this device; the order is the same for all of them.
+
+    Steps 1 .. n-2 run in a `lax.scan` (program size and, on XLA's CPU backend, memory flat in n); the
+    last is outside it, so no block is sent further than needed. `unroll`: no step in a while loop,
+    where XLA's GPU compiler crashed on cuDNN blocks (SIGSEGV, JAX 0.11.2, n = 4; docs/dev-notes.md).
+    `keep`: also returns the blocks received (steps 1 .. n-2 stacked, and the last) for a `_Kept`
+    walk. `home_last`: what a visit sends on with a travelling block (its dK, dV) then reaches home
+    after n - 1 steps, in time for the home block's visit, instead of one step after it.
     """
     assert not (keep and home_last), "a forward pass keeps its blocks, a backward pass goes home last"
     me, n = ring.index(), ring.size
-    local, first = kv, 1
+
+    def src(s):
+        return (me - s) % n
+
+    state, step_inputs = source.start(home)
     if not home_last:
-        carry = visit(kv, me, True, carry)
-    kv = ring.shift(kv)
+        carry = visit(home, me, True, carry)
+    first = 1
     if home_last and n > 2:  # one step before the scan, which needs a carry (not None) of one structure
-        carry, kv, first = visit(kv, (me - 1) % n, False, carry), ring.shift(kv), 2
+        block, state = source.take(state, src(1), jax.tree.map(lambda x: x[0], step_inputs))
+        carry, step_inputs, first = visit(block, src(1), False, carry), jax.tree.map(lambda x: x[1:], step_inputs), 2
 
-    def step(state, s):
-        kv, carry = state
-        return (ring.shift(kv), visit(kv, (me - s) % n, False, carry)), kv if keep else None
+    def step(state_and_carry, step_and_input):
+        (state, carry), (s, step_input) = state_and_carry, step_and_input
+        block, state = source.take(state, src(s), step_input)
+        return (state, visit(block, src(s), False, carry)), block if keep else None
 
-    middle = None  # the blocks of the scan's steps, stacked (`keep`)
+    middle = None
     if first < n - 1:
-        (kv, carry), middle = jax.lax.scan(step, (kv, carry), jnp.arange(first, n - 1), unroll=unroll)
-    carry = visit(kv, (me - (n - 1)) % n, False, carry)
+        (state, carry), middle = jax.lax.scan(step, (state, carry), (jnp.arange(first, n - 1), step_inputs),
+                                              unroll=unroll)
+    last, _ = source.take(state, src(n - 1), None, last=True)
+    carry = visit(last, src(n - 1), False, carry)
     if home_last:
-        carry = visit(local, me, True, carry)
-    return carry, ((middle, kv) if keep else None)
+        carry = visit(home, me, True, carry)
+    return carry, ((middle, last) if keep else None)
 
 
 def _sent_again(kv):
@@ -280,29 +338,6 @@ def _unpacked(visit):
     return lambda kv, *args: visit((kv[0][:, :, 0], kv[0][:, :, 1], kv[1]), *args)
 
 
-def _revisit(ring, kv, received, visit, carry=None, unroll: bool = False, home_last: bool = False):
-    """`_around_ring`'s visits in its order over the blocks it kept (`received`: steps 1 .. n-2
-    stacked, or None for n = 2, and the last), so no block travels again; only what `visit` sends
-    itself does."""
-    me, n = ring.index(), ring.size
-    middle, last = received
-    first = 1
-    if not home_last:
-        carry = visit(kv, me, True, carry)
-    elif middle is not None:  # one step before the scan, which needs a carry (not None) of one structure
-        carry = visit(jax.tree.map(lambda x: x[0], middle), (me - 1) % n, False, carry)
-        middle, first = jax.tree.map(lambda x: x[1:], middle), 2
-
-    def step(carry, step_and_block):
-        s, block = step_and_block
-        return visit(block, (me - s) % n, False, carry), None
-
-    if first < n - 1:
-        carry, _ = jax.lax.scan(step, carry, (jnp.arange(first, n - 1), middle), unroll=unroll)
-    carry = visit(last, (me - (n - 1)) % n, False, carry)
-    return visit(kv, me, True, carry) if home_last else carry
-
-
 def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
     @jax.custom_vjp
     def attend(q, k, v, segments):
@@ -312,7 +347,7 @@ def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
         def visit(kv, src, diagonal, acc):
             return _merge(acc, _blocks(kernel, ring, diagonal, q, segments, kv, src))
 
-        (out, lse), received = _around_ring(ring, (k, v, segments), visit, keep=keep)
+        (out, lse), received = _walk(ring, (k, v, segments), visit, _Passed(ring), keep=keep)
         out = out.astype(q.dtype)
         return out, (q, k, v, segments, out, lse, received)
 
@@ -341,9 +376,9 @@ def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
 
         # The gradients travel with the blocks, so they ride the same ring: `visit` shifts them itself.
         if keep:
-            dq, dk, dv = _revisit(ring, (k, v, segments), received, visit)
+            (dq, dk, dv), _ = _walk(ring, (k, v, segments), visit, _Kept(received))
         else:
-            (dq, dk, dv), _ = _around_ring(ring, _sent_again((k, v, segments)), _unpacked(visit))
+            (dq, dk, dv), _ = _walk(ring, _sent_again((k, v, segments)), _unpacked(visit), _Passed(ring))
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attend.defvjp(forward, backward)
@@ -351,20 +386,6 @@ def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
 
 
 # --------------------------------------------------------------------------- ring of fused blocks
-
-
-def _gathered_visits(ring, kv, visit, carry=None, everything=None):
-    """carry = visit(kv, src, diagonal, carry) for every device's key/value block, the local one first,
-    as `_around_ring` visits them, but each block sliced out of one all-gather of them all
-    (`everything`, when the caller has it already)."""
-    me, t = ring.index(), jax.tree.leaves(kv)[0].shape[1]
-    everything = ring.gather(kv) if everything is None else everything
-    carry = visit(kv, me, True, carry)
-    for step in range(1, ring.size):
-        src = (me - step) % ring.size
-        block = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, src * t, t, axis=1), everything)
-        carry = visit(block, src, False, carry)
-    return carry
 
 
 def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, keep: bool = False):
@@ -383,8 +404,9 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
         """The forward pass's visits: (the visits' result, the blocks that reached this device if `keep`)."""
         if gather:
             everything = ring.gather(keys)
-            return _gathered_visits(ring, keys, visit, everything=everything), everything if keep else None
-        return _around_ring(ring, keys, visit, unroll=True, keep=keep)
+            result, _ = _walk(ring, keys, visit, _Gathered(everything, ring.size), unroll=True)
+            return result, everything if keep else None
+        return _walk(ring, keys, visit, _Passed(ring), unroll=True, keep=keep)
 
     def block(queries, keys, causal):
         (q, q_segments), (k, v, k_segments) = queries, keys
@@ -460,16 +482,18 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
 
         if gather:  # `received`: the forward's gather, or None to gather again
             if keep:
-                dq, dk, dv = _gathered_visits(ring, (k, v, segments), collect, everything=received)
+                keys, gathered_visit, everything = (k, v, segments), collect, received
             else:
-                dq, dk, dv = _gathered_visits(ring, _sent_again((k, v, segments)), _unpacked(collect))
+                keys, gathered_visit = _sent_again((k, v, segments)), _unpacked(collect)
+                everything = ring.gather(keys)
+            (dq, dk, dv), _ = _walk(ring, keys, gathered_visit, _Gathered(everything, ring.size), unroll=True)
             dk, dv = (jax.lax.psum_scatter(x.astype(y.dtype), ring.axes, scatter_dimension=1, tiled=True)
                       for x, y in ((dk, k), (dv, v)))
         elif keep:
-            dq, dk, dv = _revisit(ring, (k, v, segments), received, travel, unroll=True, home_last=True)
+            (dq, dk, dv), _ = _walk(ring, (k, v, segments), travel, _Kept(received), unroll=True, home_last=True)
         else:
-            (dq, dk, dv), _ = _around_ring(ring, _sent_again((k, v, segments)), _unpacked(travel), unroll=True,
-                                           home_last=True)
+            (dq, dk, dv), _ = _walk(ring, _sent_again((k, v, segments)), _unpacked(travel), _Passed(ring),
+                                    unroll=True, home_last=True)
         return _join(*dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attend.defvjp(forward, backward)
