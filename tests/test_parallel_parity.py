@@ -88,11 +88,20 @@ LAYOUTS = {
     "single_moecap": (MOE_CAPACITY, 1),
     "expert4_fsdp2_moecap": ({**MOE_CAPACITY, "mesh.expert": 4, "mesh.fsdp": 2}, 8),
 }
+# Rows another row covers (zero0..2 with accumulation beside zero3's; the 4-way ring beside its
+# keep_kv variant; experts with tensor beside the same with SP): in the slow tier (`-m slow`), for the
+# default suite's time.
+SLOW_LAYOUTS = ("zero0_accum", "zero1_accum", "zero2_accum", "sequence4_ring", "expert2_tensor2_fsdp2_moe")
 REFERENCES = {"fused": "single_fused", "fp8": "single_fp8", "moe": "single_moe", "moecap": "single_moecap"}
 MOE_LAYOUTS = [n for n in LAYOUTS if n.endswith(("_moe", "_moecap"))]
 # The dense tensor layouts, whose collectives the tests below read.
 TENSOR_LAYOUTS = [n for n, (overrides, _) in LAYOUTS.items()
                   if overrides.get("mesh.tensor", 1) > 1 and n not in MOE_LAYOUTS]
+
+
+def layout_params(names):
+    """`names` as test parameters, those in SLOW_LAYOUTS marked slow."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n for n in names]
 
 
 def run_layout(name, batches):
@@ -138,7 +147,7 @@ def results(packed_batches):
     return LayoutResults(packed_batches)
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.startswith("single")])
+@pytest.mark.parametrize("name", layout_params(n for n in LAYOUTS if not n.startswith("single")))
 def test_layout_matches_single_device(results, name):
     reference = REFERENCES.get(name.rsplit("_", 1)[-1], "single")
     fp8 = name.endswith("_fp8")
@@ -166,7 +175,7 @@ def test_moe_runs_exercise_routing_drops_and_balancing(results):
     assert all(step["moe_dropped_fraction"] == 0 for step in results["single_moe"]["aux"])
 
 
-@pytest.mark.parametrize("name", [n for n in MOE_LAYOUTS if not n.startswith("single")])
+@pytest.mark.parametrize("name", layout_params(n for n in MOE_LAYOUTS if not n.startswith("single")))
 def test_moe_layouts_send_tokens_to_their_experts_without_replicating(results, name):
     """Split experts are reached by all-to-all (not by gathering every token everywhere), and XLA
     never falls back to replicating a tensor to reshard it."""

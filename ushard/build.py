@@ -13,6 +13,7 @@ import optax
 
 from ushard.config import validate
 from ushard.kernels import attention as attention_kernels
+from ushard.kernels import grouped_matmul as grouped_kernels
 from ushard.mesh import build_mesh
 from ushard.metrics import flops_per_token
 from ushard.models.config import ModelConfig
@@ -70,7 +71,9 @@ def build(config, devices=None) -> Setup:
     model = model_definition(model_cfg)
     platform = devices[0].platform
     attention_kernels.check(model_cfg.attention_impl, platform, config.train.seq_len, mesh_shape["pipeline"])
-    plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg.n_kv_heads)
+    if model_cfg.moe.num_experts:
+        grouped_kernels.check(model_cfg.moe.grouped_matmul_impl, platform, (model_cfg.d_model, model_cfg.expert_d_ff))
+    plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg.n_kv_heads, devices[0].device_kind)
     layout = Layout.from_plan(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), plan, SEAMS)
     tx, schedule = make_optimizer(config.train, model.logical)
     t = config.train

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ushard.kernels import attention as attention_kernels
+from ushard.kernels import grouped_matmul as grouped_kernels
 from ushard.parallel.pipeline import PipelineSchedule, bubble_fraction
 
 
@@ -44,10 +45,13 @@ class ParallelPlan:
     attention: KernelChoice  # attention over whole sequences (and, in a pipeline, outside the stages)
     stage_attention: KernelChoice | None  # attention inside pipeline stages; None without a pipeline
     context_blocks: KernelChoice | None  # what runs the blocks of a split sequence; None: not split
+    grouped_matmul: KernelChoice | None  # the dropless experts' grouped matmul; None for a dense model
 
     @classmethod
-    def create(cls, config, mesh_shape: dict[str, int], platform: str, n_kv_heads: int) -> "ParallelPlan":
-        """The plan of a validated `config` (`ushard.config.validate` gave `mesh_shape`) on `platform`."""
+    def create(cls, config, mesh_shape: dict[str, int], platform: str, n_kv_heads: int,
+               device_kind: str = "") -> "ParallelPlan":
+        """The plan of a validated `config` (`ushard.config.validate` gave `mesh_shape`) on `platform`
+        (whose devices are `device_kind`, e.g. "NVIDIA H100 80GB HBM3": kernels exist per chip)."""
         from ushard.config import pipeline_head_split
         from ushard.sharding import kv_heads_split
 
@@ -66,6 +70,11 @@ class ParallelPlan:
             resolved = (stage_attention or attention).name
             kernel, what = attention_kernels.block_kernel(resolved, m.compute_dtype, t.seq_len, ways, m.document_mask)
             blocks = KernelChoice(resolved if kernel is not None else "xla", what)
+        grouped = None
+        if m.moe.num_experts:
+            features = (m.d_model, m.moe.expert_d_ff or m.d_ff)
+            name = grouped_kernels.resolve(m.moe.grouped_matmul_impl, platform, m.compute_dtype, features, device_kind)
+            grouped = KernelChoice(name, grouped_kernels.why(m.moe.grouped_matmul_impl, name, platform, features))
         return cls(
             mesh_shape=tuple(mesh_shape.items()),
             dcn_shape=tuple((a, int(config.mesh.dcn[a])) for a in mesh_shape),
@@ -83,6 +92,7 @@ class ParallelPlan:
             attention=attention,
             stage_attention=stage_attention,
             context_blocks=blocks,
+            grouped_matmul=grouped,
         )
 
     @property
@@ -117,7 +127,8 @@ class ParallelPlan:
         if self.stage_attention is not None and self.stage_attention != self.attention:
             lines.append(f"attention in the pipeline's stages: {self.stage_attention.why}")
         if self.expert_dispatch is not None:
-            lines.append(f"experts: {self.expert_dispatch} dispatch where mesh.expert splits them")
+            lines.append(f"experts: {self.expert_dispatch} dispatch where mesh.expert splits them; "
+                         f"dropless grouped matmul: {self.grouped_matmul.why}")
         return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ushard.errors import UserError
 from ushard.kernels.attention import IMPLS as ATTENTION_IMPLS
+from ushard.kernels.grouped_matmul import IMPLS as GROUPED_MATMUL_IMPLS
 from ushard.models.stack import REMAT_POLICIES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -64,6 +65,9 @@ class MoEConfig:
     # How assignments reach experts split over devices (mesh.expert > 1; ushard/parallel/expert.py):
     # "padded" all_to_all of fixed-capacity buffers, or "ragged" (ragged_all_to_all: only the rows used).
     dispatch: str = "padded"
+    # The dropless experts' grouped matmul (ushard/kernels/grouped_matmul.py): "auto" runs JAX's Pallas
+    # kernels where they exist (Mosaic GPU on Hopper, megablox on TPUs), else "xla" (ragged_dot).
+    grouped_matmul_impl: str = "auto"
 
     def __post_init__(self):
         p = "model.moe."
@@ -72,7 +76,8 @@ class MoEConfig:
         _check_finite(self, ("capacity_factor", "aux_loss_weight", "z_loss_weight", "bias_update_rate"), p,
                       allow_zero=True)
         _check_finite(self, ("routed_scale",), p, allow_zero=False)
-        for key, valid in (("score_func", SCORE_FUNCS), ("dispatch", DISPATCHES)):
+        for key, valid in (("score_func", SCORE_FUNCS), ("dispatch", DISPATCHES),
+                           ("grouped_matmul_impl", GROUPED_MATMUL_IMPLS)):
             if getattr(self, key) not in valid:
                 raise UserError(f"{p}{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}.")
         if not isinstance(self.normalize_gates, bool):
@@ -159,7 +164,7 @@ class ModelConfig:
     # changed. Every other setting (new ones included, unless added here) defines the model's function.
     IMPLEMENTATION_SETTINGS = ("compute_dtype", "attention_impl", "remat", "scan_unroll", "fused_mlp",
                                "fp8", "moe.aux_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate",
-                               "moe.dispatch")
+                               "moe.dispatch", "moe.grouped_matmul_impl")
 
     @classmethod
     def from_config(cls, model_cfg, ignore_unknown: bool = False) -> "ModelConfig":

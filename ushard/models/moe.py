@@ -38,13 +38,14 @@ grouped by expert; on one device without a layout, ushard/models/dispatch.py run
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ushard.kernels.grouped_matmul import grouped_matmul
+from ushard.kernels import grouped_matmul as grouped_kernels
 from ushard.models import dispatch
 from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.layers import SwiGLU, fan_in_init, param
@@ -143,14 +144,14 @@ def load_signal(bias, share):
     return term - jax.lax.stop_gradient(term)
 
 
-def expert_ffn(weights: dict, x, group_sizes=None):
+def expert_ffn(weights: dict, x, group_sizes=None, impl: str = "xla"):
     """SwiGLU of each expert on its own tokens: x [experts, tokens, d] (group_sizes None: a batched
-    matmul), or x [tokens, d] sorted by expert with group_sizes[e] rows for expert e (a grouped matmul;
-    rows past the groups give zeros). Weights [experts, ...] in x's dtype."""
+    matmul), or x [tokens, d] sorted by expert with group_sizes[e] rows for expert e (a grouped matmul
+    by the resolved kernel `impl`; rows past the groups give zeros). Weights [experts, ...] in x's dtype."""
     if group_sizes is None:
         matmul = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w)  # noqa: E731
     else:
-        matmul = lambda a, w: grouped_matmul(a, w, group_sizes)  # noqa: E731
+        matmul = lambda a, w: grouped_kernels.grouped_matmul(a, w, group_sizes, impl)  # noqa: E731
     hidden = jax.nn.silu(matmul(x, weights["w_gate"])) * matmul(x, weights["w_up"])
     return matmul(hidden, weights["w_down"])
 
@@ -198,14 +199,25 @@ class MoE(nnx.Module):
         else:
             keep = jnp.ones(experts.shape, bool)
         weights, layout = self.experts.weights(x.dtype), current_layout()
+        ffn = functools.partial(expert_ffn, impl=self._grouped_matmul(layout, x.dtype))
         if layout is None:  # one device, as the module docstring describes
-            y = dispatch.on_device(x, experts, gates, keep, weights, expert_ffn, capacity)
+            y = dispatch.on_device(x, experts, gates, keep, weights, ffn, capacity)
         else:  # wherever the layout puts the experts (the layout's seam: ushard/parallel/expert.py)
-            y = layout.seams.routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, expert_ffn, capacity,
+            y = layout.seams.routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, ffn, capacity,
                                             moe.dispatch)
         if moe.num_shared_experts:
             y = y + self.shared(x)
         return y, self._aux(logits, probs, experts, keep, bias)
+
+    def _grouped_matmul(self, layout, dtype) -> str:
+        """The grouped-matmul kernel: the run's plan's (`ParallelPlan.grouped_matmul`), or without a
+        plan `model.moe.grouped_matmul_impl` resolved for this platform."""
+        if layout is not None and layout.plan is not None and layout.plan.grouped_matmul is not None:
+            return layout.plan.grouped_matmul.name
+        device = layout.mesh.devices.flat[0] if layout is not None else jax.devices()[0]
+        features = (self.experts.w_gate.shape[1], self.experts.w_gate.shape[2])
+        return grouped_kernels.resolve(self.moe.grouped_matmul_impl, device.platform, dtype, features,
+                                       device.device_kind)
 
     def _aux(self, logits, probs, experts, keep, bias) -> dict:
         moe, per_layer = self.moe, 1.0 / self.moe_layers  # the stack sums over layers: figures as means

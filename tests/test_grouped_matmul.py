@@ -1,0 +1,123 @@
+"""The grouped-matmul seam (ushard/kernels/grouped_matmul.py): its custom VJP against `jax.grad` of
+`lax.ragged_dot` in float32, with empty groups and rows past the groups, on reference products and on
+the megablox kernels in Pallas's interpreter; and the choice of kernel."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ushard.errors import UserError
+from ushard.kernels import grouped_matmul as gm
+
+
+def _reference_kernels(row_multiple: int = 1) -> gm.GroupedKernels:
+    """The contract's three products by XLA, with rows past the groups made garbage (NaN), as a kernel
+    that never writes them leaves them: the VJP must mask them, not rely on zeros."""
+
+    def garbage_past_groups(y, group_sizes):
+        return jnp.where(gm._rows_in_groups(y.shape[0], group_sizes), y, jnp.nan)
+
+    def forward(x, w, group_sizes):
+        return garbage_past_groups(jax.lax.ragged_dot(x, w, group_sizes), group_sizes)
+
+    def rows_grad(d_y, w, group_sizes):
+        return garbage_past_groups(jax.lax.ragged_dot(d_y, w.swapaxes(1, 2), group_sizes), group_sizes)
+
+    def weights_grad(x, d_y, group_sizes):
+        # x [m, k], d_y [m, n] -> [g, k, n]: each group's rows only (one-hot of each row's group).
+        group_of_row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right")
+        one_hot = jax.nn.one_hot(group_of_row, group_sizes.shape[0], dtype=x.dtype)  # past the groups: 0
+        return jnp.einsum("mg,mk,mn->gkn", one_hot, x, d_y)
+
+    return gm.GroupedKernels(forward, rows_grad, weights_grad, row_multiple=row_multiple)
+
+
+def _case(rows, k, n, sizes, seed=0):
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (rows, k), jnp.float32)
+    w = jax.random.normal(kw, (len(sizes), k, n), jnp.float32) / np.sqrt(k)
+    d_y = jax.random.normal(kd, (rows, n), jnp.float32)  # a random cotangent, not the gradient of a sum
+    return x, w, jnp.array(sizes, jnp.int32), d_y
+
+
+def _value_and_grads(matmul, x, w, sizes, d_y):
+    y, pull_back = jax.vjp(lambda x, w: matmul(x, w, sizes), x, w)
+    return (y, *pull_back(d_y))
+
+
+CASES = {
+    "uneven, one empty, all rows used": (96, 64, 48, [40, 0, 31, 25]),
+    "rows past the groups": (100, 64, 48, [10, 30, 0, 20]),
+    "every group empty": (16, 32, 32, [0, 0, 0]),
+    "one group": (24, 32, 16, [24]),
+}
+
+
+@pytest.mark.parametrize("row_multiple", [1, 64])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_custom_vjp_matches_the_gradient_of_ragged_dot(case, row_multiple):
+    x, w, sizes, d_y = _case(*CASES[case])
+    kernels = _reference_kernels(row_multiple)
+    got = _value_and_grads(lambda x, w, s: gm._with_vjp(kernels, x, w, s), x, w, sizes, d_y)
+    want = _value_and_grads(jax.lax.ragged_dot, x, w, sizes, d_y)
+    for name, a, b in zip(("value", "d_x", "d_w"), got, want):
+        assert np.all(np.isfinite(a)), name
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+    used = int(np.sum(sizes))
+    assert not np.any(np.asarray(got[0])[used:]), "rows past the groups give zeros"
+    assert not np.any(np.asarray(got[1])[used:]), "and no gradient"
+
+
+def test_megablox_in_pallas_interpreter_matches_the_gradient_of_ragged_dot():
+    """The TPU kernels themselves (interpreted on the CPU), with an empty group and rows past the
+    groups, which megablox leaves unwritten (NaN in the interpreter) and the seam masks."""
+    x, w, sizes, d_y = _case(200, 128, 256, [90, 0, 50, 40])
+    kernels = gm.megablox_kernels(interpret=True)
+    got = _value_and_grads(lambda x, w, s: gm._with_vjp(kernels, x, w, s), x, w, sizes, d_y)
+    want = _value_and_grads(jax.lax.ragged_dot, x, w, sizes, d_y)
+    for name, a, b in zip(("value", "d_x", "d_w"), got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_auto_picks_the_kernel_each_platform_has():
+    hopper = "NVIDIA H100 80GB HBM3"
+    assert gm.resolve("auto", "gpu", jnp.bfloat16, (2048, 5632), hopper) == "mosaic_gpu"
+    assert gm.resolve("auto", "gpu", jnp.float32, (2048, 5632), hopper) == "xla"
+    assert gm.resolve("auto", "gpu", jnp.bfloat16, (2048, 5632), "NVIDIA A100-SXM4-80GB") == "xla"
+    assert gm.resolve("auto", "gpu", jnp.bfloat16, (2048, 1000), hopper) == "xla"
+    assert gm.resolve("auto", "tpu", jnp.bfloat16, (2048, 5632)) == "megablox"
+    assert gm.resolve("auto", "cpu", jnp.bfloat16, (2048, 5632)) == "xla"
+    assert "multiples of 128" in gm.why("auto", "xla", "gpu", (2048, 1000))
+
+
+def test_a_kernel_the_platform_lacks_is_refused_in_one_sentence():
+    with pytest.raises(UserError, match="runs on GPUs only"):
+        gm.check("mosaic_gpu", "cpu", (128, 256))
+    with pytest.raises(UserError, match="multiples of 128"):
+        gm.check("megablox", "tpu", (64, 256))
+    gm.check("xla", "cpu", (64, 96))
+
+
+def test_inside_a_shard_map_the_kernels_outputs_carry_the_operands_varying_axes():
+    """JAX's Pallas kernels return outputs typed as the same on every device of a `shard_map`; the
+    seam types them as varying like their operands, or autodiff refuses the weights' gradient."""
+    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+    x, w, sizes, d_y = _case(256, 128, 128, [60, 0, 40, 20])
+    kernels = gm.megablox_kernels(interpret=True)
+
+    def per_device(x, w, sizes, d_y):
+        return _value_and_grads(lambda x, w, s: gm._with_vjp(kernels, x, w, s), x, w, sizes, d_y)
+
+    def reference(x, w, sizes, d_y):
+        return _value_and_grads(jax.lax.ragged_dot, x, w, sizes, d_y)
+
+    spec = jax.P("expert")
+    specs = dict(mesh=mesh, in_specs=(spec, spec, jax.P(), spec), out_specs=(spec, spec, spec))
+    stacked = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(
+        (jnp.concatenate([x, x[::-1]]), jnp.concatenate([w, w[::-1]]), sizes, jnp.concatenate([d_y, d_y])),
+        specs["in_specs"])]
+    got = jax.jit(jax.shard_map(per_device, **specs))(*stacked)
+    want = jax.jit(jax.shard_map(reference, **specs))(*stacked)
+    for name, a, b in zip(("value", "d_x", "d_w"), got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
