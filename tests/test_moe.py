@@ -86,7 +86,9 @@ def value_and_grads(layout_sizes, dispatch, capacity, weights, x, experts, gates
 
     def objective(weights, x, gates):
         gates = jnp.where(keep, gates, 0.0)
-        out = routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, expert_ffn, capacity, dispatch)
+        # Receive buffers for the worst case: the skewed routing sends a third of all rows to one device.
+        out, _ = routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, expert_ffn, capacity,
+                                dispatch, headroom=8.0)
         return jnp.sum(out * cotangent), out
 
     def run(weights, x, gates):
@@ -121,6 +123,31 @@ def test_dispatch_compute_combine_matches_the_per_token_reference(problem, layou
     assert loads[6] == loads[7] == 0 and loads[0] > 3 * B  # empty and overloaded experts were exercised
     if capacity < T:
         assert 0 < np.mean(~np.asarray(keep)) < 0.5  # the rule dropped some assignments, not most
+
+
+@pytest.mark.parametrize("headroom, overflows", [(1.0, True), (3.0, True), (4.0, False)])
+def test_a_ragged_dispatch_beyond_its_receive_buffer_reports_it_and_gives_nan(problem, headroom, overflows):
+    """Expert 0 gets 101 of the 256 skewed assignments: over expert=8 its device receives 3.2 times an
+    even load (32 rows), more than buffers of 1 or 3 times that hold, within one of 4."""
+    weights, x, experts, gates, _ = problem
+    keep = jnp.ones(experts.shape, bool)
+
+    def run(weights, x, gates):
+        with use_layout(layout_for(3, expert=8)):
+            return routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, expert_ffn, T, "ragged",
+                                  headroom=headroom)
+
+    out, overflow = jax.jit(run)(weights, x, gates)
+    assert float(overflow) == float(overflows)
+    assert np.all(np.isnan(out)) if overflows else np.all(np.isfinite(out))
+
+
+def test_the_ragged_receive_buffer_is_headroom_times_an_even_load():
+    from ushard.parallel.expert import receive_rows
+
+    assert receive_rows(4096, groups=8, local_experts=1, k=2, headroom=1.5) == 6144
+    assert receive_rows(1000, groups=8, local_experts=1, k=2, headroom=1.25) == 1250
+    assert receive_rows(256, groups=2, local_experts=4, k=2, headroom=4.0) == 512  # never past the worst case
 
 
 def test_drop_rule_keeps_the_first_capacity_assignments_of_each_row_per_expert():
@@ -246,3 +273,14 @@ def test_loss_free_bias_lowers_the_expert_load_imbalance(stdlib_batches):
 
     unbalanced, balanced = max_over_mean(0.0), max_over_mean(0.01)
     assert balanced < 0.75 * unbalanced, (balanced, unbalanced)
+
+
+def test_training_stops_with_a_sentence_when_the_ragged_dispatch_overflows(stdlib_batches):
+    """A receive buffer of exactly an even load overflows at the first uneven step: the run stops
+    with a sentence that names the setting, not with NaN losses or an out-of-memory crash."""
+    from ushard.errors import UserError
+
+    config = small_config("tiny_moe", **{**SMALL_MOE, "mesh.expert": 8, "model.moe.dispatch": "ragged",
+                                         "model.moe.dispatch_headroom": 1.0, "train.steps": 2})
+    with pytest.raises(UserError, match=r"at step 1 .* raise model\.moe\.dispatch_headroom"):
+        Trainer(config, devices=jax.devices()[:8], batches=stdlib_batches).run(log=lambda *_: None)

@@ -181,7 +181,8 @@ class Seams:
     run_stack(stage, stack, x, args, layout) -> (x, aux): the layer stack split into pipeline stages.
     context_attention(q, k, v, segment_ids, xla_block, block_kernel) -> out: attention over a sequence
     split over the devices. routed_experts(x, experts, gates, keep, weights, weight_names, expert_fn,
-    row_capacity, dispatch) -> y: an MoE layer's routed experts, wherever the layout puts them.
+    row_capacity, dispatch, headroom) -> (y, overflow): an MoE layer's routed experts, wherever the layout
+    puts them.
     """
 
     run_stack: Callable | None = None

@@ -120,10 +120,12 @@ def grouped_matmul(x, w, group_sizes, impl: str = "xla"):
     by the resolved implementation `impl`."""
     if impl == "xla":
         return jax.lax.ragged_dot(x, w, group_sizes)
-    if impl == "mosaic_gpu":
-        return _with_vjp(_MOSAIC, x, w, group_sizes)
-    if impl == "megablox":
-        return _with_vjp(_MEGABLOX, x, w, group_sizes)
+    if impl in ("mosaic_gpu", "megablox"):
+        # Operands typed alike, as JAX's own ops broadcast them (inside a `shard_map`), so that each
+        # gradient the VJP returns has its operand's type.
+        axes = frozenset().union(*(varying_axes(a) for a in (x, w, group_sizes)))
+        x, w, group_sizes = varying((x, w, group_sizes), axes)
+        return _with_vjp(_MOSAIC if impl == "mosaic_gpu" else _MEGABLOX, x, w, group_sizes)
     raise ValueError(f"grouped matmul implementation {impl!r} is not one of {IMPLS[1:]}")
 
 

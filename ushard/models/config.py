@@ -65,6 +65,9 @@ class MoEConfig:
     # How assignments reach experts split over devices (mesh.expert > 1; ushard/parallel/expert.py):
     # "padded" all_to_all of fixed-capacity buffers, or "ragged" (ragged_all_to_all: only the rows used).
     dispatch: str = "padded"
+    # The ragged dispatch's receive buffer, in multiples of the rows a device gets when the load is
+    # even: the grouped matmul runs over all of it; a step whose load needs more stops the run.
+    dispatch_headroom: float = 1.5
     # The dropless experts' grouped matmul (ushard/kernels/grouped_matmul.py): "auto" runs JAX's Pallas
     # kernels where they exist (Mosaic GPU on Hopper, megablox on TPUs), else "xla" (ragged_dot).
     grouped_matmul_impl: str = "auto"
@@ -76,6 +79,9 @@ class MoEConfig:
         _check_finite(self, ("capacity_factor", "aux_loss_weight", "z_loss_weight", "bias_update_rate"), p,
                       allow_zero=True)
         _check_finite(self, ("routed_scale",), p, allow_zero=False)
+        if not self.dispatch_headroom >= 1:
+            raise UserError(f"{p}dispatch_headroom={self.dispatch_headroom!r} must be at least 1 (the rows of an "
+                            f"even load).")
         for key, valid in (("score_func", SCORE_FUNCS), ("dispatch", DISPATCHES),
                            ("grouped_matmul_impl", GROUPED_MATMUL_IMPLS)):
             if getattr(self, key) not in valid:
@@ -164,7 +170,7 @@ class ModelConfig:
     # changed. Every other setting (new ones included, unless added here) defines the model's function.
     IMPLEMENTATION_SETTINGS = ("compute_dtype", "attention_impl", "remat", "scan_unroll", "fused_mlp",
                                "fp8", "moe.aux_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate",
-                               "moe.dispatch", "moe.grouped_matmul_impl")
+                               "moe.dispatch", "moe.dispatch_headroom", "moe.grouped_matmul_impl")
 
     @classmethod
     def from_config(cls, model_cfg, ignore_unknown: bool = False) -> "ModelConfig":

@@ -28,7 +28,10 @@ expert's load: up when it got fewer assignments than the mean, down when it got 
 Each MoE layer reports, as auxiliary terms summed over layers by the stack: the two losses (where
 their weight is not 0), and, as figures whose gradient is stopped (they change nothing but the
 metrics), the mean over MoE layers of max_e f_e / mean_e f_e ("moe_load_max_over_mean", 1 when
-balanced) and of the fraction of assignments dropped ("moe_dropped_fraction", 0 when dropless).
+balanced) and of the fraction of assignments dropped ("moe_dropped_fraction", 0 when dropless); with
+the ragged dispatch, the share of layers whose receive buffer (`dispatch_headroom` times an even load)
+could not hold a device's rows ("moe_dispatch_overflow": the layer's output is then NaN, and the
+training loop stops the run with a sentence before that step is saved).
 
 Where the routed experts run (this device, or spread over the mesh with all-to-all dispatch) is
 decided by the layout's `seams.routed_experts` (ushard/parallel/expert.py, wired in by `build`),
@@ -50,6 +53,9 @@ from ushard.models import dispatch
 from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.layers import SwiGLU, fan_in_init, param
 from ushard.sharding import current_layout, sum_over_rows
+
+# The auxiliary figure that reports a ragged dispatch whose rows did not fit its receive buffer.
+DISPATCH_OVERFLOW = "moe_dispatch_overflow"
 
 
 class ExpertBias(nnx.Variable):
@@ -200,14 +206,15 @@ class MoE(nnx.Module):
             keep = jnp.ones(experts.shape, bool)
         weights, layout = self.experts.weights(x.dtype), current_layout()
         ffn = functools.partial(expert_ffn, impl=self._grouped_matmul(layout, x.dtype))
+        overflow = jnp.float32(0)
         if layout is None:  # one device, as the module docstring describes
             y = dispatch.on_device(x, experts, gates, keep, weights, ffn, capacity)
         else:  # wherever the layout puts the experts (the layout's seam: ushard/parallel/expert.py)
-            y = layout.seams.routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, ffn, capacity,
-                                            moe.dispatch)
+            y, overflow = layout.seams.routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, ffn,
+                                                      capacity, moe.dispatch, moe.dispatch_headroom)
         if moe.num_shared_experts:
             y = y + self.shared(x)
-        return y, self._aux(logits, probs, experts, keep, bias)
+        return y, self._aux(logits, probs, experts, keep, bias, overflow)
 
     def _grouped_matmul(self, layout, dtype) -> str:
         """The grouped-matmul kernel: the run's plan's (`ParallelPlan.grouped_matmul`), or without a
@@ -219,13 +226,15 @@ class MoE(nnx.Module):
         return grouped_kernels.resolve(self.moe.grouped_matmul_impl, device.platform, dtype, features,
                                        device.device_kind)
 
-    def _aux(self, logits, probs, experts, keep, bias) -> dict:
+    def _aux(self, logits, probs, experts, keep, bias, overflow) -> dict:
         moe, per_layer = self.moe, 1.0 / self.moe_layers  # the stack sums over layers: figures as means
         share = assignment_shares(experts, moe.num_experts)
         aux = {
             "moe_load_max_over_mean": jax.lax.stop_gradient(jnp.max(share) * moe.num_experts) * per_layer,
             "moe_dropped_fraction": jax.lax.stop_gradient(1.0 - batch_mean(keep.astype(jnp.float32))) * per_layer,
         }
+        if moe.dispatch == "ragged":  # the share of MoE layers whose ragged dispatch overflowed (module docstring)
+            aux[DISPATCH_OVERFLOW] = jax.lax.stop_gradient(overflow) * per_layer
         if moe.bias_update_rate:
             aux["moe_load_max_over_mean"] += load_signal(bias, share)
         if moe.aux_loss_weight:

@@ -30,23 +30,28 @@ are summed over those axes.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from ushard.models import dispatch as local_dispatch
-from ushard.sharding import TOKEN_NAMES, current_layout
+from ushard.sharding import TOKEN_NAMES, current_layout, varying, varying_axes
 
 
 def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int,
-                   dispatch: str = "padded"):
+                   dispatch: str = "padded", headroom: float = 1.5):
     """Every token through its kept experts, weighted by its gates: x [batch, length, d], experts int /
     gates float32 / keep bool [batch, length, k], weights {name: [experts, ...]} with logical names
     `weight_names`; `row_capacity`: the drop rule's C (the most assignments an expert keeps from one
     sequence; the length when dropless); `dispatch`: "padded" or "ragged", how assignments travel to
-    experts split over devices. Returns [batch, length, d] in x's dtype."""
+    experts split over devices; `headroom`: the ragged receive buffer's rows, in multiples of an even
+    load (`_ragged`). Returns (y [batch, length, d] in x's dtype, overflow float32: 1 where a ragged
+    dispatch had more rows for a device than its buffer holds, and y is then NaN; else 0)."""
     layout = current_layout()
     if layout is None:
-        return local_dispatch.on_device(x, experts, gates, keep, weights, expert_fn, row_capacity)
+        return local_dispatch.on_device(x, experts, gates, keep, weights, expert_fn, row_capacity), jnp.float32(0)
 
     token_axes = tuple(a for name in TOKEN_NAMES for a in layout.axes(name))
     expert_axes, hidden_axes = layout.axes("experts"), layout.axes("expert_mlp")
@@ -67,18 +72,22 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
 
     def per_device(x, experts, gates, keep, weights):
         weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
+        overflow = jnp.float32(0)
         if ragged:
-            y = _ragged(x, experts, gates, keep, weights, expert_fn, expert_axes, groups, exchange)
+            y, overflow = _ragged(x, experts, gates, keep, weights, expert_fn, expert_axes, groups, exchange, headroom)
         else:
             y = local_dispatch.on_device(x, experts, gates, keep, weights, expert_fn, row_capacity, groups,
                                    exchange=lambda buffer: jax.lax.all_to_all(buffer, expert_axes, 0, 0, tiled=True))
         # Partial sums where the experts' hidden dimension is split; summed once per token, after the
         # gates (linear), where there are fewer rows than in the expert buffers.
-        return jax.lax.psum(y, hidden_axes) if hidden_axes else y
+        y = jax.lax.psum(y, hidden_axes) if hidden_axes else y
+        # The same on every device of an expert group (their counts table is); the most over the rest.
+        every_axis = token_axes + hidden_axes
+        return y, jax.lax.pmax(varying(overflow, every_axis), every_axis)
 
     tokens = layout.spec((*TOKEN_NAMES, None))
     return jax.shard_map(
-        per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, tokens, stored), out_specs=tokens,
+        per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, tokens, stored), out_specs=(tokens, P()),
         axis_names=set(token_axes + expert_axes + hidden_axes),
     )(x, experts, gates, keep, weights)
 
@@ -99,23 +108,41 @@ def _gather(w, stored, compute):
     return w
 
 
-def _ragged(x, experts, gates, keep, weights, expert_fn, axes, groups: int, exchange):
+def receive_rows(assignments: int, groups: int, local_experts: int, k: int, headroom: float) -> int:
+    """The ragged receive buffer's rows on a device that sends `assignments` rows: `headroom` times
+    what it receives when every device gets as many as it sends (an even load), never more than the
+    most it can be sent (every sender's assignments to this device's experts). The grouped matmul
+    runs over the whole buffer."""
+    most = groups * (assignments // k) * min(k, local_experts)
+    return min(most, math.ceil(headroom * assignments))
+
+
+def _ragged(x, experts, gates, keep, weights, expert_fn, axes, groups: int, exchange, headroom: float):
     """Experts split over `groups` devices, moving only the kept assignments: each device sends every
     expert the rows sorted for it, written where the receiver wants them (grouped by its local expert,
     senders in order), runs its experts grouped, and sends the outputs back to the rows they came from.
-    `exchange` is `jax.lax.ragged_all_to_all` or its stand-in for CPUs. The receive buffer holds the
-    most any device can be sent: every sender's assignments to experts that device holds."""
+    `exchange` is `jax.lax.ragged_all_to_all` or its stand-in for CPUs. The receive buffer holds
+    `receive_rows`; where one device's rows exceed it (the same verdict on every device: all hold
+    the counts table), nothing is sent, and the output is NaN with overflow 1 (the step is not used;
+    the training loop stops with a sentence). Returns (y, overflow)."""
     local_experts, k = local_dispatch.experts_held(weights), experts.shape[-1]
     num_experts, d = local_experts * groups, x.shape[-1]
     tokens, key, gates = local_dispatch.flat(x, experts, gates, keep, num_experts)
     order, sizes, _ = local_dispatch.sort_by_expert(key, num_experts)
     rows = tokens[order // k]
-    plan = _ragged_plan(jax.lax.all_gather(sizes, axes), jax.lax.axis_index(axes), local_experts)
-    most = groups * tokens.shape[0] * min(k, local_experts)
-    received = exchange(rows, jnp.zeros((most, d), rows.dtype), *plan["there"], axis_name=axes)
+    counts = jax.lax.all_gather(sizes, axes)  # [senders, experts]
+    most = receive_rows(rows.shape[0], groups, local_experts, k, headroom)
+    over = jnp.max(jnp.sum(counts.reshape(groups, groups, local_experts), axis=(0, 2))) > most
+    plan = _ragged_plan(jnp.where(over, 0, counts), jax.lax.axis_index(axes), local_experts)
+    # The result of `ragged_all_to_all` takes the type of its output buffer: zeros typed as differing
+    # between devices like the rows, or JAX takes what each device received for the same on all of
+    # them, and the transpose of its implicit broadcast sums the devices' gradients together.
+    buffer = lambda shape: varying(jnp.zeros(shape, rows.dtype), varying_axes(rows))  # noqa: E731
+    received = exchange(rows, buffer((most, d)), *plan["there"], axis_name=axes)
     computed = expert_fn(weights, received, plan["group_sizes"])
-    out_sorted = exchange(computed, jnp.zeros_like(rows), *plan["back"], axis_name=axes)
-    return local_dispatch.unsort_and_combine(out_sorted, order, gates, x)
+    out_sorted = exchange(computed, buffer(rows.shape), *plan["back"], axis_name=axes)
+    y = local_dispatch.unsort_and_combine(out_sorted, order, gates, x)
+    return jnp.where(over, jnp.asarray(jnp.nan, y.dtype), y), over.astype(jnp.float32)
 
 
 def _ragged_plan(counts, me, local_experts: int) -> dict:

@@ -24,6 +24,7 @@ from ushard.checkpoint import Checkpoints
 from ushard.data import local_block, make_batches, place_batch
 from ushard.errors import UserError
 from ushard.metrics import MetricsWriter, peak_flops
+from ushard.models.moe import DISPATCH_OVERFLOW
 from ushard.training.init_from import initial_params
 from ushard.training.state import TrainState
 
@@ -247,6 +248,7 @@ class Trainer:
             values = jax.device_get([m for _, _, m in pending])  # one transfer; waits for the device
             fetched = [(s, i, m) for (s, i, _), m in zip(pending, values)]
             pending = []
+            _check_dispatch(fetched, self.config.model.moe)
             self._count_nonfinite(fetched, nonfinite, last=step == t.steps)
             bad = next(((s, i, m) for s, i, m in fetched if not m["finite"]), None)
             if bad and t.on_nonfinite != "skip":
@@ -337,6 +339,21 @@ class Trainer:
             "mfu": tflops * 1e12 / self.peak if self.peak else None,
             "skipped_steps": int(metrics["skipped"]),
         }
+
+
+def _check_dispatch(fetched, moe) -> None:
+    """Stops the run (UserError) at the first step whose ragged expert dispatch had more rows for a
+    device than its receive buffer holds: that step's outputs are NaN (ushard/parallel/expert.py)
+    and it is not saved; the checkpoints before it stand."""
+    for step, position, metrics in fetched:
+        share = float(metrics["aux"].get(DISPATCH_OVERFLOW, 0.0))
+        if share > 0:
+            raise UserError(
+                f"training stopped: at step {step} (the batch at data position {position:,}) the experts' load was "
+                f"too uneven for the ragged dispatch's receive buffers ({share:.0%} of the MoE layers: a device "
+                f"had more rows than model.moe.dispatch_headroom={moe.dispatch_headroom} times an even load); "
+                f"raise model.moe.dispatch_headroom and run the same command to resume from the last checkpoint."
+            )
 
 
 def _nonfinite_values(metrics) -> str:
