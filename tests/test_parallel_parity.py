@@ -88,10 +88,12 @@ LAYOUTS = {
     "single_moecap": (MOE_CAPACITY, 1),
     "expert4_fsdp2_moecap": ({**MOE_CAPACITY, "mesh.expert": 4, "mesh.fsdp": 2}, 8),
 }
-# Rows another row covers (zero0..2 with accumulation beside zero3's; the 4-way ring beside its
-# keep_kv variant; experts with tensor beside the same with SP): in the slow tier (`-m slow`), for the
-# default suite's time.
-SLOW_LAYOUTS = ("zero0_accum", "zero1_accum", "zero2_accum", "sequence4_ring", "expert2_tensor2_fsdp2_moe")
+# Rows another row covers, and that no other test reads (fsdp on 2 devices beside 8; all-gather over
+# 2 beside over 4; the 4-way ring beside its keep_kv variant; fused MLPs with SP beside without;
+# experts with fsdp=4 beside fsdp=2, and with tensor beside the same with SP): in the slow tier
+# (`-m slow`), for the default suite's time.
+SLOW_LAYOUTS = ("fsdp2", "sequence2_all_gather", "sequence4_ring", "tensor4_fsdp2_sp_fused", "expert2_fsdp4_moe",
+                "expert2_tensor2_fsdp2_moe")
 REFERENCES = {"fused": "single_fused", "fp8": "single_fp8", "moe": "single_moe", "moecap": "single_moecap"}
 MOE_LAYOUTS = [n for n in LAYOUTS if n.endswith(("_moe", "_moecap"))]
 # The dense tensor layouts, whose collectives the tests below read.
@@ -274,7 +276,7 @@ def activation_collectives(hlo: str, kind: str, length: int) -> list[str]:
     return [name for name, k, shapes in collectives(hlo) if k == kind and (8, length, 64) in shapes]
 
 
-@pytest.mark.parametrize("name", TENSOR_LAYOUTS)
+@pytest.mark.parametrize("name", layout_params(TENSOR_LAYOUTS))
 def test_no_involuntary_rematerialization(results, name):
     """XLA never falls back to replicating a tensor to reshard it, and never moves activations between
     devices along another dimension (all-to-all, permutes): the tensor layouts need only all-gathers,
@@ -288,7 +290,7 @@ def test_no_involuntary_rematerialization(results, name):
     assert moves == []
 
 
-@pytest.mark.parametrize("name", TENSOR_LAYOUTS)
+@pytest.mark.parametrize("name", layout_params(TENSOR_LAYOUTS))
 def test_the_vocabulary_stays_split(results, name):
     """No collective carries a whole vocabulary: not the logits [.., 32 tokens, 512] (the loss reduces
     over their shards), not the embedding table [512, ..] or its gradient (the lookup is vocab-parallel)."""

@@ -260,9 +260,10 @@ def spec_at(tree, path):
     return tree.spec
 
 
-# Covered by other rows (GPipe, circular, the whole head, grad_accum all appear composed below them):
+# Covered by other rows (GPipe, circular, the whole head, grad_accum, 1F1B on 4 stages, remat all
+# appear composed in the rows left):
 # in the slow tier with the sweep, for the default suite's time.
-SLOW_LAYOUTS = ("gpipe_2x8_accum2", "circular_2x4", "gpipe_2x4_whole_head")
+SLOW_LAYOUTS = ("gpipe_2x8_accum2", "circular_2x4", "gpipe_2x4_whole_head", "1f1b_4x8_remat")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
