@@ -86,7 +86,7 @@ def test_auto_picks_the_kernel_each_platform_has():
     assert gm.resolve("auto", "gpu", jnp.float32, (2048, 5632), hopper) == "xla"
     assert gm.resolve("auto", "gpu", jnp.bfloat16, (2048, 5632), "NVIDIA A100-SXM4-80GB") == "xla"
     assert gm.resolve("auto", "gpu", jnp.bfloat16, (2048, 1000), hopper) == "xla"
-    assert gm.resolve("auto", "tpu", jnp.bfloat16, (2048, 5632)) == "megablox"
+    assert gm.resolve("auto", "tpu", jnp.bfloat16, (2048, 5632)) == "xla"  # megablox: module docstring
     assert gm.resolve("auto", "cpu", jnp.bfloat16, (2048, 5632)) == "xla"
     assert "multiples of 128" in gm.why("auto", "xla", "gpu", (2048, 1000))
 
@@ -95,7 +95,7 @@ def test_a_kernel_the_platform_lacks_is_refused_in_one_sentence():
     with pytest.raises(UserError, match="runs on GPUs only"):
         gm.check("mosaic_gpu", "cpu", (128, 256))
     with pytest.raises(UserError, match="multiples of 128"):
-        gm.check("megablox", "tpu", (64, 256))
+        gm.check("mosaic_gpu", "gpu", (64, 256))
     gm.check("xla", "cpu", (64, 96))
 
 
@@ -107,7 +107,7 @@ def test_inside_a_shard_map_the_kernels_outputs_carry_the_operands_varying_axes(
     kernels = gm.megablox_kernels(interpret=True)
 
     def per_device(x, w, sizes, d_y):
-        return _value_and_grads(lambda x, w, s: gm._with_vjp(kernels, x, w, s), x, w, sizes, d_y)
+        return _value_and_grads(lambda x, w, s: gm.pallas_grouped_matmul(kernels, x, w, s), x, w, sizes, d_y)
 
     def reference(x, w, sizes, d_y):
         return _value_and_grads(jax.lax.ragged_dot, x, w, sizes, d_y)

@@ -83,9 +83,8 @@ DESCRIPTIONS = {
                           "rows used)",
     "model.moe.dispatch_headroom": "with `ragged`: each device's receive buffer in multiples of an even load (the "
                                    "grouped matmul runs over all of it); a step that needs more stops the run",
-    "model.moe.grouped_matmul_impl": "the dropless experts' grouped matmul: `auto` (JAX's Pallas kernels: Mosaic "
-                                     "GPU on Hopper in 16-bit, megablox on TPUs; else XLA), `xla` (ragged_dot), "
-                                     "`mosaic_gpu`, `megablox`",
+    "model.moe.grouped_matmul_impl": "the dropless experts' grouped matmul: `auto` (JAX's Pallas Mosaic-GPU kernel "
+                                     "on Hopper GPUs in 16-bit compute, else XLA), `xla` (ragged_dot), `mosaic_gpu`",
     # train
     "train.steps": "optimizer steps of the run",
     "train.batch_size": "global batch, in sequences",

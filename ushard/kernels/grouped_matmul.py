@@ -11,9 +11,11 @@ Implementations (`model.grouped_matmul_impl`; `resolve` picks for "auto", `why` 
 - "mosaic_gpu": the Pallas Mosaic-GPU kernels JAX ships for Hopper (sm_90) GPUs: `ragged_dot_mgpu`
   for the forward pass and, with the weights transposed, the rows' gradient; `transposed_ragged_dot_mgpu`
   for the weights' gradient (per group xᵀ · dy). Block sizes come from `MOSAIC_BLOCKS` by shape class.
-- "megablox": the Pallas TPU kernels JAX ships (`megablox` gmm, and tgmm for the weights' gradient).
-Both Pallas implementations run under one custom VJP (`_with_vjp`): JAX's Mosaic-GPU kernels have
-none, and one shared VJP keeps the masking of rows past the groups in one place.
+Both run under one custom VJP (`_with_vjp`, which JAX's Mosaic-GPU kernels lack), as do the Pallas
+TPU kernels JAX ships (megablox's gmm and tgmm, `megablox_kernels`, tested in Pallas's interpreter).
+Those are not offered to configs yet: inside the model's `shard_map`s megablox's group metadata mixes
+a constant with the per-device group sizes in one `concatenate`, which JAX's type check refuses
+(JAX 0.10.2; docs/dev-notes.md), so TPUs run "xla".
 """
 
 from __future__ import annotations
@@ -31,10 +33,9 @@ from jax._src import config as jax_config
 from ushard.errors import UserError
 from ushard.sharding import varying, varying_axes
 
-IMPLS = ("auto", "xla", "mosaic_gpu", "megablox")
-NAMES = {"xla": "XLA's ragged_dot", "mosaic_gpu": "Pallas Mosaic-GPU grouped matmul",
-         "megablox": "Pallas megablox grouped matmul"}
-PLATFORMS = {"mosaic_gpu": "gpu", "megablox": "tpu"}
+IMPLS = ("auto", "xla", "mosaic_gpu")
+NAMES = {"xla": "XLA's ragged_dot", "mosaic_gpu": "Pallas Mosaic-GPU grouped matmul"}
+PLATFORMS = {"mosaic_gpu": "gpu"}
 # The feature sizes (k and n) the Pallas kernels take: multiples of their column blocks.
 FEATURE_MULTIPLE = 128
 
@@ -81,8 +82,6 @@ def resolve(impl: str, platform: str, dtype, features: tuple[int, ...], device_k
     fits = all(f % FEATURE_MULTIPLE == 0 for f in features)
     if platform == "gpu" and _hopper(device_kind) and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and fits:
         return "mosaic_gpu"
-    if platform == "tpu" and fits:
-        return "megablox"
     return "xla"
 
 
@@ -91,11 +90,12 @@ def why(impl: str, resolved: str, platform: str, features: tuple[int, ...]) -> s
     name = NAMES[resolved]
     if impl != "auto":
         return f"{name} (model.grouped_matmul_impl={impl!r})"
-    if resolved == "xla" and platform in ("gpu", "tpu"):
+    if resolved == "xla" and platform == "gpu":
         if any(f % FEATURE_MULTIPLE for f in features):
             return f"{name} (the Pallas kernels take feature sizes that are multiples of {FEATURE_MULTIPLE})"
-        if platform == "gpu":
-            return f"{name} (the Mosaic-GPU kernel runs on Hopper GPUs in 16-bit compute only)"
+        return f"{name} (the Mosaic-GPU kernel runs on Hopper GPUs in 16-bit compute only)"
+    if resolved == "xla" and platform == "tpu":
+        return f"{name} (megablox does not yet type-check inside the model's shard_maps)"
     return f"{name} (auto on {platform})"
 
 
@@ -120,13 +120,18 @@ def grouped_matmul(x, w, group_sizes, impl: str = "xla"):
     by the resolved implementation `impl`."""
     if impl == "xla":
         return jax.lax.ragged_dot(x, w, group_sizes)
-    if impl in ("mosaic_gpu", "megablox"):
-        # Operands typed alike, as JAX's own ops broadcast them (inside a `shard_map`), so that each
-        # gradient the VJP returns has its operand's type.
-        axes = frozenset().union(*(varying_axes(a) for a in (x, w, group_sizes)))
-        x, w, group_sizes = varying((x, w, group_sizes), axes)
-        return _with_vjp(_MOSAIC if impl == "mosaic_gpu" else _MEGABLOX, x, w, group_sizes)
+    if impl == "mosaic_gpu":
+        return pallas_grouped_matmul(_MOSAIC, x, w, group_sizes)
     raise ValueError(f"grouped matmul implementation {impl!r} is not one of {IMPLS[1:]}")
+
+
+def pallas_grouped_matmul(kernels: "GroupedKernels", x, w, group_sizes):
+    """The contract on Pallas `kernels`, under the shared custom VJP."""
+    # Operands typed alike, as JAX's own ops broadcast them (inside a `shard_map`), so that each
+    # gradient the VJP returns has its operand's type.
+    axes = frozenset().union(*(varying_axes(a) for a in (x, w, group_sizes)))
+    x, w, group_sizes = varying((x, w, group_sizes), axes)
+    return _with_vjp(kernels, x, w, group_sizes)
 
 
 @dataclass(frozen=True)
@@ -257,6 +262,3 @@ def megablox_kernels(interpret: bool = False) -> GroupedKernels:
 
     return GroupedKernels(forward, functools.partial(forward, transpose_rhs=True), weights_grad,
                           row_multiple=MEGABLOX_TILING[0])
-
-
-_MEGABLOX = megablox_kernels()

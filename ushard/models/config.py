@@ -67,9 +67,9 @@ class MoEConfig:
     dispatch: str = "padded"
     # The ragged dispatch's receive buffer, in multiples of the rows a device gets when the load is
     # even: the grouped matmul runs over all of it; a step whose load needs more stops the run.
-    dispatch_headroom: float = 1.5
+    dispatch_headroom: float = 2.0
     # The dropless experts' grouped matmul (ushard/kernels/grouped_matmul.py): "auto" runs JAX's Pallas
-    # kernels where they exist (Mosaic GPU on Hopper, megablox on TPUs), else "xla" (ragged_dot).
+    # Mosaic-GPU kernel on Hopper GPUs in 16-bit compute, else "xla" (ragged_dot).
     grouped_matmul_impl: str = "auto"
 
     def __post_init__(self):

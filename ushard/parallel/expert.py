@@ -11,7 +11,7 @@ the tokens (`act_batch`, `act_length`), the experts (`experts`) and the experts'
 so every device holds tokens of its own; per device (and the same with no layout, on one device):
 
 - Dropless, experts not split: the device's assignments, sorted by expert, go through the grouped
-  form (`jax.lax.ragged_dot`): no padding, nothing moved.
+  form (the grouped-matmul kernel, ushard/kernels/grouped_matmul.py): no padding, nothing moved.
 - Otherwise, fixed-capacity dispatch. A device writes each kept assignment's token into slot
   (expert, rank among that expert's assignments on this device) of a [E, capacity, d] buffer and
   runs each expert batched over its rows. With the experts split over P devices (E / P each), an
@@ -41,7 +41,7 @@ from ushard.sharding import TOKEN_NAMES, current_layout, varying, varying_axes
 
 
 def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int,
-                   dispatch: str = "padded", headroom: float = 1.5):
+                   dispatch: str = "padded", headroom: float = 2.0):
     """Every token through its kept experts, weighted by its gates: x [batch, length, d], experts int /
     gates float32 / keep bool [batch, length, k], weights {name: [experts, ...]} with logical names
     `weight_names`; `row_capacity`: the drop rule's C (the most assignments an expert keeps from one
