@@ -52,6 +52,7 @@ def test_readme_example_trains_and_loads(api_run):
     assert names["setup"].layout.axes("act_batch") == ("data", "fsdp", "expert")
 
 
+@pytest.mark.slow  # the suite's time; the README example runs the API in the default tier
 def test_api_train_writes_the_cli_losses_bitwise(api_run, tmp_path):
     where, _ = api_run
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(jax.device_count()), JAX_PLATFORMS="cpu",

@@ -86,6 +86,7 @@ def test_sigkill_then_same_command_resumes_bitwise(tmp_path, uninterrupted):
     assert losses_by_step(tmp_path) == uninterrupted  # bitwise, every step
 
 
+@pytest.mark.slow  # the suite's time; a SIGKILL between steps is in the default tier
 def test_sigkill_during_a_save_resumes_bitwise(tmp_path, uninterrupted):
     cmd = train_cmd(tmp_path, "--config.train.steps=12")
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -104,6 +105,7 @@ def test_sigkill_during_a_save_resumes_bitwise(tmp_path, uninterrupted):
     assert losses_by_step(tmp_path) == uninterrupted
 
 
+@pytest.mark.slow  # the suite's time; failed saves are in the default tier
 def test_partial_save_is_skipped_with_a_warning(tmp_path, uninterrupted):
     cmd = train_cmd(tmp_path, "--config.train.steps=12")
     subprocess.run(cmd, env=env(), check=True, capture_output=True)
@@ -759,6 +761,7 @@ def test_nonfinite_row_needs_progress_past_the_trouble_to_end():
 # ----------------------------------------------------------------------------- several processes
 
 
+@pytest.mark.slow  # the suite's time; tests/test_placement.py runs two processes
 def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, uninterrupted):
     port = free_port()
     procs = [

@@ -88,11 +88,13 @@ LAYOUTS = {
     "single_moecap": (MOE_CAPACITY, 1),
     "expert4_fsdp2_moecap": ({**MOE_CAPACITY, "mesh.expert": 4, "mesh.fsdp": 2}, 8),
 }
-# Rows another row covers, and that no other test reads (fsdp on 2 devices beside 8; all-gather over
-# 2 beside over 4; the 4-way ring beside its keep_kv variant; fused MLPs with SP beside without;
-# experts with fsdp=4 beside fsdp=2, and with tensor beside the same with SP): in the slow tier
-# (`-m slow`), for the default suite's time.
-SLOW_LAYOUTS = ("fsdp2", "sequence2_all_gather", "sequence4_ring", "tensor4_fsdp2_sp_fused", "expert2_fsdp4_moe",
+# Rows another row covers, and that no other test reads (fsdp on 2 devices beside 8; DDP beside HSDP's
+# data axis; all-gather over 2 beside over 4; the 2- and 4-way rings beside the composed and keep_kv
+# ones; fused MLPs with SP beside without; experts over 8 beside over
+# 4, with fsdp=4 beside fsdp=2, with kept weights beside the pipeline's, with tensor beside the same
+# with SP): in the slow tier (`-m slow`), for the default suite's time.
+SLOW_LAYOUTS = ("fsdp2", "ddp", "sequence2_all_gather", "sequence2_ring", "sequence4_ring", "tensor4_fsdp2_sp_fused",
+                "expert8_moe", "expert2_fsdp4_moe", "expert4_fsdp2_keep_gathered_moe",
                 "expert2_tensor2_fsdp2_moe")
 REFERENCES = {"fused": "single_fused", "fp8": "single_fp8", "moe": "single_moe", "moecap": "single_moecap"}
 MOE_LAYOUTS = [n for n in LAYOUTS if n.endswith(("_moe", "_moecap"))]

@@ -188,6 +188,7 @@ def test_p2p_overlap_in_torch_makes_a_ring_where_each_device_gets_its_neighbours
     assert out.stdout.startswith("3 devices, gloo send/recv ring, one process each: ")
 
 
+@pytest.mark.slow  # the suite's time; one-process variants are in the default tier
 def test_bench_runs_a_variant_as_one_process_per_device():
     """`--processes 2`: the variant trains as two processes of one device each, and process 0 reports
     a step over both (tokens/s of the global batch)."""
