@@ -19,6 +19,7 @@ from ushard.config import MESH_AXES
 from ushard.data.sources import component_documents
 from ushard.kernels.attention import xla_block
 from ushard.mesh import build_mesh
+from ushard.models.config import ModelConfig
 from ushard.parallel import context
 from ushard.plan import ParallelPlan
 from ushard.sharding import Layout, use_layout
@@ -122,7 +123,7 @@ def sequence_layout(n: int, mode: str = "ring", keep_kv: bool = False, zigzag: b
     shape = {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": n, "tensor": 1}
     config = small_config(**{"mesh.sequence": n, "parallel.context_parallel": mode, "parallel.context_keep_kv": keep_kv,
                              "model.attention_impl": impl})
-    plan = ParallelPlan.create(config, shape, jax.devices()[0].platform, n_kv_heads=2)
+    plan = ParallelPlan.create(config, shape, jax.devices()[0].platform, ModelConfig.from_config(config.model))
     layout = Layout.from_plan(build_mesh(shape, devices=jax.devices()[:n]), plan)
     return dataclasses.replace(layout, zigzag=zigzag)
 

@@ -63,15 +63,16 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
         state, metrics = step_fn(state, batches[s])
     jax.block_until_ready(metrics)
     start = time.perf_counter()
-    overflow = 0.0  # the most of any timed step's share of MoE layers whose ragged dispatch overflowed
+    overflows = []  # each timed step's share of MoE layers whose ragged dispatch overflowed, read after
     for s in range(warmup, warmup + steps):
         state, metrics = step_fn(state, batches[s])
-        overflow = jax.numpy.maximum(overflow, metrics["aux"].get(DISPATCH_OVERFLOW, 0.0))
+        overflows.append(metrics["aux"].get(DISPATCH_OVERFLOW, 0.0))
     jax.block_until_ready((state, metrics))
     step_time = (time.perf_counter() - start) / steps
-    if float(overflow) > 0:  # such a step sent nothing: its time is no result
+    overflow = max(float(x) for x in overflows)
+    if overflow > 0:  # such a step sent nothing: its time is no result
         raise SystemExit(f"bench: the ragged expert dispatch overflowed its receive buffers in a timed step "
-                         f"({float(overflow):.0%} of the MoE layers); raise model.moe.dispatch_headroom.")
+                         f"({overflow:.0%} of the MoE layers); raise model.moe.dispatch_headroom.")
     tokens_per_s = config.train.batch_size * config.train.seq_len / step_time
     tflops = trainer.setup.flops_per_token * tokens_per_s / trainer.setup.mesh.size / 1e12
     # The busiest device's peak: pipeline stages (and expert groups) do not hold the same.

@@ -73,7 +73,7 @@ def build(config, devices=None) -> Setup:
     attention_kernels.check(model_cfg.attention_impl, platform, config.train.seq_len, mesh_shape["pipeline"])
     if model_cfg.moe.num_experts:
         grouped_kernels.check(model_cfg.moe.grouped_matmul_impl, platform, (model_cfg.d_model, model_cfg.expert_d_ff))
-    plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg.n_kv_heads, devices[0].device_kind)
+    plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg, devices[0].device_kind)
     layout = Layout.from_plan(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), plan, SEAMS)
     tx, schedule = make_optimizer(config.train, model.logical)
     t = config.train

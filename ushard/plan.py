@@ -48,10 +48,10 @@ class ParallelPlan:
     grouped_matmul: KernelChoice | None  # the dropless experts' grouped matmul; None for a dense model
 
     @classmethod
-    def create(cls, config, mesh_shape: dict[str, int], platform: str, n_kv_heads: int,
-               device_kind: str = "") -> "ParallelPlan":
-        """The plan of a validated `config` (`ushard.config.validate` gave `mesh_shape`) on `platform`
-        (whose devices are `device_kind`, e.g. "NVIDIA H100 80GB HBM3": kernels exist per chip)."""
+    def create(cls, config, mesh_shape: dict[str, int], platform: str, model, device_kind: str = "") -> "ParallelPlan":
+        """The plan of a validated `config` (`ushard.config.validate` gave `mesh_shape`; `model`, its
+        `ModelConfig`) on `platform`, whose devices are `device_kind` (e.g. "NVIDIA H100 80GB HBM3":
+        kernels exist per chip)."""
         from ushard.config import pipeline_head_split
         from ushard.sharding import kv_heads_split
 
@@ -71,10 +71,10 @@ class ParallelPlan:
             kernel, what = attention_kernels.block_kernel(resolved, m.compute_dtype, t.seq_len, ways, m.document_mask)
             blocks = KernelChoice(resolved if kernel is not None else "xla", what)
         grouped = None
-        if m.moe.num_experts:
-            features = (m.d_model, m.moe.expert_d_ff or m.d_ff)
-            name = grouped_kernels.resolve(m.moe.grouped_matmul_impl, platform, m.compute_dtype, features, device_kind)
-            grouped = KernelChoice(name, grouped_kernels.why(m.moe.grouped_matmul_impl, name, platform, features))
+        if model.moe.num_experts:
+            impl, features = model.moe.grouped_matmul_impl, (model.d_model, model.expert_d_ff)
+            name = grouped_kernels.resolve(impl, platform, model.compute_dtype, features, device_kind)
+            grouped = KernelChoice(name, grouped_kernels.why(impl, name, platform, features))
         return cls(
             mesh_shape=tuple(mesh_shape.items()),
             dcn_shape=tuple((a, int(config.mesh.dcn[a])) for a in mesh_shape),
@@ -83,7 +83,7 @@ class ParallelPlan:
             # On TPUs XLA turned the gradients' reduce-scatters into all-reduces without it (ushard/xla_flags.py).
             reshard_after_forward=p.reshard_after_forward or platform == "tpu",
             sequence_parallel=p.sequence_parallel,
-            split_kv_heads=kv_heads_split(n_kv_heads, mesh_shape["tensor"]),
+            split_kv_heads=kv_heads_split(model.n_kv_heads, mesh_shape["tensor"]),
             pipeline=pipeline,
             pipeline_head_split=pipeline is not None and pipeline_head_split(config),
             context_mode=p.context_parallel if ways > 1 else None,

@@ -79,8 +79,8 @@ def resolve(impl: str, platform: str, dtype, features: tuple[int, ...], device_k
     `dtype` and the matmuls' feature sizes (`features`: the experts' d_model and d_ff)."""
     if impl != "auto":
         return impl
-    fits = all(f % FEATURE_MULTIPLE == 0 for f in features)
-    if platform == "gpu" and _hopper(device_kind) and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and fits:
+    sixteen_bit = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    if platform == "gpu" and _hopper(device_kind) and sixteen_bit and _fits(features):
         return "mosaic_gpu"
     return "xla"
 
@@ -91,7 +91,7 @@ def why(impl: str, resolved: str, platform: str, features: tuple[int, ...]) -> s
     if impl != "auto":
         return f"{name} (model.grouped_matmul_impl={impl!r})"
     if resolved == "xla" and platform == "gpu":
-        if any(f % FEATURE_MULTIPLE for f in features):
+        if not _fits(features):
             return f"{name} (the Pallas kernels take feature sizes that are multiples of {FEATURE_MULTIPLE})"
         return f"{name} (the Mosaic-GPU kernel runs on Hopper GPUs in 16-bit compute only)"
     if resolved == "xla" and platform == "tpu":
@@ -106,9 +106,13 @@ def check(impl: str, platform: str, features: tuple[int, ...]) -> None:
     if platform != PLATFORMS[impl]:
         raise UserError(f"model.grouped_matmul_impl={impl!r} is {NAMES[impl]}, which runs on "
                         f"{PLATFORMS[impl].upper()}s only, and these devices are {platform}; use 'auto' or 'xla'.")
-    if any(f % FEATURE_MULTIPLE for f in features):
+    if not _fits(features):
         raise UserError(f"model.grouped_matmul_impl={impl!r} needs model.d_model and the experts' d_ff to be "
                         f"multiples of {FEATURE_MULTIPLE} (its column blocks); they are {features}.")
+
+
+def _fits(features: tuple[int, ...]) -> bool:
+    return all(f % FEATURE_MULTIPLE == 0 for f in features)
 
 
 def _hopper(device_kind: str) -> bool:
@@ -129,9 +133,13 @@ def pallas_grouped_matmul(kernels: "GroupedKernels", x, w, group_sizes):
     """The contract on Pallas `kernels`, under the shared custom VJP."""
     # Operands typed alike, as JAX's own ops broadcast them (inside a `shard_map`), so that each
     # gradient the VJP returns has its operand's type.
-    axes = frozenset().union(*(varying_axes(a) for a in (x, w, group_sizes)))
-    x, w, group_sizes = varying((x, w, group_sizes), axes)
+    x, w, group_sizes = varying((x, w, group_sizes), _varying_over(x, w, group_sizes))
     return _with_vjp(kernels, x, w, group_sizes)
+
+
+def _varying_over(*arrays) -> frozenset:
+    """The manual axes any of `arrays` is typed as varying over."""
+    return frozenset().union(*(varying_axes(a) for a in arrays))
 
 
 @dataclass(frozen=True)
@@ -167,24 +175,20 @@ def _with_vjp(kernels: GroupedKernels, x, w, group_sizes):
 
 
 def _kernel_call(fn, *args):
-    """`fn(*args)` (a Pallas kernel) with `shard_map`'s type check off while it is traced: JAX's own
-    kernels give their output shapes no manual-axis types, which JAX 0.10's `pallas_call` refuses
-    inside a map that checks them. `_typed_like` then gives the outputs their types."""
+    """`fn(*args)` (a Pallas kernel) with `shard_map`'s type check off while it is traced, its output
+    then typed as varying over the axes its operands vary over. JAX's own kernels give their output
+    shapes no manual-axis types: JAX 0.10's `pallas_call` refuses that inside a map that checks them,
+    and autodiff refuses the untyped outputs."""
     check = getattr(jax_config, "_check_vma", None)
     with check(False) if check is not None else contextlib.nullcontext():
-        return fn(*args)
-
-
-def _typed_like(y, *operands):
-    """y typed as varying over every manual axis its operands vary over: inside a `shard_map` JAX's
-    Pallas kernels return outputs without those types, which autodiff then refuses."""
-    return varying(y, frozenset().union(*(varying_axes(a) for a in operands)))
+        out = fn(*args)
+    return varying(out, _varying_over(*args))
 
 
 def _forward(kernels, x, w, group_sizes):
     rows = x.shape[0]
     y = _kernel_call(kernels.forward, _padded(x, kernels.row_multiple), w, group_sizes)[:rows]
-    return _masked(_typed_like(y, x, w, group_sizes), group_sizes), (x, w, group_sizes)
+    return _masked(y, group_sizes), (x, w, group_sizes)
 
 
 def _backward(kernels, residuals, d_y):
@@ -193,8 +197,8 @@ def _backward(kernels, residuals, d_y):
     # Rows past the groups gave zeros whatever their input: they pass no gradient, and their inputs
     # (a buffer's unused rows, anything) must not reach the weights' gradient.
     d_y = pad(_masked(d_y.astype(x.dtype), group_sizes))
-    d_x = _masked(_typed_like(_kernel_call(kernels.rows_grad, d_y, w, group_sizes)[:rows], x), group_sizes)
-    d_w = _typed_like(_kernel_call(kernels.weights_grad, pad(_masked(x, group_sizes)), d_y, group_sizes), w)
+    d_x = _masked(_kernel_call(kernels.rows_grad, d_y, w, group_sizes)[:rows], group_sizes)
+    d_w = _kernel_call(kernels.weights_grad, pad(_masked(x, group_sizes)), d_y, group_sizes)
     return d_x, d_w.astype(w.dtype), None
 
 

@@ -72,18 +72,18 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
 
     def per_device(x, experts, gates, keep, weights):
         weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
-        overflow = jnp.float32(0)
         if ragged:
             y, overflow = _ragged(x, experts, gates, keep, weights, expert_fn, expert_axes, groups, exchange, headroom)
+            # The same on every device of an expert group (their counts table is); the most over the rest.
+            every_axis = token_axes + hidden_axes
+            overflow = jax.lax.pmax(varying(overflow, every_axis), every_axis)
         else:
             y = local_dispatch.on_device(x, experts, gates, keep, weights, expert_fn, row_capacity, groups,
                                    exchange=lambda buffer: jax.lax.all_to_all(buffer, expert_axes, 0, 0, tiled=True))
+            overflow = jnp.float32(0)  # fixed buffers hold every assignment they keep
         # Partial sums where the experts' hidden dimension is split; summed once per token, after the
         # gates (linear), where there are fewer rows than in the expert buffers.
-        y = jax.lax.psum(y, hidden_axes) if hidden_axes else y
-        # The same on every device of an expert group (their counts table is); the most over the rest.
-        every_axis = token_axes + hidden_axes
-        return y, jax.lax.pmax(varying(overflow, every_axis), every_axis)
+        return (jax.lax.psum(y, hidden_axes) if hidden_axes else y), overflow
 
     tokens = layout.spec((*TOKEN_NAMES, None))
     return jax.shard_map(
