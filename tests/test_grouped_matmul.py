@@ -2,6 +2,8 @@
 `lax.ragged_dot` in float32, with empty groups and rows past the groups, on reference products and on
 the megablox kernels in Pallas's interpreter; and the choice of kernel."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,12 +56,14 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("row_buckets", [1, 4])
 @pytest.mark.parametrize("row_multiple", [1, 64])
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_custom_vjp_matches_the_gradient_of_ragged_dot(case, row_multiple):
+def test_the_custom_vjp_matches_the_gradient_of_ragged_dot(case, row_multiple, row_buckets):
+    """With `row_buckets` the kernels see only the first rows that hold the groups (`_row_cuts`)."""
     x, w, sizes, d_y = _case(*CASES[case])
     kernels = _reference_kernels(row_multiple)
-    got = _value_and_grads(lambda x, w, s: gm._with_vjp(kernels, x, w, s), x, w, sizes, d_y)
+    got = _value_and_grads(lambda x, w, s: gm.pallas_grouped_matmul(kernels, x, w, s, row_buckets), x, w, sizes, d_y)
     want = _value_and_grads(jax.lax.ragged_dot, x, w, sizes, d_y)
     for name, a, b in zip(("value", "d_x", "d_w"), got, want):
         assert np.all(np.isfinite(a)), name
@@ -74,10 +78,16 @@ def test_megablox_in_pallas_interpreter_matches_the_gradient_of_ragged_dot():
     groups, which megablox leaves unwritten (NaN in the interpreter) and the seam masks."""
     x, w, sizes, d_y = _case(200, 128, 256, [90, 0, 50, 40])
     kernels = gm.megablox_kernels(interpret=True)
-    got = _value_and_grads(lambda x, w, s: gm._with_vjp(kernels, x, w, s), x, w, sizes, d_y)
+    got = _value_and_grads(lambda x, w, s: gm.pallas_grouped_matmul(kernels, x, w, s, 2), x, w, sizes, d_y)
     want = _value_and_grads(jax.lax.ragged_dot, x, w, sizes, d_y)
     for name, a, b in zip(("value", "d_x", "d_w"), got, want):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_row_cuts_are_whole_multiples_up_to_the_rows():
+    assert gm._row_cuts(100, 4, 1) == [25, 50, 75, 100]
+    assert gm._row_cuts(100, 4, 64) == [64, 128]
+    assert gm._row_cuts(1000, 1, 512) == [1024]
 
 
 def test_auto_picks_the_kernel_each_platform_has():
@@ -86,7 +96,9 @@ def test_auto_picks_the_kernel_each_platform_has():
     assert gm.resolve("auto", "gpu", jnp.float32, (2048, 5632), hopper) == "xla"
     assert gm.resolve("auto", "gpu", jnp.bfloat16, (2048, 5632), "NVIDIA A100-SXM4-80GB") == "xla"
     assert gm.resolve("auto", "gpu", jnp.bfloat16, (2048, 1000), hopper) == "xla"
-    assert gm.resolve("auto", "tpu", jnp.bfloat16, (2048, 5632)) == "xla"  # megablox: module docstring
+    assert gm.resolve("auto", "tpu", jnp.bfloat16, (2048, 5632)) == "megablox"
+    assert gm.resolve("auto", "tpu", jnp.float32, (2048, 5632)) == "megablox"
+    assert gm.resolve("auto", "tpu", jnp.bfloat16, (2048, 1000)) == "xla"
     assert gm.resolve("auto", "cpu", jnp.bfloat16, (2048, 5632)) == "xla"
     assert "multiples of 128" in gm.why("auto", "xla", "gpu", (2048, 1000))
 
@@ -96,7 +108,10 @@ def test_a_kernel_the_platform_lacks_is_refused_in_one_sentence():
         gm.check("mosaic_gpu", "cpu", (128, 256))
     with pytest.raises(UserError, match="multiples of 128"):
         gm.check("mosaic_gpu", "gpu", (64, 256))
+    with pytest.raises(UserError, match="runs on TPUs only"):
+        gm.check("megablox", "gpu", (128, 256))
     gm.check("xla", "cpu", (64, 96))
+    gm.check("megablox", "tpu", (128, 256))
 
 
 def test_inside_a_shard_map_the_kernels_outputs_carry_the_operands_varying_axes():
@@ -119,5 +134,50 @@ def test_inside_a_shard_map_the_kernels_outputs_carry_the_operands_varying_axes(
         specs["in_specs"])]
     got = jax.jit(jax.shard_map(per_device, **specs))(*stacked)
     want = jax.jit(jax.shard_map(reference, **specs))(*stacked)
+    for name, a, b in zip(("value", "d_x", "d_w"), got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_megablox_inside_a_checked_shard_map_under_remat_and_scan_matches_ragged_dot():
+    """What the model does with the kernel: group sizes that differ per device, the layer under
+    `jax.checkpoint` in a `lax.scan`, all inside a `shard_map` that checks types. Megablox's metadata
+    mixes constants with the group sizes, which the check refuses wherever the remat re-traces the
+    kernel's operations; sealed (ushard/kernels/sealed.py), they are never re-traced."""
+    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+    kernels = gm.megablox_kernels(interpret=True)
+    x = jax.random.normal(jax.random.key(0), (2 * 192, 128))
+    w = jax.random.normal(jax.random.key(1), (2 * 4, 128, 128)) / 10
+    sizes = jnp.array([60, 0, 40, 20, 10, 90, 30, 50], jnp.int32)  # per device: 120 and 180 rows of 192
+
+    def loss(matmul, x, w, sizes):
+        def per_device(x, w, sizes):
+            def layer(h, _):
+                return jax.checkpoint(matmul)(h, w, sizes).astype(h.dtype), None
+
+            out, _ = jax.lax.scan(layer, x, None, length=2)
+            return jnp.sum(jnp.sin(out))[None]
+
+        spec = jax.P("expert")
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(x, w, sizes).sum()
+
+    on_mesh = [jax.device_put(a, jax.NamedSharding(mesh, jax.P("expert"))) for a in (x, w, sizes)]
+    kernel = lambda x, w, s: gm.pallas_grouped_matmul(kernels, x, w, s)  # noqa: E731
+    got = jax.jit(jax.grad(functools.partial(loss, kernel), argnums=(0, 1)))(*on_mesh)
+    want = jax.jit(jax.grad(functools.partial(loss, jax.lax.ragged_dot), argnums=(0, 1)))(*on_mesh)
+    for name, a, b in zip(("d_x", "d_w"), got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_under_vmap_the_sealed_kernel_runs_once_per_element():
+    """The pipeline's per-group maps vmap the experts: each element with its own group sizes."""
+    kernels = gm.megablox_kernels(interpret=True)
+    cases = [_case(96, 128, 128, sizes, seed) for seed, sizes in enumerate(([40, 0, 31, 25], [10, 50, 0, 20]))]
+    x, w, sizes, d_y = (jnp.stack(parts) for parts in zip(*cases))
+
+    def batched(matmul):
+        return jax.vmap(lambda x, w, s, d: _value_and_grads(matmul, x, w, s, d))(x, w, sizes, d_y)
+
+    got = batched(lambda x, w, s: gm.pallas_grouped_matmul(kernels, x, w, s))
+    want = batched(jax.lax.ragged_dot)
     for name, a, b in zip(("value", "d_x", "d_w"), got, want):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)

@@ -1,6 +1,7 @@
 """Mixture of experts: routing, the drop rule, the auxiliary terms, and dispatch + expert compute +
 combine against a plain per-token reference, on one device and spread over the mesh (expert.py)."""
 
+import functools
 import math
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 
 from conftest import SMALL_MOE, small_config
 from helpers import layout_for
+from ushard.kernels import grouped_matmul as grouped_kernels
 from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.definition import ModelDef
 from ushard.models.moe import (
@@ -79,7 +81,7 @@ LAYOUTS = {
 }
 
 
-def value_and_grads(layout_sizes, dispatch, capacity, weights, x, experts, gates, cotangent):
+def value_and_grads(layout_sizes, dispatch, capacity, weights, x, experts, gates, cotangent, ffn=expert_ffn):
     """(output, grads w.r.t. weights, x and gates) of routed_experts under a layout, as one program."""
     keep = within_capacity(experts, E, capacity) if capacity < T else jnp.ones(experts.shape, bool)
     layout = None if layout_sizes is None else layout_for(3, **layout_sizes)
@@ -87,7 +89,7 @@ def value_and_grads(layout_sizes, dispatch, capacity, weights, x, experts, gates
     def objective(weights, x, gates):
         gates = jnp.where(keep, gates, 0.0)
         # Receive buffers for the worst case: the skewed routing sends a third of all rows to one device.
-        out, _ = routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, expert_ffn, capacity,
+        out, _ = routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, ffn, capacity,
                                 dispatch, headroom=8.0)
         return jnp.sum(out * cotangent), out
 
@@ -123,6 +125,46 @@ def test_dispatch_compute_combine_matches_the_per_token_reference(problem, layou
     assert loads[6] == loads[7] == 0 and loads[0] > 3 * B  # empty and overloaded experts were exercised
     if capacity < T:
         assert 0 < np.mean(~np.asarray(keep)) < 0.5  # the rule dropped some assignments, not most
+
+
+@pytest.mark.parametrize("layout", ["no layout", "fsdp=8 (experts whole, per device)",
+                                    "expert=2 tensor=2 fsdp=2 ragged"])
+def test_dropless_experts_on_the_tpu_kernels_match_the_per_token_reference(problem, layout, monkeypatch):
+    """The megablox grouped matmul (Pallas's interpreter on the CPU) inside the expert seam's maps,
+    where each device's group sizes differ."""
+    monkeypatch.setitem(grouped_kernels.KERNELS, "megablox", grouped_kernels.megablox_kernels(interpret=True))
+    weights, x, experts, gates, cotangent = problem
+    ffn = functools.partial(expert_ffn, impl="megablox")
+    out, grads, keep = value_and_grads(*LAYOUTS[layout], T, weights, x, experts, gates, cotangent, ffn)
+    want_out, want_grads = reference_value_and_grads(weights, x, experts, gates, keep, cotangent)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _grouped_matmuls_in_gradient(remat: str) -> int:
+    """ragged_dot operations in the program of a dropless tiny_moe's gradient under a remat policy."""
+    from ushard.training.loss import cross_entropy_sums
+
+    config = small_config("tiny_moe", **{**SMALL_MOE, "model.remat": remat})
+    model = ModelDef(ModelConfig.from_config(config.model))
+    params = jax.jit(lambda: model.init(0))()
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 257)
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+
+    def loss(params):
+        return cross_entropy_sums(model.apply(params, tokens, positions)[0], tokens, jnp.ones_like(tokens))[0]
+
+    return str(jax.make_jaxpr(jax.grad(loss))(params)).count("ragged_dot_general[")
+
+
+def test_the_dots_remat_policies_keep_the_grouped_matmuls_outputs():
+    """A grouped matmul is no dot_general to JAX's policies; tagged, the "dots" policies keep it and
+    the backward pass recomputes none: per layer body 3 forward products and 6 for the gradient."""
+    kept = _grouped_matmuls_in_gradient("none")
+    assert kept == 3 + 6
+    assert _grouped_matmuls_in_gradient("dots_attention") == _grouped_matmuls_in_gradient("dots") == kept
+    assert _grouped_matmuls_in_gradient("full") == kept + 3  # recomputed
 
 
 @pytest.mark.parametrize("headroom, overflows", [(1.0, True), (3.0, True), (4.0, False)])

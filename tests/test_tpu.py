@@ -335,3 +335,31 @@ def test_splash_blocks_of_all_gather_context_parallelism_trace_inside_pipeline_s
                              "parallel.context_parallel": "all_gather", "parallel.pipeline_microbatches": 2})
     tpu_devices("v5p:2x2x2")  # skips without libtpu
     lower_train_step(build_for(config, "v5p:2x2x2"))
+
+
+# bench_moe's widths (d_model 2048, 8 experts of d_ff 2816, top-2) in one layer of 512 tokens.
+BENCH_MOE_DROPLESS = {"model.moe.capacity_factor": 0, "model.n_layers": 1, "train.seq_len": 512, "train.batch_size": 8}
+
+
+@pytest.mark.parametrize("layout, cuts", [
+    pytest.param({}, 1, id="fsdp8"),
+    # The receive buffer, headroom 2 x 1,024 assignments a device, in megablox's 512-row tiles: the
+    # kernels are compiled for each of its four cuts (`_row_cuts`), one picked per call.
+    pytest.param({"mesh.expert": 4, "mesh.fsdp": 2, "model.moe.dispatch": "ragged"}, 4, id="expert4_fsdp2_ragged",
+                 marks=pytest.mark.slow),  # the same kernels; the map over the expert axes differs
+])
+def test_dropless_experts_run_the_megablox_kernels_on_tpu(layout, cuts):
+    """`auto` picks megablox on TPUs: its gmm (the forward product and the rows' gradient) and tgmm (the
+    weights' gradient) are in the compiled step, inside the expert map (manual over every mesh axis,
+    as Mosaic TPU kernels need)."""
+    tpu_devices("v5p:2x2x2")
+    from ushard.configs.bench_moe import get_config
+
+    config = get_config()
+    config.update_from_flattened_dict({**BENCH_MOE_DROPLESS, **layout})
+    hlo = ushard.compile_for(config, topology="v5p:2x2x2").as_text()
+    kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    # Per matmul (gate, up, down): gmm forward, gmm for the rows' gradient and tgmm for the weights'.
+    # None recomputed: bench_moe's remat policy (dots_attention) keeps the experts' matmul outputs.
+    assert sum("jit(gmm)/pallas_call" in line for line in kernels) == 3 * 2 * cuts
+    assert sum("jit(tgmm)/pallas_call" in line for line in kernels) == 3 * cuts

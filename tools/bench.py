@@ -8,7 +8,8 @@ one cannot inherit another's memory. With `--processes N` each ushard variant ru
 processes of one GPU each, joined by `jax.distributed`, as a cluster launcher runs them (one
 process driving every GPU is the default). The last thing printed is one table: tokens/s, TFLOP/s per device,
 MFU against the chip's datasheet bf16 dense peak, and peak memory of the busiest device. FLOPs are counted as in
-ushard/metrics.py (6*N + causal attention), the same formula the peers use.
+ushard/metrics.py (6*N + causal attention), the same formula the peers use. For an MoE model the JSON result
+also holds the busiest expert's load over the mean load in the timed steps (`moe_busiest_expert_over_mean`).
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     jax.block_until_ready(metrics)
     start = time.perf_counter()
     overflows = []  # each timed step's share of MoE layers whose ragged dispatch overflowed, read after
+    loads = []  # and its busiest expert's load over the mean (mean over MoE layers)
     for s in range(warmup, warmup + steps):
         state, metrics = step_fn(state, batches[s])
         overflows.append(metrics["aux"].get(DISPATCH_OVERFLOW, 0.0))
+        loads.append(metrics["aux"].get("moe_load_max_over_mean"))
     jax.block_until_ready((state, metrics))
     step_time = (time.perf_counter() - start) / steps
     overflow = max(float(x) for x in overflows)
@@ -80,6 +83,8 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     # In GiB: gathered as int64 the bytes would wrap, because JAX without x64 makes them int32.
     peak_gib = float(np.max(multihost_utils.process_allgather(np.float32(max(peaks) / 2**30)))) or None
     extra = {}
+    if loads[0] is not None:
+        extra["moe_busiest_expert_over_mean"] = float(np.mean([float(x) for x in loads]))
     if breakdown:
         grads_fn = trainer.steps.loss_and_grads.lower(state.params, batches[0]).compile()
         jax.block_until_ready(grads_fn(state.params, batches[0]))

@@ -81,10 +81,12 @@ DESCRIPTIONS = {
     "model.moe.bias_update_rate": "auxiliary-loss-free balancing: each step's move of an expert's routing bias; 0: off",
     "model.moe.dispatch": "with mesh.expert > 1: `padded` all-to-all of fixed-capacity buffers or `ragged` (only the "
                           "rows used)",
-    "model.moe.dispatch_headroom": "with `ragged`: each device's receive buffer in multiples of an even load (the "
-                                   "grouped matmul runs over all of it); a step that needs more stops the run",
+    "model.moe.dispatch_headroom": "with `ragged`: each device's receive buffer in multiples of an even load (its "
+                                   "memory; the Pallas grouped matmuls compute only the rows in use, to an eighth "
+                                   "of the buffer); a step that needs more stops the run",
     "model.moe.grouped_matmul_impl": "the dropless experts' grouped matmul: `auto` (JAX's Pallas Mosaic-GPU kernel "
-                                     "on Hopper GPUs in 16-bit compute, else XLA), `xla` (ragged_dot), `mosaic_gpu`",
+                                     "on Hopper GPUs in 16-bit compute, megablox on TPUs, else XLA), `xla` "
+                                     "(ragged_dot), `mosaic_gpu`, `megablox`",
     # train
     "train.steps": "optimizer steps of the run",
     "train.batch_size": "global batch, in sequences",

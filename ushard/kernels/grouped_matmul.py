@@ -11,16 +11,14 @@ Implementations (`model.grouped_matmul_impl`; `resolve` picks for "auto", `why` 
 - "mosaic_gpu": the Pallas Mosaic-GPU kernels JAX ships for Hopper (sm_90) GPUs: `ragged_dot_mgpu`
   for the forward pass and, with the weights transposed, the rows' gradient; `transposed_ragged_dot_mgpu`
   for the weights' gradient (per group xᵀ · dy). Block sizes come from `MOSAIC_BLOCKS` by shape class.
-Both run under one custom VJP (`_with_vjp`, which JAX's Mosaic-GPU kernels lack), as do the Pallas
-TPU kernels JAX ships (megablox's gmm and tgmm, `megablox_kernels`, tested in Pallas's interpreter).
-Those are not offered to configs yet: inside the model's `shard_map`s megablox's group metadata mixes
-a constant with the per-device group sizes in one `concatenate`, which JAX's type check refuses
-(JAX 0.10.2; docs/dev-notes.md), so TPUs run "xla".
+- "megablox": the Pallas TPU kernels JAX ships (megablox's gmm, and tgmm for the weights' gradient),
+  tiles from `MEGABLOX_TILING` (tested on CPU in Pallas's interpreter, `megablox_kernels`).
+The Pallas kernels run under one custom VJP (`_with_vjp`, which JAX's kernels lack), each product
+sealed as one operation for `shard_map`'s type check (ushard/kernels/sealed.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 from collections.abc import Callable
@@ -28,14 +26,15 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax._src import config as jax_config
 
 from ushard.errors import UserError
+from ushard.kernels import sealed
 from ushard.sharding import varying, varying_axes
 
-IMPLS = ("auto", "xla", "mosaic_gpu")
-NAMES = {"xla": "XLA's ragged_dot", "mosaic_gpu": "Pallas Mosaic-GPU grouped matmul"}
-PLATFORMS = {"mosaic_gpu": "gpu"}
+IMPLS = ("auto", "xla", "mosaic_gpu", "megablox")
+NAMES = {"xla": "XLA's ragged_dot", "mosaic_gpu": "Pallas Mosaic-GPU grouped matmul",
+         "megablox": "Pallas megablox grouped matmul"}
+PLATFORMS = {"mosaic_gpu": "gpu", "megablox": "tpu"}
 # The feature sizes (k and n) the Pallas kernels take: multiples of their column blocks.
 FEATURE_MULTIPLE = 128
 
@@ -82,6 +81,8 @@ def resolve(impl: str, platform: str, dtype, features: tuple[int, ...], device_k
     sixteen_bit = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
     if platform == "gpu" and _hopper(device_kind) and sixteen_bit and _fits(features):
         return "mosaic_gpu"
+    if platform == "tpu" and _fits(features):
+        return "megablox"
     return "xla"
 
 
@@ -90,12 +91,11 @@ def why(impl: str, resolved: str, platform: str, features: tuple[int, ...]) -> s
     name = NAMES[resolved]
     if impl != "auto":
         return f"{name} (model.grouped_matmul_impl={impl!r})"
-    if resolved == "xla" and platform == "gpu":
+    if resolved == "xla" and platform in ("gpu", "tpu"):
         if not _fits(features):
             return f"{name} (the Pallas kernels take feature sizes that are multiples of {FEATURE_MULTIPLE})"
-        return f"{name} (the Mosaic-GPU kernel runs on Hopper GPUs in 16-bit compute only)"
-    if resolved == "xla" and platform == "tpu":
-        return f"{name} (megablox does not yet type-check inside the model's shard_maps)"
+        if platform == "gpu":
+            return f"{name} (the Mosaic-GPU kernel runs on Hopper GPUs in 16-bit compute only)"
     return f"{name} (auto on {platform})"
 
 
@@ -119,22 +119,24 @@ def _hopper(device_kind: str) -> bool:
     return any(name in device_kind for name in ("H100", "H200", "H800", "H20", "GH200"))
 
 
-def grouped_matmul(x, w, group_sizes, impl: str = "xla"):
+def grouped_matmul(x, w, group_sizes, impl: str = "xla", row_buckets: int = 1):
     """x [rows, k] (sorted by group) @ w[group] for each row's group -> [rows, n] (module docstring),
-    by the resolved implementation `impl`."""
+    by the resolved implementation `impl`. `row_buckets` > 1: the groups may fill far fewer rows than
+    x has (a receive buffer), and the Pallas kernels run on the fewest of `row_buckets` evenly spaced
+    row counts that holds them (`_on_rows_in_use`)."""
     if impl == "xla":
         return jax.lax.ragged_dot(x, w, group_sizes)
-    if impl == "mosaic_gpu":
-        return pallas_grouped_matmul(_MOSAIC, x, w, group_sizes)
+    if impl in KERNELS:
+        return pallas_grouped_matmul(KERNELS[impl], x, w, group_sizes, row_buckets)
     raise ValueError(f"grouped matmul implementation {impl!r} is not one of {IMPLS[1:]}")
 
 
-def pallas_grouped_matmul(kernels: "GroupedKernels", x, w, group_sizes):
+def pallas_grouped_matmul(kernels: "GroupedKernels", x, w, group_sizes, row_buckets: int = 1):
     """The contract on Pallas `kernels`, under the shared custom VJP."""
     # Operands typed alike, as JAX's own ops broadcast them (inside a `shard_map`), so that each
     # gradient the VJP returns has its operand's type.
     x, w, group_sizes = varying((x, w, group_sizes), _varying_over(x, w, group_sizes))
-    return _with_vjp(kernels, x, w, group_sizes)
+    return _with_vjp(kernels, row_buckets, x, w, group_sizes)
 
 
 def _varying_over(*arrays) -> frozenset:
@@ -164,41 +166,64 @@ def _masked(y, group_sizes):
     return jnp.where(_rows_in_groups(y.shape[0], group_sizes), y, jnp.zeros((), y.dtype))
 
 
-def _padded(x, multiple: int):
-    extra = -x.shape[0] % multiple
-    return jnp.pad(x, ((0, extra), (0, 0))) if extra else x
+def _fit(a, rows: int):
+    """a's first `rows` rows, zeros added where it has fewer."""
+    if a.shape[0] >= rows:
+        return a[:rows]
+    return jnp.pad(a, ((0, rows - a.shape[0]), *((0, 0),) * (a.ndim - 1)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _with_vjp(kernels: GroupedKernels, x, w, group_sizes):
-    return _forward(kernels, x, w, group_sizes)[0]
+def _row_cuts(rows: int, buckets: int, multiple: int) -> list[int]:
+    """`buckets` evenly spaced row counts up to `rows`, each a whole number of `multiple`s."""
+    up = lambda r: -(-r // multiple) * multiple  # noqa: E731
+    return sorted({up(-(-rows * i // buckets)) for i in range(1, buckets + 1)})
 
 
-def _kernel_call(fn, *args):
-    """`fn(*args)` (a Pallas kernel) with `shard_map`'s type check off while it is traced, its output
-    then typed as varying over the axes its operands vary over. JAX's own kernels give their output
-    shapes no manual-axis types: JAX 0.10's `pallas_call` refuses that inside a map that checks them,
-    and autodiff refuses the untyped outputs."""
-    check = getattr(jax_config, "_check_vma", None)
-    with check(False) if check is not None else contextlib.nullcontext():
-        out = fn(*args)
-    return varying(out, _varying_over(*args))
+def _on_rows_in_use(run, row_operands, group_sizes, buckets: int, multiple: int):
+    """`run(*row_operands)` on their first rows only: the smallest of `_row_cuts` that holds every row
+    in a group. A ragged receive buffer's rows past its groups are idle, and a kernel computes every
+    block of the rows it is given; `buckets` > 1 (compiled once each, one picked per call) spares
+    most of that. `run`'s result has the same shape whatever the cut."""
+    cuts = _row_cuts(row_operands[0].shape[0], buckets, multiple)
+    branches = [lambda *operands, cut=cut: run(*(_fit(a, cut) for a in operands)) for cut in cuts]
+    if len(branches) == 1:
+        return branches[0](*row_operands)
+    which = jnp.searchsorted(jnp.asarray(cuts, jnp.int32), jnp.sum(group_sizes))
+    return jax.lax.switch(which, branches, *row_operands)
 
 
-def _forward(kernels, x, w, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _with_vjp(kernels: GroupedKernels, buckets: int, x, w, group_sizes):
+    return _forward(kernels, buckets, x, w, group_sizes)[0]
+
+
+def _forward(kernels, buckets, x, w, group_sizes):
     rows = x.shape[0]
-    y = _kernel_call(kernels.forward, _padded(x, kernels.row_multiple), w, group_sizes)[:rows]
+
+    def forward(x_cut):
+        return _fit(sealed.call(kernels.forward, x_cut, w, group_sizes), rows)
+
+    y = _on_rows_in_use(forward, (x,), group_sizes, buckets, kernels.row_multiple)
     return _masked(y, group_sizes), (x, w, group_sizes)
 
 
-def _backward(kernels, residuals, d_y):
+def _backward(kernels, buckets, residuals, d_y):
     x, w, group_sizes = residuals
-    rows, pad = x.shape[0], functools.partial(_padded, multiple=kernels.row_multiple)
+    rows = x.shape[0]
+    in_use = functools.partial(_on_rows_in_use, group_sizes=group_sizes, buckets=buckets,
+                               multiple=kernels.row_multiple)
     # Rows past the groups gave zeros whatever their input: they pass no gradient, and their inputs
     # (a buffer's unused rows, anything) must not reach the weights' gradient.
-    d_y = pad(_masked(d_y.astype(x.dtype), group_sizes))
-    d_x = _masked(_kernel_call(kernels.rows_grad, d_y, w, group_sizes)[:rows], group_sizes)
-    d_w = _kernel_call(kernels.weights_grad, pad(_masked(x, group_sizes)), d_y, group_sizes)
+    d_y = _masked(d_y.astype(x.dtype), group_sizes)
+
+    def rows_grad(d_y_cut):
+        return _fit(sealed.call(kernels.rows_grad, d_y_cut, w, group_sizes), rows)
+
+    def weights_grad(x_cut, d_y_cut):
+        return sealed.call(kernels.weights_grad, x_cut, d_y_cut, group_sizes)
+
+    d_x = _masked(in_use(rows_grad, (d_y,)), group_sizes)
+    d_w = in_use(weights_grad, (_masked(x, group_sizes), d_y))
     return d_x, d_w.astype(w.dtype), None
 
 
@@ -246,7 +271,10 @@ def _tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
 
 
 def _largest_divisor_tile(size: int, cap: int) -> int:
-    """The largest multiple of 128 up to `cap` that divides `size` (a multiple of 128)."""
+    """The largest multiple of 128 up to `cap` that divides `size`; a size that is no multiple of 128
+    (only tests' small models reach the kernels with one) is one whole tile."""
+    if size % FEATURE_MULTIPLE:
+        return size
     return max(t for t in range(FEATURE_MULTIPLE, min(cap, size) + 1, FEATURE_MULTIPLE) if size % t == 0)
 
 
@@ -266,3 +294,7 @@ def megablox_kernels(interpret: bool = False) -> GroupedKernels:
 
     return GroupedKernels(forward, functools.partial(forward, transpose_rhs=True), weights_grad,
                           row_multiple=MEGABLOX_TILING[0])
+
+
+# The Pallas kernels by implementation name (tests swap in megablox under Pallas's interpreter).
+KERNELS = {"mosaic_gpu": _MOSAIC, "megablox": megablox_kernels()}

@@ -8,6 +8,9 @@ assignment's sort key is its expert (num_experts where the drop rule dropped it,
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 
@@ -26,6 +29,53 @@ def sort_by_expert(key, num_experts: int):
     rank = jnp.zeros_like(key).at[order].set(rank_sorted)
     return order, counts[:num_experts], rank
 
+
+
+def inverse_of(order):
+    """The permutation that undoes `order` (a permutation of range(len(order)))."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]), unique_indices=True)
+
+
+# Rows moved by a permutation, differentiated by the inverse permutation. Autodiff would transpose each
+# gather into a scatter-add over the whole [assignments, d] array, which on GPUs costs more than the
+# gather (docs/dev-notes.md); every index here is a permutation, so the gradient is a gather too.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def assignment_rows(tokens, order, inverse, k: int):
+    """tokens [n, d] -> [n * k, d]: assignment order[i]'s token in row i (assignments token-major, k a
+    token; `inverse` undoes `order`)."""
+    return tokens[order // k]
+
+
+def _assignment_rows_forward(tokens, order, inverse, k):
+    return tokens[order // k], (inverse, tokens.shape)
+
+
+def _assignment_rows_backward(k, residuals, d_rows):
+    inverse, (n, d) = residuals
+    d_tokens = jnp.sum(d_rows[inverse].reshape(n, k, d).astype(jnp.float32), axis=1).astype(d_rows.dtype)
+    return d_tokens, None, None
+
+
+assignment_rows.defvjp(_assignment_rows_forward, _assignment_rows_backward)
+
+
+@jax.custom_vjp
+def permuted(rows, index, inverse):
+    """rows[index], with `inverse` undoing the permutation `index`."""
+    return rows[index]
+
+
+def _permuted_forward(rows, index, inverse):
+    return rows[index], inverse
+
+
+def _permuted_backward(inverse, d_out):
+    return d_out[inverse], None, None
+
+
+permuted.defvjp(_permuted_forward, _permuted_backward)
 
 
 def combine(outputs, gates, dtype):
@@ -47,16 +97,16 @@ def grouped(x, experts, gates, keep, weights, expert_fn):
     num_experts, k = experts_held(weights), experts.shape[-1]
     tokens, key, gates = flat(x, experts, gates, keep, num_experts)
     order, sizes, _ = sort_by_expert(key, num_experts)
-    out_sorted = expert_fn(weights, tokens[order // k], sizes)  # dropped rows (last) give zeros
-    return unsort_and_combine(out_sorted, order, gates, x)
+    inverse = inverse_of(order)
+    out_sorted = expert_fn(weights, assignment_rows(tokens, order, inverse, k), sizes)  # dropped rows (last): zeros
+    return unsort_and_combine(out_sorted, order, inverse, gates, x)
 
 
 
-def unsort_and_combine(out_sorted, order, gates, x):
-    """Each assignment's output, in the `order` that sorted the assignments by expert -> the tokens'
-    outputs [batch, length, d], combined by gates."""
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
-    outputs = out_sorted[inverse].reshape(gates.shape[0], gates.shape[1], -1)
+def unsort_and_combine(out_sorted, order, inverse, gates, x):
+    """Each assignment's output, in the `order` that sorted the assignments by expert (`inverse` undoes
+    it) -> the tokens' outputs [batch, length, d], combined by gates."""
+    outputs = permuted(out_sorted, inverse, order).reshape(gates.shape[0], gates.shape[1], -1)
     return combine(outputs, gates, x.dtype).reshape(x.shape)
 
 

@@ -47,6 +47,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from ushard.kernels import grouped_matmul as grouped_kernels
 from ushard.models import dispatch
@@ -150,14 +151,24 @@ def load_signal(bias, share):
     return term - jax.lax.stop_gradient(term)
 
 
-def expert_ffn(weights: dict, x, group_sizes=None, impl: str = "xla"):
+EXPERT_MATMUL = "expert_matmul"
+
+
+def expert_ffn(weights: dict, x, group_sizes=None, impl: str = "xla", row_buckets: int = 1):
     """SwiGLU of each expert on its own tokens: x [experts, tokens, d] (group_sizes None: a batched
     matmul), or x [tokens, d] sorted by expert with group_sizes[e] rows for expert e (a grouped matmul
-    by the resolved kernel `impl`; rows past the groups give zeros). Weights [experts, ...] in x's dtype."""
+    by the resolved kernel `impl`; rows past the groups give zeros; `row_buckets`: see
+    `grouped_matmul`). Weights [experts, ...] in x's dtype."""
     if group_sizes is None:
-        matmul = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w)  # noqa: E731
+        product = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w)  # noqa: E731
     else:
-        matmul = lambda a, w: grouped_kernels.grouped_matmul(a, w, group_sizes, impl)  # noqa: E731
+        product = lambda a, w: grouped_kernels.grouped_matmul(a, w, group_sizes, impl, row_buckets)  # noqa: E731
+
+    def matmul(a, w):
+        # Named for the remat policies that keep matmul outputs ("dots*", models/stack.py): they know
+        # XLA's unbatched dots, and these are batched or a kernel's.
+        return checkpoint_name(product(a, w), EXPERT_MATMUL)
+
     hidden = jax.nn.silu(matmul(x, weights["w_gate"])) * matmul(x, weights["w_up"])
     return matmul(hidden, weights["w_down"])
 

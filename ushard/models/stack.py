@@ -25,15 +25,18 @@ def _is_fused_attention(prim, *_, **__) -> bool:
 
 
 _saveable = jax.checkpoint_policies
+# The routed experts' matmuls, batched (padded dispatch) or grouped (a kernel): the "dots" policies
+# keep them as they keep XLA's unbatched dots (tagged in models/moe.py).
+_expert_matmuls = _saveable.save_only_these_names("expert_matmul")
 # What the backward pass may keep from the forward; everything else is recomputed. "none": no remat.
 REMAT_POLICIES = {
     "none": None,
     "full": _saveable.nothing_saveable,
-    "dots": _saveable.dots_saveable,
-    "dots_no_batch": _saveable.dots_with_no_batch_dims_saveable,
-    "dots_attention": _saveable.save_from_both_policies(_saveable.dots_with_no_batch_dims_saveable,
-                                                        _is_fused_attention),
+    "dots": _saveable.save_from_both_policies(_saveable.dots_saveable, _expert_matmuls),
+    "dots_no_batch": _saveable.save_from_both_policies(_saveable.dots_with_no_batch_dims_saveable, _expert_matmuls),
 }
+REMAT_POLICIES["dots_attention"] = _saveable.save_from_both_policies(REMAT_POLICIES["dots_no_batch"],
+                                                                     _is_fused_attention)
 # ...and also the norm outputs and the SwiGLU product (tagged in models/layers.py): only rotary
 # embeddings and activation functions are recomputed.
 REMAT_POLICIES["dots_attention_norms"] = _saveable.save_from_both_policies(

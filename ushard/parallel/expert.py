@@ -1,9 +1,10 @@
 """Expert parallelism: routed experts computed where their weights live, tokens moved by all-to-all.
 
 `routed_experts` is the one call an MoE layer makes for its routed experts. It knows no layer: the
-experts are `expert_fn(weights, x, group_sizes=None)`, which computes every expert on its own tokens,
-either batched (x [experts, tokens, d]) or grouped (x [tokens, d] sorted by expert, group_sizes[e]
-rows for expert e). Each token's output is the sum over its assignments of gate * expert output.
+experts are `expert_fn(weights, x, group_sizes=None, row_buckets=1)`, which computes every expert on
+its own tokens, either batched (x [experts, tokens, d]) or grouped (x [tokens, d] sorted by expert,
+group_sizes[e] rows for expert e; `row_buckets`: the grouped-matmul seam's, for a receive buffer).
+Each token's output is the sum over its assignments of gate * expert output.
 
 Under a layout (while a step is traced) it runs in a `jax.shard_map` over the mesh axes that split
 the tokens (`act_batch`, `act_length`), the experts (`experts`) and the experts' hidden dimension
@@ -86,9 +87,13 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
         return (jax.lax.psum(y, hidden_axes) if hidden_axes else y), overflow
 
     tokens = layout.spec((*TOKEN_NAMES, None))
+    # The mesh's axes of one device are manual too (it changes nothing for them): a TPU Pallas kernel
+    # (megablox) lowers only inside a map manual over every mesh axis.
+    already = set(jax.sharding.get_abstract_mesh().manual_axes)  # a pipeline stage's
+    single = {a for a, size in layout.mesh.shape.items() if size == 1 and a not in already}
     return jax.shard_map(
         per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, tokens, stored), out_specs=(tokens, P()),
-        axis_names=set(token_axes + expert_axes + hidden_axes),
+        axis_names=set(token_axes + expert_axes + hidden_axes) | single,
     )(x, experts, gates, keep, weights)
 
 
@@ -108,11 +113,16 @@ def _gather(w, stored, compute):
     return w
 
 
+# The grouped matmul runs on the fewest of this many evenly spaced row counts of the receive buffer
+# that holds what arrived (ushard/kernels/grouped_matmul.py), not on every row of the buffer.
+RECEIVE_BUCKETS = 8
+
+
 def receive_rows(assignments: int, groups: int, local_experts: int, k: int, headroom: float) -> int:
     """The ragged receive buffer's rows on a device that sends `assignments` rows: `headroom` times
     what it receives when every device gets as many as it sends (an even load), never more than the
     most it can be sent (every sender's assignments to this device's experts). The grouped matmul
-    runs over the whole buffer."""
+    runs on the part of the buffer in use (`RECEIVE_BUCKETS`); the memory is the whole buffer's."""
     most = groups * (assignments // k) * min(k, local_experts)
     return min(most, math.ceil(headroom * assignments))
 
@@ -129,7 +139,8 @@ def _ragged(x, experts, gates, keep, weights, expert_fn, axes, groups: int, exch
     num_experts, d = local_experts * groups, x.shape[-1]
     tokens, key, gates = local_dispatch.flat(x, experts, gates, keep, num_experts)
     order, sizes, _ = local_dispatch.sort_by_expert(key, num_experts)
-    rows = tokens[order // k]
+    inverse = local_dispatch.inverse_of(order)
+    rows = local_dispatch.assignment_rows(tokens, order, inverse, k)
     counts = jax.lax.all_gather(sizes, axes)  # [senders, experts]
     most = receive_rows(rows.shape[0], groups, local_experts, k, headroom)
     over = jnp.max(jnp.sum(counts.reshape(groups, groups, local_experts), axis=(0, 2))) > most
@@ -139,9 +150,9 @@ def _ragged(x, experts, gates, keep, weights, expert_fn, axes, groups: int, exch
     # them, and the transpose of its implicit broadcast sums the devices' gradients together.
     buffer = lambda shape: varying(jnp.zeros(shape, rows.dtype), varying_axes(rows))  # noqa: E731
     received = exchange(rows, buffer((most, d)), *plan["there"], axis_name=axes)
-    computed = expert_fn(weights, received, plan["group_sizes"])
+    computed = expert_fn(weights, received, plan["group_sizes"], row_buckets=RECEIVE_BUCKETS)
     out_sorted = exchange(computed, buffer(rows.shape), *plan["back"], axis_name=axes)
-    y = local_dispatch.unsort_and_combine(out_sorted, order, gates, x)
+    y = local_dispatch.unsort_and_combine(out_sorted, order, inverse, gates, x)
     return jnp.where(over, jnp.asarray(jnp.nan, y.dtype), y), over.astype(jnp.float32)
 
 
