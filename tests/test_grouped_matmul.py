@@ -90,6 +90,22 @@ def test_row_cuts_are_whole_multiples_up_to_the_rows():
     assert gm._row_cuts(1000, 1, 512) == [1024]
 
 
+def test_the_kernels_get_the_fewest_cut_rows_that_hold_the_groups():
+    """A kernel that writes how many rows it was given: with 4 buckets of a 100-row buffer, groups of 60
+    rows run on 75 (each cut compiled, one run per call)."""
+    def rows_given(x, w, group_sizes):
+        return jnp.full((x.shape[0], w.shape[2]), x.shape[0], x.dtype)
+
+    def no_weights_grad(x, d_y, group_sizes):
+        return jnp.zeros((group_sizes.shape[0], x.shape[1], d_y.shape[1]), x.dtype)
+
+    kernels = gm.GroupedKernels(rows_given, rows_given, no_weights_grad)
+    x, w, _, _ = _case(100, 8, 4, [10, 20, 30])
+    for sizes, rows in (([10, 20, 30], 75), ([50, 50, 0], 100), ([25, 0, 0], 25), ([1, 0, 0], 25)):
+        y = jax.jit(gm.pallas_grouped_matmul, static_argnums=(0, 4))(kernels, x, w, jnp.array(sizes, jnp.int32), 4)
+        assert float(y[0, 0]) == rows, sizes
+
+
 def test_auto_picks_the_kernel_each_platform_has():
     hopper = "NVIDIA H100 80GB HBM3"
     assert gm.resolve("auto", "gpu", jnp.bfloat16, (2048, 5632), hopper) == "mosaic_gpu"
