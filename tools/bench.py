@@ -10,6 +10,8 @@ process driving every GPU is the default). The last thing printed is one table: 
 MFU against the chip's datasheet bf16 dense peak, and peak memory of the busiest device. FLOPs are counted as in
 ushard/metrics.py (6*N + causal attention), the same formula the peers use. For an MoE model the JSON result
 also holds the busiest expert's load over the mean load in the timed steps (`moe_busiest_expert_over_mean`).
+With `--config.checkpoint.init_from=WORKDIR` the timed run starts from those parameters (a trained router
+routes as a real run does; an initial one sends most tokens to a few experts).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     if processes:
         jax.distributed.initialize(*processes)
     trainer = Trainer(config)
-    state = trainer.steps.init(config.train.seed)
+    state, _ = trainer.initial_state()  # around checkpoint.init_from's parameters where it is set
     batches = trainer.global_batches(warmup + steps)
     # The jitted step itself, dispatched as the training loop does (not an AOT executable), so that
     # JAX's own recompilations apply, e.g. profile-guided scheduling with JAX_ENABLE_PGLE=1.
