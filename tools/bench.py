@@ -10,8 +10,8 @@ process driving every GPU is the default). The last thing printed is one table: 
 MFU against the chip's datasheet bf16 dense peak, and peak memory of the busiest device. FLOPs are counted as in
 ushard/metrics.py (6*N + causal attention), the same formula the peers use. For an MoE model the JSON result
 also holds the busiest expert's load over the mean load in the timed steps (`moe_busiest_expert_over_mean`).
-With `--config.checkpoint.init_from=WORKDIR` the timed run starts from those parameters (a trained router
-routes as a real run does; an initial one sends most tokens to a few experts).
+With `--config.checkpoint.init_from=WORKDIR` the timed run starts from those parameters: for an MoE model, the
+routing of a trained router rather than of an initial one, which sends most tokens to a few experts.
 """
 
 from __future__ import annotations
