@@ -456,6 +456,44 @@ def test_a_failed_synchronous_save_stops_the_run_the_same_way(tmp_path, monkeypa
     assert stopped == sentence(tmp_path, "[Errno 28] No space left on device")
 
 
+def test_a_disk_that_fills_while_metrics_are_written_stops_with_a_sentence(tmp_path, monkeypatch, uninterrupted):
+    """metrics.jsonl cannot take step 4's record (ENOSPC) while the save of step 3 may still be in flight:
+    one sentence, exit status 2, the checkpoint of step 3 finished and closed; the rerun resumes bitwise."""
+    from ushard.metrics import MetricsWriter
+
+    opened = MetricsWriter._open
+
+    class FullDisk:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, text):
+            if json.loads(text)["step"] >= 4:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.file.write(text)
+
+        def close(self):
+            self.file.close()
+
+    def open_on_a_full_disk(self, resume_step):
+        opened(self, resume_step)
+        self._jsonl = FullDisk(self._jsonl)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MetricsWriter, "_open", open_on_a_full_disk)
+        status, out, err = run_in_process(tmp_path)
+    assert status == 2
+    assert warnings_in(out) == [] and err.strip() == (
+        f"ushard: error: could not write the metrics of step 4 to {tmp_path / 'metrics.jsonl'} (No space left on "
+        f"device); the run stopped there. Make room (or fix the directory) and run the same command to resume from "
+        f"the last checkpoint.")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]
+    status, out, err = run_in_process(tmp_path)  # room made
+    assert status == 0, err[-2000:]
+    assert "resumed from the checkpoint at step 3" in out
+    assert losses_by_step(tmp_path) == uninterrupted
+
+
 # ----------------------------------------------------------------------------- resharding, in process
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import struct
 
 import pytest
 
 from ushard import metrics
+from ushard.errors import UserError
 from ushard.metrics import MetricsWriter, drop_after
 
 
@@ -135,3 +138,39 @@ def test_tensorboard_shows_each_step_once(tmp_path, loader):
 
         shown = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors("loss")]
     assert shown == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 206.0), (7, 207.0), (8, 208.0)]
+
+
+class _FullDisk:
+    """metrics.jsonl on a disk that fills: writes fail with ENOSPC from the record of `step` on."""
+
+    def __init__(self, file, step):
+        self.file, self.step = file, step
+
+    def write(self, text):
+        if json.loads(text)["step"] >= self.step:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.file.write(text)
+
+    def close(self):
+        self.file.close()
+
+
+def test_a_full_disk_is_one_sentence_and_closing_afterwards_is_quiet(tmp_path):
+    writer = _run(tmp_path, [1, 2])
+    writer._jsonl = _FullDisk(writer._jsonl, step=3)
+    with pytest.raises(UserError) as stopped:
+        writer.write({"step": 3, "loss": 3.0})
+    assert str(stopped.value) == (
+        f"could not write the metrics of step 3 to {tmp_path / 'metrics.jsonl'} (No space left on device); the run "
+        f"stopped there. Make room (or fix the directory) and run the same command to resume from the last checkpoint.")
+    writer.close()  # nothing more to say
+    writer.write({"step": 4, "loss": 4.0})  # nor to write
+    assert _steps(tmp_path) == [(1, 1.0), (2, 2.0)]
+
+
+def test_a_rewound_writer_goes_on_writing(tmp_path):
+    writer = _run(tmp_path, [1, 2, 3])
+    writer.rewind(2)
+    writer.write({"step": 3, "loss": 30.0})
+    writer.close()
+    assert _steps(tmp_path) == [(1, 1.0), (2, 2.0), (3, 30.0)]

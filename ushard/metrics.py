@@ -19,6 +19,8 @@ import time
 
 import jax
 
+from ushard.errors import UserError
+
 # Datasheet dense bf16 peak, FLOP/s per device. GPUs: matched by a name inside `device_kind` (e.g.
 # "NVIDIA H100 80GB HBM3"). TPUs: by `device_kind` exactly as JAX reports it (checked with libtpu's
 # topology descriptions, tests/test_tpu.py): v5p reports "TPU v5", v5e "TPU v5 lite", v6e "TPU v6
@@ -102,19 +104,40 @@ class MetricsWriter:
         if self.enabled:
             self.close()
             self._open(step)
+            self.enabled = True
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps(record) + "\n")
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._tb.add_scalar(key, value, record["step"])
+        try:
+            self._jsonl.write(json.dumps(record) + "\n")
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, record["step"])
+        except OSError as e:
+            self.enabled = False  # nothing more is written, and close() only lets go of the files
+            self._let_go()
+            raise UserError(f"could not write the metrics of step {record['step']} to {self.path} "
+                            f"({e.strerror or e}); the run stopped there. Make room (or fix the directory) and "
+                            f"run the same command to resume from the last checkpoint.") from None
 
     def close(self) -> None:
         if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
+            self.enabled = False
+            try:
+                self._jsonl.close()
+                self._tb.close()
+            except OSError as e:
+                self._let_go()
+                raise UserError(f"could not finish writing the metrics to {self.path} ({e.strerror or e}).") from None
+
+    def _let_go(self) -> None:
+        """Closes both files after a failed write, ignoring what they cannot flush (the disk is full)."""
+        for closable in (self._jsonl, self._tb):
+            try:
+                closable.close()
+            except (OSError, ValueError):
+                pass
 
 
 def drop_after(path: str, step: int) -> int:

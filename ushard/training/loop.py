@@ -201,9 +201,13 @@ class Trainer:
             else:
                 log(f"already trained to step {step} (train.steps={t.steps}); nothing to do.")
         finally:
-            writer.close()
-            if self.checkpoints:
-                self.checkpoints.close()
+            # Each closed whatever the other does: a save still in flight is finished even when the
+            # metrics cannot be written.
+            try:
+                writer.close()
+            finally:
+                if self.checkpoints:
+                    self.checkpoints.close()
         saved = "checkpoint saved" if self.checkpoints else "no workdir"
         signals.check(f"as the run ended at step {t.steps} ({saved})")
         return records
