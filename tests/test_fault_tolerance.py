@@ -335,6 +335,49 @@ def test_a_damaged_checkpoint_is_moved_aside_and_the_rerun_finishes_bitwise(tmp_
     assert losses_by_step(tmp_path) == uninterrupted  # bitwise, every step
 
 
+def test_when_no_checkpoint_can_be_read_the_run_stops_unless_told_to_start_over(tmp_path, finished_run):
+    """Every checkpoint damaged: nothing is moved and no history is dropped until checkpoint.restart=true."""
+    shutil.copytree(finished_run, tmp_path, dirs_exist_ok=True)
+    for step in ("6", "9", "12"):
+        _garble(_array_file(tmp_path / "checkpoints" / step))
+    history = (tmp_path / "metrics.jsonl").read_text()
+    status, out, err = run_in_process(tmp_path)
+    assert status == 2
+    [line] = err.strip().splitlines()
+    assert line.startswith(f"ushard: error: none of the 3 checkpoints in {tmp_path / 'checkpoints'} can be read (the "
+                           f"newest, step 12: Exception: Encountered error while reading array")
+    assert line.endswith(f"nothing was moved. Set --config.checkpoint.restart=true to move them to "
+                         f"{tmp_path / 'checkpoints-damaged'} and start over from step 0.")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "6", "9"]
+    assert not (tmp_path / "checkpoints-damaged").exists()
+    assert (tmp_path / "metrics.jsonl").read_text() == history
+    status, out, err = run_in_process(tmp_path, "--config.checkpoint.restart=true")
+    assert status == 0, err[-2000:]
+    assert f"starting over from step 0 (checkpoint.restart=true): no checkpoint in {tmp_path / 'checkpoints'}" in out
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "checkpoints-damaged").iterdir()) == ["12", "6", "9"]
+
+
+def test_a_checkpoint_the_system_will_not_let_us_read_is_not_called_damaged(tmp_path, finished_run, monkeypatch):
+    """Permission denied (as TensorStore reports it): one sentence with the OS error, nothing moved."""
+    import orbax.checkpoint as ocp
+
+    shutil.copytree(finished_run, tmp_path, dirs_exist_ok=True)
+
+    def denied(self, step, *args, **kwargs):
+        raise ValueError(f'PERMISSION_DENIED: Error opening file "{tmp_path}/checkpoints/{step}/state/manifest.ocdbt": '
+                         f"Permission denied [os_error_code='13']")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ocp.CheckpointManager, "restore", denied)
+        status, out, err = run_in_process(tmp_path)
+    assert status == 2
+    assert err.strip() == (f"ushard: error: checkpoint 12 in {tmp_path / 'checkpoints'} cannot be read ([Errno 13] "
+                           f"Permission denied); nothing was moved: fix the access (permissions, the mount, the disk), "
+                           f"then run the same command again.")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "6", "9"]
+    assert not (tmp_path / "checkpoints-damaged").exists()
+
+
 def test_every_damaged_step_after_the_restored_one_is_moved(tmp_path, finished_run):
     shutil.copytree(finished_run, tmp_path, dirs_exist_ok=True)
     (tmp_path / "checkpoints" / "12" / "data" / "metadata").write_text("[]")

@@ -114,6 +114,8 @@ DESCRIPTIONS = {
     "checkpoint.async_save": "write checkpoints in the background (training waits only for the device-to-host copy)",
     "checkpoint.init_from": "a new run starts from these parameters (a workdir or a Hugging Face checkpoint) with a "
                             "fresh optimizer; empty: none",
+    "checkpoint.restart": "when no checkpoint in the workdir can be read (all damaged): true moves them to "
+                          "checkpoints-damaged/ and starts over from step 0; false stops with a sentence",
     # mesh
     **{f"mesh.{axis}": text for axis, text in _MESH.items()},
     **{f"mesh.dcn.{axis}": _DCN.format(axis=axis) for axis in _MESH},

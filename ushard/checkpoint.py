@@ -10,6 +10,8 @@ whether a checkpoint fits is decided by comparing its parameter tree on disk wit
 
 Faults: a checkpoint that cannot be read (any file of it missing, truncated or garbled) is damaged;
 training moves it to DIR/checkpoints-damaged/ (never deletes it) and resumes from the newest good one.
+When none is good, training stops and moves nothing unless checkpoint.restart is set. An error of the
+operating system (permission denied, I/O) is not damage: it stops the run and moves nothing.
 A save that fails (a full disk, a read-only directory) raises `SaveFailed` as soon as it is known; the
 checkpoints before it stay complete.
 """
@@ -17,6 +19,7 @@ checkpoints before it stay complete.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -185,13 +188,16 @@ class Checkpoints:
             f"({_cause(error)}); training stopped and {newest}: fix the cause, then run the same command to resume."
         )
 
-    def restore_newest(self, target, log=print):
+    def restore_newest(self, target, log=print, restart: bool = False):
         """(step, state, data_state, saved config) from the newest checkpoint that can be read, or None
         when there is none. `target(saved_config)` gives (abstract state, ModelConfig) to restore into:
         a dict with at least "params", leaves ShapeDtypeStructs carrying the shardings wanted. A damaged
         checkpoint is reported in one line, moved aside (when opened for training) and the one before it
         tried, so that no step that is listed on disk lies ahead of the restored one; a checkpoint of
-        another model stops at once with a UserError and is left where it is.
+        another model stops at once with a UserError and is left where it is, as does one the operating
+        system will not let us read (permissions, I/O, a lost mount: not the files' fault). When every
+        checkpoint is damaged, training stops with a UserError and moves nothing, unless `restart`
+        (checkpoint.restart): then they are moved aside and None says to start over.
 
         Several processes: each reads the same files, so all judge the same steps damaged and restore
         the same one (a filesystem that shows processes different files breaks this); process 0 moves."""
@@ -207,17 +213,31 @@ class Checkpoints:
                     break
                 except (UserError, MemoryError, jax.errors.JaxRuntimeError):
                     raise  # another model, or the devices (out of memory): not the files' fault
-                except Exception as e:  # a file missing, truncated, garbled
-                    damaged.append(step)
-                    self._set_aside(step, e, log)
+                except Exception as e:  # a file missing, truncated, garbled, or one the OS will not read
+                    if _os_errno(e) in ACCESS_ERRNOS:
+                        raise UserError(f"checkpoint {step} in {self.directory} cannot be read ({_cause(e)}); "
+                                        f"nothing was moved: fix the access (permissions, the mount, the disk), "
+                                        f"then run the same command again.") from None
+                    damaged.append((step, e))
+        if damaged and restored is None and self.move_damaged and not restart:
+            newest, error = damaged[0]
+            raise UserError(f"none of the {len(damaged)} checkpoints in {self.directory} can be read (the newest, "
+                            f"step {newest}: {_first_line(error)}); nothing was moved. Set "
+                            f"--config.checkpoint.restart=true to move them to {self.damaged_directory} and start "
+                            f"over from step 0.")
+        for step, error in damaged:
+            self._set_aside(step, error, log)
+        if damaged and restored is None:
+            if not self.move_damaged:
+                raise UserError(f"no checkpoint in {self.directory} can be read; train again to write a new one.")
+            log(f"starting over from step 0 (checkpoint.restart=true): no checkpoint in {self.directory} could be "
+                f"read.")
         if damaged and self.move_damaged:
             if jax.process_count() > 1:  # nobody lists the steps again before process 0 has moved them
                 from jax.experimental import multihost_utils
 
                 multihost_utils.sync_global_devices("ushard: damaged checkpoints moved")
             self.manager.reload()  # a damaged step is no longer listed, so saving it again cannot collide
-        elif damaged and restored is None:
-            raise UserError(f"no checkpoint in {self.directory} can be read; train again to write a new one.")
         return restored
 
     def _set_aside(self, step: int, error: Exception, log) -> None:
@@ -274,6 +294,19 @@ class Checkpoints:
             self.manager.close()
 
 
+# Errors of the operating system that say nothing about a checkpoint's content.
+ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO, errno.ENODEV, errno.ENXIO, errno.ENOTCONN,
+                           errno.ESTALE, errno.EHOSTDOWN, errno.ETIMEDOUT})
+
+
+def _os_errno(error: BaseException) -> int | None:
+    """The OS error number of `error`, or of the one TensorStore wraps in it (os_error_code='N')."""
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    code = re.search(r"os_error_code='?(\d+)", str(error))
+    return int(code.group(1)) if code else None
+
+
 def _first_line(error: BaseException, limit: int = 200) -> str:
     """`Type: first line of the message`, cut to `limit` characters: TensorStore's messages run to 465 KB."""
     lines = str(error).strip().splitlines()
@@ -285,11 +318,9 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
 def _cause(error: BaseException) -> str:
     """Why a write failed, in a few words: an OS error's number and text (TensorStore wraps it in a
     ValueError as os_error_code='N'), else the exception's first line."""
-    if isinstance(error, OSError) and error.errno:
-        return f"[Errno {error.errno}] {error.strerror}"
-    code = re.search(r"os_error_code='?(\d+)", str(error))
-    if code:
-        return f"[Errno {code.group(1)}] {os.strerror(int(code.group(1)))}"
+    number = _os_errno(error)
+    if number:
+        return f"[Errno {number}] {os.strerror(number)}"
     return _first_line(error)
 
 

@@ -72,6 +72,7 @@ def default_config() -> ml_collections.ConfigDict:
     # fresh optimizer at step 0: a workdir (its newest checkpoint, e.g. written by `ushard convert`) or a
     # Hugging Face checkpoint (config.json + safetensors). The model settings must match it. "": none.
     c.checkpoint.init_from = ""
+    c.checkpoint.restart = False  # start over from step 0 when no checkpoint in the workdir can be read
 
     c.mesh = ml_collections.ConfigDict()
     for axis in MESH_AXES:

@@ -158,7 +158,8 @@ class Trainer:
         if self.checkpoints:
             self.checkpoints.wait()  # a save still being written (rollback) must land first
             abstract = self.steps.abstract_state().as_dict()
-            restored = self.checkpoints.restore_newest(lambda _: (abstract, self.setup.model_config), log)
+            restored = self.checkpoints.restore_newest(lambda _: (abstract, self.setup.model_config), log,
+                                                       restart=self.config.checkpoint.restart)
             if restored:
                 step, state, saved_data_state, _ = restored
                 data_state = self.batches.check_resume(saved_data_state, self.config.data.restart)
