@@ -9,7 +9,7 @@
 
 Covered so far: layouts that split only the batch (`data`, `fsdp`, any ZeRO stage) and every remat
 policy; the activations of tensor, sequence, context, pipeline and expert layouts are not modelled
-yet (`temporaries` refuses them). Checked against XLA's memory analysis in tests/test_estimate.py.
+yet (`estimate` refuses them). Checked against XLA's memory analysis in tests/test_estimate.py.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import ad_checkpoint
+
+from ushard.models.definition import model_definition
+from ushard.training.step import objective_terms
 
 # Mesh axes whose split changes more than the batch each device holds (not modelled yet).
 UNMODELLED_AXES = ("tensor", "sequence", "pipeline", "expert")
@@ -76,16 +79,12 @@ def estimate(setup) -> MemoryEstimate:
 def saved_activations(setup, rows: int, remat: str) -> int:
     """The bytes the backward pass keeps of a forward pass over `rows` sequences on one device, with
     the model's layers under the remat policy `remat` (JAX's list of saved residuals, arguments excluded)."""
-    from ushard.models.definition import model_definition
-
     model = model_definition(dataclasses.replace(setup.model_config, remat=remat))
     params = jax.eval_shape(lambda: model.init(0))
     token_ids = jax.ShapeDtypeStruct((rows, setup.config.train.seq_len), jnp.int32)
     batch = dict.fromkeys(setup.steps.batch_shardings, token_ids)
 
     def objective(params, batch):
-        from ushard.training.step import objective_terms
-
         logits, aux = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
         return objective_terms(logits, aux, batch)[0]
 

@@ -415,6 +415,12 @@ def varying(tree, axis, zeros: bool = False):
     return jax.tree.map(cast, tree)
 
 
+def varying_alike(*arrays) -> tuple:
+    """`arrays`, each typed as varying over every manual axis any of them varies over, as JAX's own ops
+    broadcast their operands inside a shard_map (for a kernel's operands, which JAX does not broadcast)."""
+    return varying(arrays, frozenset().union(*(varying_axes(a) for a in arrays)))
+
+
 def varying_axes(x) -> frozenset:
     """The manual mesh axes over which `x` is typed as differing between devices (empty outside shard_map)."""
     aval = jax.typeof(x)

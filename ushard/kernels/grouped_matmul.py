@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from ushard.errors import UserError
 from ushard.kernels import sealed
-from ushard.sharding import varying, varying_axes
+from ushard.sharding import varying_alike
 
 IMPLS = ("auto", "xla", "mosaic_gpu", "megablox")
 NAMES = {"xla": "XLA's ragged_dot", "mosaic_gpu": "Pallas Mosaic-GPU grouped matmul",
@@ -135,13 +135,8 @@ def pallas_grouped_matmul(kernels: "GroupedKernels", x, w, group_sizes, row_buck
     """The contract on Pallas `kernels`, under the shared custom VJP."""
     # Operands typed alike, as JAX's own ops broadcast them (inside a `shard_map`), so that each
     # gradient the VJP returns has its operand's type.
-    x, w, group_sizes = varying((x, w, group_sizes), _varying_over(x, w, group_sizes))
+    x, w, group_sizes = varying_alike(x, w, group_sizes)
     return _with_vjp(kernels, row_buckets, x, w, group_sizes)
-
-
-def _varying_over(*arrays) -> frozenset:
-    """The manual axes any of `arrays` is typed as varying over."""
-    return frozenset().union(*(varying_axes(a) for a in arrays))
 
 
 @dataclass(frozen=True)

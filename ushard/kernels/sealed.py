@@ -25,16 +25,15 @@ from jax._src import config as jax_config
 from jax._src import core
 from jax._src.interpreters import batching, mlir
 
-from ushard.sharding import varying, varying_axes
+from ushard.sharding import varying_alike
 
 sealed_kernel_p = core.Primitive("ushard_sealed_kernel")
 
 
 def call(fn, *args):
     """`fn(*args)` (one array out) as one sealed operation; hashable `fn` (a function or partial of one)."""
-    axes = frozenset().union(*(varying_axes(a) for a in args))
     # Operands typed alike, so that the first one's type carries the result's manual axes.
-    return sealed_kernel_p.bind(*varying(args, axes), fn=fn)
+    return sealed_kernel_p.bind(*varying_alike(*args), fn=fn)
 
 
 def _unchecked():
