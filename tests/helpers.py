@@ -6,6 +6,8 @@ checks: whole-training parity runs, layouts, reference attention and its compari
 
 import contextlib
 import dataclasses
+import errno
+import json
 import os
 import re
 import tempfile
@@ -169,3 +171,19 @@ def split_on(blocks, n, mode="ring", keep_kv=False):
         return context.zigzag(out, n, inverse=True)
 
     return split_attention
+
+
+class MetricsOnAFullDisk:
+    """metrics.jsonl (the open file `file`) on a disk that fills: writing the record of `step` or a later
+    one fails with ENOSPC."""
+
+    def __init__(self, file, step: int):
+        self.file, self.step = file, step
+
+    def write(self, text):
+        if json.loads(text)["step"] >= self.step:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.file.write(text)
+
+    def close(self):
+        self.file.close()

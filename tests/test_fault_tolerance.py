@@ -19,6 +19,7 @@ import pytest
 
 import ushard
 from conftest import SMALL_MOE, free_port, small_config
+from helpers import MetricsOnAFullDisk
 from ushard.errors import UserError
 from ushard.training.loop import Trainer
 
@@ -506,21 +507,9 @@ def test_a_disk_that_fills_while_metrics_are_written_stops_with_a_sentence(tmp_p
 
     opened = MetricsWriter._open
 
-    class FullDisk:
-        def __init__(self, file):
-            self.file = file
-
-        def write(self, text):
-            if json.loads(text)["step"] >= 4:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return self.file.write(text)
-
-        def close(self):
-            self.file.close()
-
     def open_on_a_full_disk(self, resume_step):
         opened(self, resume_step)
-        self._jsonl = FullDisk(self._jsonl)
+        self._jsonl = MetricsOnAFullDisk(self._jsonl, step=4)
 
     with monkeypatch.context() as patch:
         patch.setattr(MetricsWriter, "_open", open_on_a_full_disk)

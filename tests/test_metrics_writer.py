@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import struct
 
 import pytest
 
+from helpers import MetricsOnAFullDisk
 from ushard import metrics
 from ushard.errors import UserError
 from ushard.metrics import MetricsWriter, drop_after
@@ -140,24 +139,9 @@ def test_tensorboard_shows_each_step_once(tmp_path, loader):
     assert shown == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 206.0), (7, 207.0), (8, 208.0)]
 
 
-class _FullDisk:
-    """metrics.jsonl on a disk that fills: writes fail with ENOSPC from the record of `step` on."""
-
-    def __init__(self, file, step):
-        self.file, self.step = file, step
-
-    def write(self, text):
-        if json.loads(text)["step"] >= self.step:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return self.file.write(text)
-
-    def close(self):
-        self.file.close()
-
-
 def test_a_full_disk_is_one_sentence_and_closing_afterwards_is_quiet(tmp_path):
     writer = _run(tmp_path, [1, 2])
-    writer._jsonl = _FullDisk(writer._jsonl, step=3)
+    writer._jsonl = MetricsOnAFullDisk(writer._jsonl, step=3)
     with pytest.raises(UserError) as stopped:
         writer.write({"step": 3, "loss": 3.0})
     assert str(stopped.value) == (
