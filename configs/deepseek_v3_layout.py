@@ -26,15 +26,15 @@ What differs, and why:
   microbatches of 128 sequences, one a device over expert x fsdp at 2048 devices. DeepSeek-V3's batch
   was 15360 (after a ramp from 3072 over the first 469B tokens; ushard has no batch schedule), which
   does not split into parts of 16 x 128 sequences.
-- Routing: capacity factor 1.25 (ushard's drop rule, per sequence), where DeepSeek-V3 drops no tokens.
-  ushard's dropless dispatch across devices sizes its buffers for the worst case, every local token
-  at every expert: num_experts / top_k = 32 times the assignments, 14 GiB a layer at 4096 tokens a
-  device, and the padded dispatch computes the experts over all of it. Dropless, even one layer a
-  stage did not fit a v5p (107 GiB of temporaries at 24 microbatches; docs/benchmarks.md).
+- Routing: dropless, as DeepSeek-V3 trained, through the ragged dispatch (deepseek_v3_like's): each
+  device's receive buffer holds twice an even load (`model.moe.dispatch_headroom`), and a step whose
+  routing needs more stops the run with a sentence. The first draft of this layout had capacity 1.25,
+  because the dispatch then sized its buffers for the worst case (every local token at every expert,
+  14 GiB a layer at 4096 tokens a device) and did not fit.
 - Attention is ushard's GQA, not multi-head latent attention (see configs/deepseek_v3_like.py).
 
 Compiled for TPU without a TPU in docs/benchmarks.md ("Production layouts compiled for TPU"): on
-v5p:8x16x16 (2048 chips) the step peaks at 80.2 GiB a chip, of the v5p's 95.7. At 1024 devices each
+v5p:8x16x16 (2048 chips) the step peaks at 84.2 GiB a chip, of the v5p's 95.7. At 1024 devices each
 holds two sequences of a microbatch, not compiled.
 """
 
@@ -54,7 +54,6 @@ def get_config():
     c.parallel.pipeline_schedule = "circular"
     c.parallel.pipeline_repeats = 4
     c.parallel.pipeline_microbatches = 16
-    c.model.moe.capacity_factor = 1.25
     c.train.batch_size = 16384
     c.train.grad_accum = 8
     return c

@@ -9,7 +9,8 @@ load-balancing loss (DeepSeek-V3's is per sequence, ushard's per batch). Attenti
 count differs from its 671B (37B active): 667B here, 33B active.
 
 Needs hundreds of accelerators: the experts over mesh.expert (DeepSeek-V3 trained with 64-way
-expert parallelism), the rest ZeRO-3 over fsdp, full remat.
+expert parallelism), the rest ZeRO-3 over fsdp, full remat. Dropless, as DeepSeek-V3, through the
+ragged dispatch (receive buffers of twice an even load, `model.moe.dispatch_headroom`).
 """
 
 from ushard.config import default_config
@@ -40,6 +41,7 @@ def get_config():
     m.bias_update_rate = 0.001
     m.aux_loss_weight = 0.0001
     m.z_loss_weight = 0.0
+    m.dispatch = "ragged"  # dropless over mesh.expert: buffers sized from the counts, not the worst case
     c.mesh.expert = 64
     c.train.steps = 10000
     c.train.batch_size = 1024

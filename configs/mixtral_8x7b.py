@@ -3,7 +3,8 @@ d_ff 14336 in every layer, each token routed to 2 (softmax, the two gates renorm
 parameters, 12.9B active per token (Mistral AI's published counts).
 
 Needs many accelerators: the experts split over mesh.expert (8, one per device in a host), the rest
-ZeRO-3 over fsdp, full remat. Dropless; `model.moe.capacity_factor` sets a capacity.
+ZeRO-3 over fsdp, full remat. Dropless, through the ragged dispatch (receive buffers of twice an even
+load, `model.moe.dispatch_headroom`); `model.moe.capacity_factor` sets a capacity instead.
 """
 
 from ushard.config import default_config
@@ -24,6 +25,7 @@ def get_config():
     c.model.moe.score_func = "softmax"
     c.model.moe.normalize_gates = True
     c.model.moe.aux_loss_weight = 0.02
+    c.model.moe.dispatch = "ragged"  # dropless over mesh.expert: buffers sized from the counts, not the worst case
     c.mesh.expert = 8
     c.train.steps = 10000
     c.train.batch_size = 256

@@ -15,14 +15,17 @@ the platform lacks; the `ParallelPlan` records the choice once per run.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from ushard.errors import UserError
+from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout, varying, varying_axes
 
 IMPLS = ("auto", "xla", "cudnn", "splash")
 # The kernels that exist on one platform only.
@@ -126,6 +129,46 @@ def whole_sequence(q, k, v, segment_ids, impl: str):
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+
+
+def by_halves(blocks: BlockKernel, q, k, v, segment_ids):
+    """Causal attention over whole sequences by a fused kernel's forward and backward halves (`blocks`),
+    joined by a custom VJP rather than by autodiff through the kernel. Under a layout each half runs in
+    a shard_map of its own, each device on its rows and heads (a Pallas kernel is not partitioned by
+    XLA). Inside another shard_map, a pipeline stage's, the halves' results are typed as varying over
+    its manual axes here: a Pallas kernel's outputs carry no type, and autodiff never transposes an
+    untyped map (it lost the stage axis from the gradients' types, docs/dev-notes.md)."""
+    layout = current_layout()
+
+    def forward(q, k, v, segments):
+        return blocks.forward(q, k, v, True, segments, segments)
+
+    def backward(q, k, v, out, lse, d_out, segments):
+        return blocks.backward(q, k, v, out, lse, d_out, True, segments, segments)
+
+    if layout is not None:
+        q_spec, kv_spec, tokens = layout.spec(Q_NAMES), layout.spec(KV_NAMES), layout.spec(TOKEN_NAMES)
+        lse_spec = PartitionSpec(*tuple(q_spec)[:3])  # [B, T, heads]
+        on_devices = functools.partial(jax.shard_map, mesh=layout.mesh, check_vma=False)
+        forward = on_devices(forward, in_specs=(q_spec, kv_spec, kv_spec, tokens), out_specs=(q_spec, lse_spec))
+        backward = on_devices(backward, in_specs=(q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec, tokens),
+                              out_specs=(q_spec, kv_spec, kv_spec))
+    stage_axes = tuple(sorted(varying_axes(q) | varying_axes(k) | varying_axes(v)))  # none outside a shard_map
+
+    @jax.custom_vjp
+    def attend(q, k, v, segments):
+        return attend_forward(q, k, v, segments)[0]
+
+    def attend_forward(q, k, v, segments):
+        out, lse = varying(forward(q, k, v, segments), stage_axes)
+        return out, (q, k, v, segments, out, lse)
+
+    def attend_backward(residuals, d_out):
+        q, k, v, segments, out, lse = residuals
+        return (*varying(backward(q, k, v, out, lse, d_out, segments), stage_axes), None)
+
+    attend.defvjp(attend_forward, attend_backward)
+    return attend(q, k, v, segment_ids)
 
 
 def xla_block(q, k, v, q_index, k_index, q_segments, k_segments):

@@ -19,15 +19,12 @@ kernels are called with the queries' final output and log-sum-exp over all block
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
-from ushard.kernels.attention import BlockKernel
-from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout, varying, varying_axes
+from ushard.kernels.attention import BlockKernel, by_halves
 
 BLOCKS = (512, 256, 128)  # block sizes tried, largest first: 512 compiles at T=8192, d=128 in 16 MiB VMEM
 
@@ -105,41 +102,6 @@ def splash_blocks(interpret: bool = False) -> BlockKernel:
 def splash_attention(q, k, v, segment_ids=None, interpret: bool = False):
     """Causal attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd] by splash attention,
     tokens attending only within their segment (`segment_ids` [B, T]; None: no document masking).
-    Under a layout, each device runs the kernel on its rows and heads; without one, on everything.
-
-    The forward and backward kernels (`splash_blocks`) run in shard_maps of their own, joined by a
-    custom VJP rather than by autodiff through the maps: a Pallas kernel's outputs carry no
-    varying-axes type (the maps skip that check), so inside another shard_map, a pipeline stage's,
-    their results are typed as varying over its manual axes here, and autodiff never transposes
-    an untyped map (it lost the stage axis from the gradients' types, docs/dev-notes.md)."""
-    blocks, layout = splash_blocks(interpret), current_layout()
-
-    def forward(q, k, v, segments):
-        return blocks.forward(q, k, v, True, segments, segments)
-
-    def backward(q, k, v, out, lse, d_out, segments):
-        return blocks.backward(q, k, v, out, lse, d_out, True, segments, segments)
-
-    if layout is not None:
-        q_spec, kv_spec, tokens = layout.spec(Q_NAMES), layout.spec(KV_NAMES), layout.spec(TOKEN_NAMES)
-        lse_spec = PartitionSpec(*tuple(q_spec)[:3])  # [B, T, heads]
-        on_devices = functools.partial(jax.shard_map, mesh=layout.mesh, check_vma=False)
-        forward = on_devices(forward, in_specs=(q_spec, kv_spec, kv_spec, tokens), out_specs=(q_spec, lse_spec))
-        backward = on_devices(backward, in_specs=(q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec, tokens),
-                              out_specs=(q_spec, kv_spec, kv_spec))
-    stage_axes = tuple(sorted(varying_axes(q) | varying_axes(k) | varying_axes(v)))  # none outside a shard_map
-
-    @jax.custom_vjp
-    def attend(q, k, v, segments):
-        return attend_forward(q, k, v, segments)[0]
-
-    def attend_forward(q, k, v, segments):
-        out, lse = varying(forward(q, k, v, segments), stage_axes)
-        return out, (q, k, v, segments, out, lse)
-
-    def attend_backward(residuals, d_out):
-        q, k, v, segments, out, lse = residuals
-        return (*varying(backward(q, k, v, out, lse, d_out, segments), stage_axes), None)
-
-    attend.defvjp(attend_forward, attend_backward)
-    return attend(q, k, v, segment_ids)
+    Under a layout, each device runs the kernel on its rows and heads; without one, on everything
+    (`kernels.attention.by_halves`)."""
+    return by_halves(splash_blocks(interpret), q, k, v, segment_ids)
