@@ -108,6 +108,8 @@ DESCRIPTIONS = {
     "train.on_nonfinite": "a NaN/inf loss or gradient: `skip` the update, `rollback` to the last checkpoint past the "
                           "batch, or `stop`",
     "train.max_nonfinite_steps": "skip / rollback give up after this many non-finite steps in a row",
+    "train.process_timeout_s": ("with several processes: seconds a process waits for one that went silent (killed, a "
+                                "lost host) or holds up a checkpoint's barrier; then it stops, naming it"),
     # checkpoint
     "checkpoint.every": "steps between checkpoints; 0: only at the end and on SIGTERM",
     "checkpoint.keep": "newest checkpoints kept",

@@ -33,12 +33,19 @@ def train(config, workdir: str | None = None, log=print) -> list[dict]:
     import jax
 
     from ushard.training.loop import StopSignals, Trainer
+    from ushard.training.processes import Watchdog
 
     xla_flags.apply(config)
     with StopSignals() as signals:
         jax.devices()  # the backend starts outside `at_once`: its C++ is no place for an exception
-        with hold_workdir(workdir, log) if workdir else contextlib.nullcontext():  # one run per workdir
+        watch = Watchdog(config.train.process_timeout_s) if jax.process_count() > 1 else contextlib.nullcontext()
+        with hold_workdir(workdir, log) if workdir else contextlib.nullcontext(), watch:  # one run per workdir
             # Python work that holds nothing yet (above all loading the data) may stop on the spot.
             with signals.at_once("while setting up the model and data, before training started (nothing to save)"):
                 trainer = Trainer(config, workdir)
-            return trainer.run(log, signals)
+            try:
+                return trainer.run(log, signals)
+            except jax.errors.JaxRuntimeError:
+                if isinstance(watch, Watchdog):  # a collective that failed because a process is gone:
+                    watch.wait_for_verdict()  # the watch names it and ends this process
+                raise

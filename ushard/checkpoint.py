@@ -29,7 +29,6 @@ import time
 import warnings
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from ushard.errors import UserError
@@ -41,7 +40,10 @@ DAMAGED_DIR = "checkpoints-damaged"  # beside checkpoints/, so that orbax's list
 
 class SaveFailed(UserError):
     """A checkpoint could not be written (a full disk, a read-only directory): the run stops with one
-    sentence and exit status 2; the checkpoints before it are complete, and the same command resumes."""
+    sentence and exit status 2; the checkpoints before it are complete, and the same command resumes.
+    `waited_only`: it failed only waiting for other processes (their failure is the cause)."""
+
+    waited_only = False
 
 
 class Damaged(Exception):
@@ -117,7 +119,7 @@ class Checkpoints:
     ANOTHER_MODEL = "use the same model settings or another --workdir"
 
     def __init__(self, workdir: str, keep: int = 3, async_save: bool = True, create: bool = True,
-                 another_model: str = ANOTHER_MODEL):
+                 another_model: str = ANOTHER_MODEL, barrier_timeout_s: int = 1200):
         quiet_orbax()
         self.workdir = workdir
         self.another_model = another_model
@@ -131,7 +133,7 @@ class Checkpoints:
             max_to_keep=keep, enable_async_checkpointing=async_save, create=create,
             # Directories made by save() itself: a read-only directory fails there and then. Made in the
             # background, the failure left the array writers waiting 5 minutes for a directory that never came.
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False, timeout_secs=barrier_timeout_s),
         )
         # The state as a PyTree: its metadata can be read, and it can be restored in part.
         handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
@@ -153,24 +155,25 @@ class Checkpoints:
         self._in_flight = step
 
     def check(self) -> None:
-        """Raises SaveFailed if the save in flight has failed; never waits for one still being written.
-        In a run of several processes every process must call it at the same step: they stop together,
-        as one that stopped alone would leave the others waiting in the next collective."""
-        failure = None
-        if self._in_flight is not None and not self.manager.is_saving_in_progress():
-            try:
-                self.wait()  # it has ended: this returns at once, or raises its error
-            except SaveFailed as e:
-                failure = e
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            failed = multihost_utils.process_allgather(np.int32(failure is not None))
-            if failure is None and failed.any():
-                failure = SaveFailed(f"saving a checkpoint to {self.directory} failed on process "
-                                     f"{int(np.argmax(failed))}; its message says why.")
+        """Raises SaveFailed if the save in flight has failed; never waits for one still being written."""
+        failure = self.failure()
         if failure is not None:
             raise failure
+
+    def failure(self) -> SaveFailed | None:
+        """SaveFailed if the save in flight has failed, else None; never waits for one still being written.
+        A run of several processes shares the answer at a step they agree on (training/processes.py)."""
+        if self._in_flight is None or self.manager.is_saving_in_progress():
+            return None
+        return self.finished()  # it has ended: this returns at once
+
+    def finished(self) -> SaveFailed | None:
+        """Waits until the save in flight is written; its SaveFailed if it failed, else None."""
+        try:
+            self.wait()
+        except SaveFailed as e:
+            return e
+        return None
 
     def wait(self) -> None:
         """Waits until the save in flight is written; raises SaveFailed if it failed."""
@@ -183,10 +186,12 @@ class Checkpoints:
     def _save_failed(self, step, error: Exception) -> SaveFailed:
         kept = [s for s in self.manager.all_steps() if s != step]
         newest = f"the newest complete checkpoint is step {max(kept)}" if kept else "no checkpoint was completed"
-        return SaveFailed(
+        failed = SaveFailed(
             f"saving the checkpoint of step {step} to {os.path.join(self.directory, str(step))} failed "
             f"({_cause(error)}); training stopped and {newest}: fix the cause, then run the same command to resume."
         )
+        failed.waited_only = _waited_only(error)
+        return failed
 
     def restore_newest(self, target, log=print, restart: bool = False):
         """(step, state, data_state, saved config) from the newest checkpoint that can be read, or None
@@ -199,8 +204,9 @@ class Checkpoints:
         checkpoint is damaged, training stops with a UserError and moves nothing, unless `restart`
         (checkpoint.restart): then they are moved aside and None says to start over.
 
-        Several processes: each reads the same files, so all judge the same steps damaged and restore
-        the same one (a filesystem that shows processes different files breaks this); process 0 moves."""
+        Several processes: each reads its own shards, and process 0 moves. An error of the operating
+        system stops every process alike; damage in one process's shards is not yet agreed on, and
+        leaves the processes out of step (tests/test_multiprocess_faults.py, an expected failure)."""
         for name in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else ():
             if "orbax-checkpoint-tmp" in name:
                 log(f"ushard: warning: skipping {os.path.join(self.directory, name)}, a save that never finished.")
@@ -315,12 +321,32 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and the exceptions it was raised from or while handling, outermost first."""
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _waited_only(error: BaseException) -> bool:
+    """Whether a save failed only by waiting for other processes at one of orbax's barriers, with no
+    error of its own: with several processes, then another one's failure is the cause."""
+    chain = _chain(error)
+    return (not any(_os_errno(e) for e in chain)
+            and any(isinstance(e, TimeoutError) or "Barrier timed out" in str(e) for e in chain)
+            and all(isinstance(e, TimeoutError) or "Barrier timed out" in str(e) for e in chain))
+
+
 def _cause(error: BaseException) -> str:
     """Why a write failed, in a few words: an OS error's number and text (TensorStore wraps it in a
-    ValueError as os_error_code='N'), else the exception's first line."""
-    number = _os_errno(error)
-    if number:
-        return f"[Errno {number}] {os.strerror(number)}"
+    ValueError as os_error_code='N'), found anywhere in the exception's chain (with several
+    processes orbax raises a barrier's timeout from it), else the exception's first line."""
+    for link in _chain(error):
+        number = _os_errno(link)
+        if number:
+            return f"[Errno {number}] {os.strerror(number)}"
     return _first_line(error)
 
 

@@ -96,8 +96,10 @@ def _cluster_launched() -> bool:
     )
 
 
-def start_processes(args) -> None:
-    """Joins a multi-process run: from the three flags, or detected on SLURM and TPU VMs."""
+def start_processes(args, timeout_s: int = 60) -> None:
+    """Joins a multi-process run: from the three flags, or detected on SLURM and TPU VMs. JAX's own
+    heartbeat check gets `timeout_s` (train.process_timeout_s) and a margin: ushard's watch
+    (training/processes.py) names a lost process first, where JAX's aborts with a native stack."""
     flags = (args.coordinator_address, args.num_processes, args.process_id)
     given = [f is not None for f in flags]
     if any(given) and not all(given):
@@ -111,9 +113,10 @@ def start_processes(args) -> None:
         if not 0 <= args.process_id < args.num_processes:
             raise UserError(f"--process_id={args.process_id} must be between 0 and "
                             f"--num_processes-1={args.num_processes - 1}.")
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                   heartbeat_timeout_seconds=timeout_s + 30)
     else:
-        jax.distributed.initialize()
+        jax.distributed.initialize(heartbeat_timeout_seconds=timeout_s + 30)
 
 
 def train(args, overrides) -> None:
@@ -121,7 +124,7 @@ def train(args, overrides) -> None:
 
     config = ushard.load_config(args.config, overrides)
     xla_flags.apply(config)  # before anything starts JAX's backend
-    start_processes(args)
+    start_processes(args, config.train.process_timeout_s)
     name = os.path.splitext(os.path.basename(args.config))[0]
     workdir = args.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     records = ushard.train(config, workdir)

@@ -63,6 +63,9 @@ def default_config() -> ml_collections.ConfigDict:
     # "skip" and "rollback" give up (one sentence, exit 2) after this many non-finite steps in a row:
     # a NaN that does not go away is a diverged run, not a bad batch.
     c.train.max_nonfinite_steps = 5
+    # With several processes: how long one waits for another that went silent (killed, lost host) or
+    # that holds up a checkpoint's barrier, before the run stops with a sentence naming it.
+    c.train.process_timeout_s = 60
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0  # steps between checkpoints in DIR/checkpoints; 0: only at the end and on SIGTERM
@@ -358,7 +361,8 @@ def check_settings(config) -> ModelConfig:
     """Checks every setting that needs no devices; returns the model's settings, validated."""
     t, d = config.train, config.data
     model_cfg = ModelConfig.from_config(config.model)
-    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "max_nonfinite_steps"):
+    for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "max_nonfinite_steps",
+                "process_timeout_s"):
         _positive(t[key], f"train.{key}")
     for key in ("pipeline_microbatches", "pipeline_repeats"):
         _positive(config.parallel[key], f"parallel.{key}")

@@ -25,6 +25,7 @@ from ushard.data import local_block, make_batches, place_batch
 from ushard.errors import UserError
 from ushard.metrics import MetricsWriter, peak_flops
 from ushard.models.moe import DISPATCH_OVERFLOW
+from ushard.training import processes
 from ushard.training.init_from import initial_params
 from ushard.training.state import TrainState
 
@@ -123,7 +124,9 @@ class Trainer:
         self.rows, self.columns = local_block(self.setup.layout.batch, self.batch_shape)
         self.peak = peak_flops(self.setup.mesh.devices.flat[0])
         ck = config.checkpoint
-        self.checkpoints = Checkpoints(workdir, ck.keep, ck.async_save) if workdir else None
+        # With several processes a save's barriers wait no longer than train.process_timeout_s for the others.
+        self.checkpoints = Checkpoints(workdir, ck.keep, ck.async_save,
+                                       barrier_timeout_s=t.process_timeout_s) if workdir else None
         self.skip_positions: set[int] = set()  # data positions whose batch made the loss non-finite (rollback)
 
     # ------------------------------------------------------------------ batches
@@ -195,20 +198,22 @@ class Trainer:
         step = int(jax.device_get(state.step))
         signals.check(self._nothing_new(step))
         writer = MetricsWriter(self.workdir, resume_step=step)  # drops what an earlier run logged after it
-        records = []
+        records, failed = [], True
         try:
             if step < t.steps:
                 records = self._train(state, data_state, step, writer, log, signals)
             else:
                 log(f"already trained to step {step} (train.steps={t.steps}); nothing to do.")
+            failed = False
         finally:
             # Each closed whatever the other does: a save still in flight is finished even when the
-            # metrics cannot be written.
-            try:
-                writer.close()
-            finally:
-                if self.checkpoints:
-                    self.checkpoints.close()
+            # metrics cannot be written. Where the run already failed, that failure is the one reported.
+            with contextlib.suppress(UserError) if failed else contextlib.nullcontext():
+                try:
+                    writer.close()
+                finally:
+                    if self.checkpoints:
+                        self.checkpoints.close()
         saved = "checkpoint saved" if self.checkpoints else "no workdir"
         signals.check(f"as the run ended at step {t.steps} ({saved})")
         return records
@@ -228,10 +233,13 @@ class Trainer:
         start = time.perf_counter()
         step_fn = self.steps.train_step.lower(state, self.global_batch(data_state)[0]).compile()
         log(f"compiled the train step in {time.perf_counter() - start:.1f}s")
-        signals.check(self._nothing_new(step))  # a signal that came while compiling
+        stop = self._agree(step, signals.received)  # a signal that came while compiling, to any process
+        if stop:
+            raise Preempted(stop, self._nothing_new(step))
         bar = _progress_bar(t.steps, step)
         nonfinite = NonfiniteRow(t.max_nonfinite_steps)
         records, pending = [], []  # pending: (step, data position, device metrics) since the last sync
+        together = jax.process_count() > 1
         last_time, last_step = time.perf_counter(), step
         while step < t.steps:
             while data_state["position"] in self.skip_positions:
@@ -243,12 +251,14 @@ class Trainer:
             pending.append((step, position, metrics))
             if bar:
                 bar.update(1)
-            stop = signals.received  # read once: a signal may land at any moment
+            # Several processes act on a signal at the next log or save step, where they all agree
+            # (ushard/training/processes.py); one process acts on it at once.
+            stop = None if together else signals.received  # read once: a signal may land at any moment
             log_now = step % t.log_every == 0 or step == t.steps
-            save_now = (every and step % every == 0) or step == t.steps or stop
-            if self.checkpoints and (log_now or save_now or jax.process_count() == 1):
+            save_now = (every and step % every == 0) or step == t.steps
+            if not together and self.checkpoints:
                 self.checkpoints.check()  # a failed background save stops the run now, not at the next save
-            if not (log_now or save_now):
+            if not (log_now or save_now or stop):
                 continue
             values = jax.device_get([m for _, _, m in pending])  # one transfer; waits for the device
             fetched = [(s, i, m) for (s, i, _), m in zip(pending, values)]
@@ -265,27 +275,47 @@ class Trainer:
                     bar.reset(total=t.steps)
                     bar.update(step)
                 continue
+            failure = None
             if log_now:
                 now = time.perf_counter()
                 record = self._record(step, fetched[-1][2], (now - last_time) / (step - last_step))
                 if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
                     record["eval_loss"] = self.eval_loss(state.params)
                 records.append(record)
-                writer.write(record)
+                try:
+                    writer.write(record)
+                except UserError as e:  # a full disk: the other processes must hear of it (below)
+                    failure = e
                 line = _format(record)
                 bar.write(line) if bar else log(line)
+            stop = self._agree(step, signals.received, failure)
+            save_now = save_now or stop
             if save_now:
+                self._saved_together(step)  # the save before this one
                 self._save(state, data_state, step)
             if stop:
-                if self.checkpoints:
-                    self.checkpoints.wait()
+                self._saved_together(step)
                 where = ("checkpoint saved; run the same command to resume" if self.checkpoints
                          else "no workdir, nothing saved")
                 raise Preempted(stop, f"at step {step} ({where})")
             last_time, last_step = time.perf_counter(), step
         if bar:
             bar.close()
+        self._saved_together(step)
         return records
+
+    def _saved_together(self, step: int) -> None:
+        """Waits for the save in flight; raises what failed in it on any process (`_agree`), so that
+        every process reports the one whose failure is the cause, where the others only waited for it."""
+        if self.checkpoints:
+            self._agree(step, None, self.checkpoints.finished())
+
+    def _agree(self, step: int, signum: int | None, failure: UserError | None = None) -> int | None:
+        """The signal every process acts on at `step` (None: none), after raising what failed on any
+        process: this one's metrics `failure`, a background save that failed (processes.agree)."""
+        if failure is None and self.checkpoints:
+            failure = self.checkpoints.failure()
+        return processes.agree(step, signum, failure, self.config.train.process_timeout_s)
 
     def _count_nonfinite(self, fetched, row: NonfiniteRow, last: bool) -> None:
         """Stops the run (UserError) once train.max_nonfinite_steps non-finite steps came in a row under

@@ -1,0 +1,134 @@
+"""What the processes of a multi-process run decide together, and how they notice one that is gone.
+
+- `agree`: at a step that every process treats as a sync point (a log or save step), every process
+  says whether a signal reached it and whether something failed on it (a background save, the
+  metrics file); all then act on the union. A preemption notice that reaches one host, or the hosts
+  seconds apart, thus stops every process at the same step, after the same save; a process that stopped
+  alone would leave the others waiting in the next collective.
+- `Watchdog`: each process publishes a heartbeat in JAX's coordination service and watches the
+  others'. One silent for `train.process_timeout_s` (killed, its host lost, wedged) ends this process
+  with one sentence naming it, before JAX's own heartbeat check aborts it with a native stack.
+
+A single-process run uses neither.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+
+from ushard.errors import UserError
+
+FAILURE_KEY = "ushard/failure/{process}/{step}"  # a process's own sentence for a failure it agreed on
+LEFT = "left"  # a process's heartbeat once its run has ended
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def agree(step: int, signum: int | None, failure: UserError | None, timeout_s: float) -> int | None:
+    """Every process's verdict at `step`, which every process must call at the same step. Raises what
+    failed: this process's `failure`, or another's, named, with its own sentence, where this one only
+    waited for it (a checkpoint barrier that timed out, `failure.waited_only`); else returns the first
+    signal number any process received (None: none)."""
+    if jax.process_count() == 1:
+        if failure is not None:
+            raise failure
+        return signum
+    from jax.experimental import multihost_utils
+
+    if failure is not None:  # published before the gather, so that it is there when the others read it
+        _client().key_value_set(FAILURE_KEY.format(process=jax.process_index(), step=step), str(failure), True)
+    waited = failure is not None and getattr(failure, "waited_only", False)
+    verdicts = multihost_utils.process_allgather(
+        np.array([signum or 0, failure is not None and not waited, failure is not None], np.int32))
+    causes = np.flatnonzero(verdicts[:, 1]) if verdicts[:, 1].any() else np.flatnonzero(verdicts[:, 2])
+    if failure is not None and (not waited or jax.process_index() == causes[0]):
+        raise failure
+    if causes.size:
+        first = int(causes[0])
+        try:
+            theirs = _client().blocking_key_value_get(FAILURE_KEY.format(process=first, step=step),
+                                                      int(timeout_s * 1000))
+        except Exception:  # noqa: BLE001 (gone before it said why: the gather says that much)
+            theirs = "it did not say why"
+        raise UserError(f"process {first} of {jax.process_count()} stopped the run at step {step}: {theirs}")
+    signals = verdicts[:, 0][verdicts[:, 0] > 0]
+    return int(signals[0]) if signals.size else None
+
+
+class Watchdog:
+    """A heartbeat of this process in the coordination service, and a watch on the others' (module
+    docstring). `lost(process, why)` ends the process; by default with one sentence and exit status 2."""
+
+    PERIOD_S = 1.0
+
+    def __init__(self, timeout_s: float, lost=None):
+        self.timeout_s = timeout_s
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.lost = lost or _exit_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ushard-watchdog", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5 * self.PERIOD_S)
+        try:  # a process that ends its run, however, is not lost: the others stop watching it
+            _client().key_value_set(f"ushard/alive/{self.me}", LEFT, True)
+        except Exception:  # noqa: BLE001 (the coordination service is gone already)
+            pass
+
+    def wait_for_verdict(self) -> None:
+        """Waits as long as it takes the watch to notice a lost process (it ends this one then). For an
+        error of a collective, which a lost peer causes at once: then the sentence names the process."""
+        self._thread.join(timeout=self.timeout_s + 5 * self.PERIOD_S)
+
+    def _watch(self) -> None:
+        client = _client()
+        beats = 0
+        start = time.monotonic()
+        seen = {p: (None, start) for p in range(self.count) if p != self.me}  # last heartbeat, when it changed
+        unreachable_since = None
+        while not self._stop.wait(self.PERIOD_S):
+            now = time.monotonic()
+            beats += 1
+            try:
+                client.key_value_set(f"ushard/alive/{self.me}", str(beats), True)
+                for process, (last, since) in seen.items():
+                    try:
+                        value = client.key_value_try_get(f"ushard/alive/{process}")
+                    except Exception:  # noqa: BLE001 (no heartbeat yet: still starting)
+                        value = None
+                    if value == LEFT:
+                        continue  # it ended its run (with its own message); a barrier it left times out
+                    if value != last:
+                        seen[process] = (value, now)
+                    elif now - since > self.timeout_s:
+                        return self.lost(process, f"no heartbeat for {self.timeout_s:g} s")
+                unreachable_since = None
+            except Exception:  # noqa: BLE001 (the coordination service, which process 0 runs, is gone)
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > self.timeout_s:
+                    return self.lost(0, f"its coordination service unreachable for {self.timeout_s:g} s")
+
+
+def _exit_lost(process: int, why: str) -> None:
+    """Ends this process at once: a lost peer leaves collectives and checkpoint barriers that can never
+    complete, so there is nothing to clean up that would not wait for it."""
+    print(f"ushard: error: process {process} of {jax.process_count()} was lost ({why}); process "
+          f"{jax.process_index()} stopped too. The checkpoints written before stand: restart every process "
+          f"with the same command to resume.", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2)
