@@ -201,14 +201,8 @@ def test_a_full_disk_under_the_metrics_stops_both_processes(tmp_path, uninterrup
     resume_matches(tmp_path, uninterrupted)
 
 
-DAMAGED_ON_ONE_PROCESS = pytest.mark.xfail(strict=True, reason=(
-    "each process reads only its own shards, so a damaged file fails one process's restore, part-way "
-    "through orbax's collective syncs, and the processes fall out of step (one resumed, the other waited "
-    "in a sync): the damage verdict needs agreeing inside the restore (issue 28)"))
-
-
 @pytest.mark.slow  # the suite's time; tests/test_fault_tolerance.py has the one-process cases
-@pytest.mark.parametrize("fault", [pytest.param("damaged", marks=DAMAGED_ON_ONE_PROCESS), "unreadable"])
+@pytest.mark.parametrize("fault", ["damaged", "unreadable"])
 def test_checkpoints_that_cannot_be_restored_stop_both_processes_and_move_nothing(tmp_path, finished_run, fault):
     from test_fault_tolerance import _array_file, _garble
 

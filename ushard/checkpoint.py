@@ -29,6 +29,7 @@ import time
 import warnings
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from ushard.errors import UserError
@@ -141,6 +142,7 @@ class Checkpoints:
         with _reading_checkpoints():  # it reads the metadata of every step
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._in_flight = None  # the step of a save that may still be running
+        self._handlers = handlers
 
     def save(self, step: int, state: dict, data_state: dict, config) -> None:
         """Starts saving; returns once the device arrays are safe to overwrite (donate) again. Raises
@@ -204,27 +206,31 @@ class Checkpoints:
         checkpoint is damaged, training stops with a UserError and moves nothing, unless `restart`
         (checkpoint.restart): then they are moved aside and None says to start over.
 
-        Several processes: each reads its own shards, and process 0 moves. An error of the operating
-        system stops every process alike; damage in one process's shards is not yet agreed on, and
-        leaves the processes out of step (tests/test_multiprocess_faults.py, an expected failure)."""
+        Several processes: each reads its own shards, all agree on each checkpoint's verdict (damage
+        or a refused read on any process counts for all), and process 0 moves."""
         for name in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else ():
             if "orbax-checkpoint-tmp" in name:
                 log(f"ushard: warning: skipping {os.path.join(self.directory, name)}, a save that never finished.")
         restored, damaged = None, []
-        with _reading_checkpoints():
+        with _reading_checkpoints(), self._reader() as reader:
             self.manager.reload()
             for step in sorted(self.manager.all_steps(), reverse=True):
+                error = None
                 try:
-                    restored = (step, *self._restore(step, target))
-                    break
+                    attempt = (step, *self._restore(reader, step, target))
                 except (UserError, MemoryError, jax.errors.JaxRuntimeError):
                     raise  # another model, or the devices (out of memory): not the files' fault
                 except Exception as e:  # a file missing, truncated, garbled, or one the OS will not read
-                    if _os_errno(e) in ACCESS_ERRNOS:
-                        raise UserError(f"checkpoint {step} in {self.directory} cannot be read ({_cause(e)}); "
-                                        f"nothing was moved: fix the access (permissions, the mount, the disk), "
-                                        f"then run the same command again.") from None
-                    damaged.append((step, e))
+                    error = e
+                denied, error = _read_together(step, error)
+                if denied:
+                    raise UserError(f"checkpoint {step} in {self.directory} cannot be read ({denied}); "
+                                    f"nothing was moved: fix the access (permissions, the mount, the disk), "
+                                    f"then run the same command again.") from None
+                if error is None:
+                    restored = attempt
+                    break
+                damaged.append((step, error))
         if damaged and restored is None and self.move_damaged and not restart:
             newest, error = damaged[0]
             raise UserError(f"none of the {len(damaged)} checkpoints in {self.directory} can be read (the newest, "
@@ -265,12 +271,30 @@ class Checkpoints:
                                 f"out of {self.directory} yourself, then run again.") from e
         log(f"{what}; moved it to {destination} and trying an older one.")
 
-    def _restore(self, step: int, target):
-        saved_config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    @contextlib.contextmanager
+    def _reader(self):
+        """The manager restores read through. With several processes, one of this process's own that
+        reads its shards with none of orbax's syncs between processes: a process that fails part-way
+        would leave the others waiting in one (each reads only its own shards, so damage can fail one
+        process alone); `_read_together` agrees on every checkpoint's verdict instead."""
+        if jax.process_count() == 1:
+            yield self.manager
+            return
+        me = jax.process_index()
+        alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+        options = ocp.CheckpointManagerOptions(create=False, multiprocessing_options=alone)
+        reader = ocp.CheckpointManager(self.directory, options=options, item_handlers=self._handlers)
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    def _restore(self, reader, step: int, target):
+        saved_config = reader.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
         if not isinstance(saved_config, dict) or not isinstance(saved_config.get("model"), dict):
             raise Damaged("its saved config holds no model settings")
         abstract, model_cfg = target(saved_config)
-        metadata = self.manager.item_metadata(step)["state"]
+        metadata = reader.item_metadata(step)["state"]
         if metadata is None:
             raise Damaged("the metadata of its state cannot be read")
         check_compatible(metadata.tree["params"], abstract["params"], saved_config, model_cfg, step, self.another_model)
@@ -285,7 +309,7 @@ class Checkpoints:
             state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True),
             data=ocp.args.JsonRestore(),
         )
-        restored = self.manager.restore(step, args=items)
+        restored = reader.restore(step, args=items)
         data = restored["data"]
         # The data code checks what the position means; here only that there is one.
         if not isinstance(data, dict) or not ("next_batch" in data or "position" in data):
@@ -298,6 +322,23 @@ class Checkpoints:
             self.wait()
         finally:
             self.manager.close()
+
+
+def _read_together(step: int, error: Exception | None) -> tuple[str | None, Exception | None]:
+    """(the OS error that stops the run, or None; the damage, or None) for checkpoint `step`, as every
+    process sees it after each read its own shards (`error`: what this one met, None if it read all):
+    denied if any process was refused access, damaged if any found damage."""
+    denied = _cause(error) if error is not None and _os_errno(error) in ACCESS_ERRNOS else None
+    if jax.process_count() == 1:
+        return denied, error
+    from jax.experimental import multihost_utils
+
+    verdicts = multihost_utils.process_allgather(np.int32(2 if denied else 1 if error is not None else 0))
+    if denied is None and (verdicts == 2).any():
+        denied = f"process {int(np.argmax(verdicts == 2))} was refused access"
+    if error is None and verdicts.any():
+        error = Damaged(f"process {int(np.argmax(verdicts > 0))} could not read its part")
+    return denied, error
 
 
 # Errors of the operating system that say nothing about a checkpoint's content.
