@@ -21,11 +21,11 @@ from conftest import free_port
 
 TIMEOUT_S = 10  # train.process_timeout_s in these runs
 STEPS = 100
-# A small run that logs every step (every step is a step where the processes agree), checkpoints every
-# 50, and waits 40 ms a step, so that a signal sent seconds after another still finds it running.
+# A small run that logs every 5 steps (the steps where the processes agree), checkpoints every 50,
+# and waits 40 ms a step, so that a signal sent seconds after another still finds it running.
 RUN = [
     "--config.model.n_layers=1", "--config.train.seq_len=32", "--config.train.batch_size=8",
-    "--config.train.log_every=1", "--config.train.eval_every=0", "--config.checkpoint.every=50",
+    "--config.train.log_every=5", "--config.train.eval_every=0", "--config.checkpoint.every=50",
     f"--config.train.steps={STEPS}", f"--config.train.process_timeout_s={TIMEOUT_S}",
 ]
 SLOW_STEPS = """
@@ -40,6 +40,10 @@ def slow_batch(self, data_state):
     return batch(self, data_state)
 
 loop.Trainer.global_batch = slow_batch
+if os.environ.get("FILE_SIZE_LIMIT"):  # what `prlimit --fsize` does: a larger write fails (EFBIG)
+    import resource
+    limit = int(os.environ["FILE_SIZE_LIMIT"])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 full_at = int(os.environ.get("METRICS_DISK_FULL_AT_STEP", "0"))
 if full_at:  # metrics.jsonl on a disk that fills at that step
     import errno, json
@@ -70,16 +74,15 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def start(workdir, *extra, prefix=(None, None), environ=(None, None)) -> list[subprocess.Popen]:
-    """Both processes of a run in `workdir`; `prefix[i]`: a command process i runs under (or None),
-    `environ[i]`: more environment for it."""
+def start(workdir, *extra, environ=(None, None)) -> list[subprocess.Popen]:
+    """Both processes of a run in `workdir`; `environ[i]`: more environment for process i."""
     port = free_port()
     procs = []
     for i in range(2):
         cmd = [sys.executable, "-c", SLOW_STEPS, "train", "--config", "tiny", "--workdir", str(workdir), *RUN, *extra,
                "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)]
         env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2", "PYTHONUNBUFFERED": "1", **(environ[i] or {})}
-        procs.append(subprocess.Popen([*(prefix[i] or []), *cmd], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -176,8 +179,9 @@ def test_a_killed_process_stops_the_other_with_a_sentence_naming_it(tmp_path, un
     resume_matches(tmp_path, uninterrupted)
 
 
+@pytest.mark.slow  # the suite's time
 def test_a_save_that_fails_on_one_process_stops_both_with_its_cause(tmp_path, uninterrupted):
-    procs = start(tmp_path, prefix=(None, ["prlimit", "--fsize=2000", "--"]))  # process 1's files: 2 kB at most
+    procs = start(tmp_path, environ=(None, {"FILE_SIZE_LIMIT": "2000"}))  # process 1's files: 2 kB at most
     results = finish(procs, bound_s=120 + TIMEOUT_S + 30)
     errors = [last_line(err) for _, _, err in results]
     assert [r[0] for r in results] == [2, 2], results[0][2][-2000:] + results[1][2][-2000:]
@@ -197,7 +201,7 @@ def test_a_full_disk_under_the_metrics_stops_both_processes(tmp_path, uninterrup
     said = f"could not write the metrics of step 60 to {tmp_path / 'metrics.jsonl'} (No space left on device)"
     assert last_line(results[0][2]) .startswith(f"ushard: error: {said}")
     assert last_line(results[1][2]).startswith("ushard: error: process 0 of 2 stopped the run at step 60: " + said)
-    assert max(losses(tmp_path)) == 59
+    assert max(losses(tmp_path)) == 55  # the last step logged before it
     resume_matches(tmp_path, uninterrupted)
 
 
@@ -221,3 +225,58 @@ def test_checkpoints_that_cannot_be_restored_stop_both_processes_and_move_nothin
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["100", "50"]
     assert not (tmp_path / "checkpoints-damaged").exists()
     assert (tmp_path / "metrics.jsonl").read_text() == history
+
+
+class _Client:
+    """The coordination service's key-value store, as `processes.agree` uses it."""
+
+    def __init__(self, values=None):
+        self.values = dict(values or {})
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        return self.values[key]
+
+
+@pytest.mark.parametrize("me, verdicts, settled, expected", [
+    # Process 0's save only waited at a barrier, process 1 has not heard of its own failure yet: hold it.
+    (0, [[0, 0, 1], [0, 0, 0]], False, "not yet"),
+    (1, [[0, 0, 1], [0, 0, 0]], False, None),
+    # Every save has ended (settled): a wait is final, and the one that waited reports it.
+    (0, [[0, 0, 1], [0, 0, 0]], True, "own"),
+    (1, [[0, 0, 1], [0, 0, 0]], True, "process 0 of 2 stopped the run at step 7: theirs"),
+    # Process 1 failed for a cause of its own: both report it.
+    (0, [[0, 0, 1], [0, 1, 1]], False, "process 1 of 2 stopped the run at step 7: theirs"),
+    (1, [[0, 0, 1], [0, 1, 1]], False, "own"),
+    # A signal that reached process 1 only stops both.
+    (0, [[0, 0, 0], [15, 0, 0]], False, 15),
+])
+def test_the_processes_report_the_failure_that_caused_the_others(monkeypatch, me, verdicts, settled, expected):
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from ushard.errors import UserError
+    from ushard.training import processes
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: me)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.array(verdicts, np.int32))
+    other = 1 - me
+    monkeypatch.setattr(processes, "_client", lambda: _Client({f"ushard/failure/{other}/7": "theirs"}))
+    own_row = verdicts[me]
+    failure = None
+    if own_row[2]:
+        failure = UserError("own")
+        failure.waited_only = not own_row[1]
+    if expected == "not yet":
+        with pytest.raises(processes.NotYet) as held:
+            processes.agree(7, None, failure, 1.0, settled)
+        assert held.value.failure is failure
+    elif isinstance(expected, str):
+        with pytest.raises(UserError, match=f"^{expected}$"):
+            processes.agree(7, None, failure, 1.0, settled)
+    else:
+        assert processes.agree(7, None, failure, 1.0, settled) == expected

@@ -128,6 +128,7 @@ class Trainer:
         self.checkpoints = Checkpoints(workdir, ck.keep, ck.async_save,
                                        barrier_timeout_s=t.process_timeout_s) if workdir else None
         self.skip_positions: set[int] = set()  # data positions whose batch made the loss non-finite (rollback)
+        self._held_failure = None  # a failed save waiting for the other processes' verdict (processes.NotYet)
 
     # ------------------------------------------------------------------ batches
 
@@ -308,14 +309,20 @@ class Trainer:
         """Waits for the save in flight; raises what failed in it on any process (`_agree`), so that
         every process reports the one whose failure is the cause, where the others only waited for it."""
         if self.checkpoints:
-            self._agree(step, None, self.checkpoints.finished())
+            self._agree(step, None, self._held_failure or self.checkpoints.finished(), settled=True)
 
-    def _agree(self, step: int, signum: int | None, failure: UserError | None = None) -> int | None:
+    def _agree(self, step: int, signum: int | None, failure: UserError | None = None,
+               settled: bool = False) -> int | None:
         """The signal every process acts on at `step` (None: none), after raising what failed on any
         process: this one's metrics `failure`, a background save that failed (processes.agree)."""
         if failure is None and self.checkpoints:
-            failure = self.checkpoints.failure()
-        return processes.agree(step, signum, failure, self.config.train.process_timeout_s)
+            failure = self._held_failure or self.checkpoints.failure()
+        self._held_failure = None
+        try:
+            return processes.agree(step, signum, failure, self.config.train.process_timeout_s, settled)
+        except processes.NotYet as e:
+            self._held_failure = e.failure
+            return e.signum
 
     def _count_nonfinite(self, fetched, row: NonfiniteRow, last: bool) -> None:
         """Stops the run (UserError) once train.max_nonfinite_steps non-finite steps came in a row under

@@ -34,11 +34,13 @@ def _client():
     return distributed.global_state.client
 
 
-def agree(step: int, signum: int | None, failure: UserError | None, timeout_s: float) -> int | None:
+def agree(step: int, signum: int | None, failure: UserError | None, timeout_s: float,
+          settled: bool = False) -> int | None:
     """Every process's verdict at `step`, which every process must call at the same step. Raises what
     failed: this process's `failure`, or another's, named, with its own sentence, where this one only
     waited for it (a checkpoint barrier that timed out, `failure.waited_only`); else returns the first
-    signal number any process received (None: none)."""
+    signal number any process received (None: none). `settled`: every process has waited for its save
+    to end, so a failure that only waited is final (else `NotYet` may ask to hold it)."""
     if jax.process_count() == 1:
         if failure is not None:
             raise failure
@@ -50,6 +52,14 @@ def agree(step: int, signum: int | None, failure: UserError | None, timeout_s: f
     waited = failure is not None and getattr(failure, "waited_only", False)
     verdicts = multihost_utils.process_allgather(
         np.array([signum or 0, failure is not None and not waited, failure is not None], np.int32))
+    signals = verdicts[:, 0][verdicts[:, 0] > 0]
+    first_signal = int(signals[0]) if signals.size else None
+    if not settled and not verdicts[:, 1].any() and 0 < verdicts[:, 2].sum() < len(verdicts):
+        # Only waits have failed so far: the process that caused them has not heard of its own failure
+        # yet (its barrier times out a moment later). Ask again at the next agreement.
+        if failure is not None:
+            raise NotYet(failure, first_signal)
+        return first_signal
     causes = np.flatnonzero(verdicts[:, 1]) if verdicts[:, 1].any() else np.flatnonzero(verdicts[:, 2])
     if failure is not None and (not waited or jax.process_index() == causes[0]):
         raise failure
@@ -61,8 +71,16 @@ def agree(step: int, signum: int | None, failure: UserError | None, timeout_s: f
         except Exception:  # noqa: BLE001 (gone before it said why: the gather says that much)
             theirs = "it did not say why"
         raise UserError(f"process {first} of {jax.process_count()} stopped the run at step {step}: {theirs}")
-    signals = verdicts[:, 0][verdicts[:, 0] > 0]
-    return int(signals[0]) if signals.size else None
+    return first_signal
+
+
+class NotYet(Exception):
+    """`agree` when this process's failure only waited for others that have not failed yet: hold
+    `failure` and offer it at the next agreement; `signum` is what the processes agreed on meanwhile."""
+
+    def __init__(self, failure: UserError, signum: int | None):
+        super().__init__(str(failure))
+        self.failure, self.signum = failure, signum
 
 
 class Watchdog:
