@@ -166,6 +166,7 @@ def test_sigterm_stops_both_processes_at_one_step_with_a_checkpoint(tmp_path, un
     resume_matches(tmp_path, uninterrupted)
 
 
+@pytest.mark.slow  # the suite's time
 def test_a_killed_process_stops_the_other_with_a_sentence_naming_it(tmp_path, uninterrupted):
     procs = start(tmp_path)
     wait_for_step(tmp_path, 55, procs)  # past the checkpoint at step 50
