@@ -139,7 +139,7 @@ def test_every_piece_once_per_epoch_and_reshuffled():
     stream = _stream_of(pieces, shuffled(len(pieces), seed=3))
     by_content = {p.astype(np.uint16).tobytes(): i for i, p in enumerate(pieces)}
     assert len(by_content) == len(pieces)  # the pieces themselves are all distinct here
-    tokens, first = stream.read(0, 2 * stream.epoch_tokens)
+    tokens, first, _ = stream.read(0, 2 * stream.epoch_tokens)
     cuts = list(np.flatnonzero(first)) + [len(tokens)]
     order = [by_content[tokens[a:b].tobytes()] for a, b in zip(cuts[:-1], cuts[1:])]  # each cut is a whole piece
     epochs = order[: len(pieces)], order[len(pieces):]
@@ -402,7 +402,7 @@ def test_text_source(tmp_path):
     for stream, held in ((b.train, False), (b.held_out, True)):
         mine = [np.append(tok.encode(c), tok.eos_id).astype(np.uint16) for n, c in docs
                 if (piece_score(n, 0) < 0.3) == held]
-        tokens, _ = stream.read(0, stream.epoch_tokens)
+        tokens, _, _ = stream.read(0, stream.epoch_tokens)
         assert sorted(t.tobytes() for t in mine) == sorted(  # the same documents, in some order
             tokens[a:b].tobytes() for a, b in _piece_bounds(stream))
     state = b.advance(b.initial_state(), 4)
@@ -412,7 +412,7 @@ def test_text_source(tmp_path):
 
 
 def _piece_bounds(stream):
-    _, first = stream.read(0, stream.epoch_tokens)
+    _, first, _ = stream.read(0, stream.epoch_tokens)
     cuts = list(np.flatnonzero(first)) + [stream.epoch_tokens]
     return list(zip(cuts[:-1], cuts[1:]))
 

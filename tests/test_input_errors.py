@@ -58,7 +58,7 @@ def test_config_file_returning_a_config_still_loads(tmp_path):
     ("train.step=5",
      "unknown config key 'train.step': train has no 'step' (did you mean 'steps'?); valid keys there: "),
     ("modle.d_model=3", "unknown config key 'modle.d_model': the config has no 'modle' (did you mean 'model'?); "
-                        "valid keys there: checkpoint, data, mesh, model, parallel, train."),
+                        "valid keys there: checkpoint, data, mesh, metrics, model, parallel, train."),
     ("model.remmat=full", "model has no 'remmat' (did you mean 'remat'?); valid keys there: attention_impl, "),
 ])
 def test_near_miss_key_suggests_the_close_one(override, expected):

@@ -144,7 +144,7 @@ def test_aux_terms_join_the_loss_token_weighted_and_are_reported(stdlib_batches)
     model.apply = apply_with_penalty
     try:
         _, metrics = jax.jit(setup.steps._train_step)(state, batch)
-        loss, aux, grads = jax.jit(setup.steps._mean_loss_and_grads)(state.params, batch)
+        loss, aux, grads, _ = jax.jit(setup.steps._mean_loss_and_grads)(state.params, batch)
     finally:
         del model.apply  # back to the class's method (the definition is shared by a cache)
 

@@ -24,6 +24,7 @@ GROUPS = {
     "mesh": "Device mesh axis sizes; the product of all sizes is the device count (README, Parallelism).",
     "parallel": "How the parallelisms run (ZeRO stage, pipeline schedule, context parallelism).",
     "data": "Documents, the tokenizer and the token stream the batches are cut from (README, Data).",
+    "metrics": "Where the rows of `WORKDIR/metrics.jsonl` go besides it and TensorBoard (docs/finetuning.md).",
 }
 
 _DCN = ("how many slices / hosts `mesh.{axis}` spans (multi-slice TPU, multi-node GPU): that many "
@@ -144,7 +145,9 @@ DESCRIPTIONS = {
     "parallel.pipeline_repeats": "circular schedule: chunks of layers (virtual stages) per device",
     # data
     "data.source": "`stdlib` (the Python standard library's .py files), `text` (a file per document), `jsonl`, "
-                   "`parquet` (a row per document) or `tokens` (.npy files of token ids, documents ending in EOS)",
+                   "`parquet` (a row per document), `tokens` (.npy files of token ids, documents ending in EOS) "
+                   "or `chat` (JSONL conversations, `{\"messages\": [{\"role\", \"content\"}, ...]}`: "
+                   "docs/finetuning.md)",
     "data.paths": "a glob of data files, or several separated by commas (each one component of data.weights)",
     "data.jsonl_field": "jsonl: the field of each record that holds the text",
     "data.parquet_column": "parquet: the string column that holds the text (null rows are skipped)",
@@ -154,6 +157,18 @@ DESCRIPTIONS = {
     "data.eval_fraction": "share of the pieces of documents held out for the eval loss",
     "data.chunk_tokens": "documents are cut into pieces of at most this many tokens; 0: 2 * (seq_len + 1)",
     "data.restart": "on resume, start a fresh data order if the checkpoint's cannot be continued",
+    "data.train_on": "fine-tuning examples (`chat`, or records with `data.prompt_field`): `assistant` counts only "
+                     "the assistant turns (each with its end token) or the completion in the loss; `all` counts "
+                     "every token",
+    "data.prompt_field": "jsonl / parquet: the field (column) of a prompt; set with `data.completion_field`, each "
+                         "record is one example packed whole, the loss on the completion",
+    "data.completion_field": "jsonl / parquet: the field (column) of the completion that follows "
+                             "`data.prompt_field`'s prompt",
+    # metrics
+    "metrics.wandb": "also log every row of metrics.jsonl and the config to Weights & Biases (the `wandb` "
+                     "extra), from process 0, into one W&B run per workdir (resumed after a restart)",
+    "metrics.wandb_project": "the W&B project",
+    "metrics.wandb_name": "the W&B run's display name; empty: the workdir's name",
 }
 
 

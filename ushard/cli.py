@@ -1,5 +1,8 @@
 """`ushard train --config NAME_OR_PATH [--config.a.b=value ...] [--workdir DIR]`,
 `ushard sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]`,
+`ushard eval (--workdir DIR | --hf PATH) [--config.data.a=value ...] [--batches N]` (perplexity) or
+`ushard eval (--workdir DIR | --hf PATH) --tasks NAME[,NAME] [--include_path DIR] [--num_fewshot K] [--limit N]`
+(lm-evaluation-harness),
 `ushard convert --from-hf DIR --to WORKDIR`, `ushard convert --from WORKDIR --to-hf DIR [--dtype D]` and
 `ushard compile --config NAME_OR_PATH [--config.a.b=value ...] --topology v5p:4x4x4 [--num_slices N]`.
 
@@ -9,6 +12,7 @@ A user's mistake (`UserError`) ends with one sentence on stderr and exit status 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -58,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--top_k", type=int, default=40,
                         help="sample among the k likeliest tokens; 0: all (default: 40)")
     sample.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default: 0)")
+    _add_eval_parser(sub)
     convert = sub.add_parser(
         "convert", help="convert between Hugging Face checkpoints and ushard workdirs",
         description="--from-hf DIR --to WORKDIR: a Hugging Face checkpoint (config.json + safetensors) into a "
@@ -85,6 +90,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_eval_parser(sub) -> None:
+    evaluate = sub.add_parser(
+        "eval", help="score a trained model: perplexity on data, or lm-evaluation-harness tasks",
+        description="Without --tasks: the mean loss and perplexity on the run's held-out split (the batches its "
+                    "eval_loss was logged on), or on the data --config.data.* overrides name. With --tasks: "
+                    "lm-evaluation-harness tasks (needs the eval extra).",
+    )
+    source = evaluate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workdir", help="a training run's directory: the model in its newest checkpoint")
+    source.add_argument("--hf", metavar="PATH", help="a Hugging Face checkpoint directory (config.json + safetensors)")
+    evaluate.add_argument("--batches", type=int, metavar="N",
+                          help="perplexity: eval batches of train.batch_size rows (default: train.eval_batches)")
+    evaluate.add_argument("--seq_len", type=int, metavar="N",
+                          help="tokens per row (default: the run's train.seq_len; --hf: up to 2048)")
+    evaluate.add_argument("--batch_size", type=int, metavar="ROWS",
+                          help="rows per forward pass (default: 8, rounded up to a multiple of --devices)")
+    evaluate.add_argument("--devices", type=int, default=1, metavar="N",
+                          help="split the model over the first N devices (default: 1)")
+    evaluate.add_argument("--tasks", metavar="NAME[,NAME]", help="lm-eval task names, separated by commas")
+    evaluate.add_argument("--include_path", metavar="DIR", help="--tasks: a directory of your own task YAML files")
+    evaluate.add_argument("--num_fewshot", type=int, metavar="K", help="--tasks: examples shown before each question")
+    evaluate.add_argument("--limit", type=float, metavar="N",
+                          help="--tasks: at most this many examples per task (below 1: a fraction of them)")
+    evaluate.add_argument("--output", metavar="PATH",
+                          help="--tasks: write lm-eval's results, with every example's requests and scores, as JSON")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def _cluster_launched() -> bool:
@@ -160,6 +191,58 @@ def compile_step(args, overrides) -> None:
     print(aot.summary(aot.compile_train_step(setup)))
 
 
+def evaluate(args, overrides) -> None:
+    import jax
+
+    if not 1 <= args.devices <= jax.device_count():
+        raise UserError(f"--devices={args.devices} must be between 1 and the {jax.device_count()} devices here.")
+    devices = jax.devices()[:args.devices]
+    if args.tasks:
+        benchmarks(args, overrides, devices)
+        return
+    for flag in ("include_path", "num_fewshot", "limit", "output"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"--{flag} applies to lm-eval tasks; name them with --tasks NAME[,NAME].")
+    from ushard import evaluate as evaluation
+
+    setup = evaluation.load(args.workdir, args.hf, overrides, args.seq_len, devices, log=_to_stderr)
+    result = evaluation.perplexity(setup, args.batches, args.batch_size, log=_to_stderr)
+    print(json.dumps(result.as_dict()) if args.json else result.describe())
+
+
+def benchmarks(args, overrides, devices) -> None:
+    """`ushard eval --tasks`: lm-evaluation-harness tasks on the model."""
+    if args.batches is not None:
+        raise UserError("--batches applies to perplexity, not to --tasks (see --limit).")
+    for item in overrides:
+        if not item.removeprefix("--config.").startswith("data.tokenizer="):
+            raise UserError(f"with --tasks the only override is --config.data.tokenizer (the tasks bring their "
+                            f"own text), not --config.{item}.")
+    try:
+        from ushard import lm_eval_adapter
+    except ImportError as e:
+        if e.name is None or not e.name.startswith("lm_eval"):
+            raise
+        raise UserError("--tasks needs lm-evaluation-harness; pip install 'ushard[eval]'.") from None
+    from ushard import evaluate as evaluation
+
+    tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    manager = lm_eval_adapter.task_manager(tasks, args.include_path)  # a misspelt task fails before the model loads
+    setup = evaluation.load(args.workdir, args.hf, overrides, args.seq_len, devices, need_data=False,
+                            log=_to_stderr)
+    results = lm_eval_adapter.run_tasks(setup.trained, setup.config.data.tokenizer, setup.seq_len, tasks, manager,
+                                        args.num_fewshot, args.limit, args.output, args.batch_size)
+    if args.json:
+        print(json.dumps({key: results[key] for key in ("results", "groups") if results.get(key)},
+                         default=lm_eval_adapter.plain))
+    else:
+        print(lm_eval_adapter.results_table(results).rstrip("\n"))
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -176,6 +259,8 @@ def main(argv=None) -> int:
             from ushard.sample import sample
 
             sample(args.workdir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+        elif args.command == "eval":
+            evaluate(args, overrides)
         elif args.command == "convert":
             if overrides:
                 raise UserError(f"convert takes no --config overrides (--config.{overrides[0]}); the model's "

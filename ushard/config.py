@@ -28,7 +28,8 @@ from ushard.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 SCHEDULES = ("cosine", "linear", "constant")
 NONFINITE_POLICIES = ("skip", "rollback", "stop")
-DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "tokens")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "tokens", "chat")
+TRAIN_ON = ("assistant", "all")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -116,7 +117,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.pipeline_head = "auto"
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "stdlib"  # stdlib | text | jsonl | parquet | tokens (.npy files of token ids)
+    # stdlib | text | jsonl | parquet | tokens (.npy files of token ids) | chat (JSONL conversations)
+    c.data.source = "stdlib"
     c.data.paths = ""  # a glob, or several separated by commas
     c.data.jsonl_field = "text"
     c.data.parquet_column = "text"
@@ -127,6 +129,20 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.eval_fraction = 0.02  # share of the tokens (by pieces of documents) held out for eval loss
     c.data.chunk_tokens = 0  # documents are cut into pieces of at most this many tokens; 0: 2 * (seq_len + 1)
     c.data.restart = False  # on resume, start a fresh data order if the checkpoint's cannot be continued
+    # Fine-tuning data (chat, or jsonl / parquet with both fields below): "assistant" counts only the
+    # tokens a model should learn to write (assistant turns, completions) in the loss; "all" counts all.
+    c.data.train_on = "assistant"
+    # jsonl / parquet: a prompt and a completion per record (fields, or columns), packed whole, the
+    # loss on the completion only. "": records are plain text (data.jsonl_field, data.parquet_column).
+    c.data.prompt_field = ""
+    c.data.completion_field = ""
+
+    c.metrics = ml_collections.ConfigDict()
+    # Weights & Biases (the `wandb` extra): every row of metrics.jsonl and the config, from process 0,
+    # into one W&B run per workdir (resumed after a restart). WANDB_MODE=offline works without a login.
+    c.metrics.wandb = False
+    c.metrics.wandb_project = "ushard"
+    c.metrics.wandb_name = ""  # the run's display name; "": the workdir's name
 
     c.lock()
     return c
@@ -371,7 +387,7 @@ def check_settings(config) -> ModelConfig:
     _positive(config.checkpoint.every, "checkpoint.every", allow_zero=True)
     _positive(config.checkpoint.keep, "checkpoint.keep")
     for key, valid in (("train.schedule", SCHEDULES), ("train.on_nonfinite", NONFINITE_POLICIES),
-                       ("data.source", DATA_SOURCES),
+                       ("data.source", DATA_SOURCES), ("data.train_on", TRAIN_ON),
                        ("parallel.zero_stage", (0, 1, 2, 3)), ("parallel.context_parallel", context.MODES),
                        ("parallel.pipeline_schedule", PIPELINE_SCHEDULES), ("parallel.pipeline_head", PIPELINE_HEADS)):
         group, name = key.split(".")
@@ -393,10 +409,25 @@ def check_settings(config) -> ModelConfig:
     if d.source != "stdlib" and not d.paths:
         raise UserError(f"data.source={d.source!r} needs data.paths, a glob of files to read.")
     mixture_weights(d)
+    _check_fine_tuning_data(d)
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
                         f"use a multiple of {t.grad_accum}.")
     return model_cfg
+
+
+def _check_fine_tuning_data(d) -> None:
+    """The prompt / completion fields and the chat source against the other data settings."""
+    pair = (d.prompt_field, d.completion_field)
+    if any(pair) and not all(pair):
+        raise UserError(f"data.prompt_field={d.prompt_field!r} and data.completion_field={d.completion_field!r} go "
+                        f"together: set both (a prompt and a completion per record) or neither.")
+    if any(pair) and d.source not in ("jsonl", "parquet"):
+        raise UserError(f"data.prompt_field and data.completion_field name fields of jsonl or parquet records, but "
+                        f"data.source={d.source!r}; use data.source='chat' for conversations.")
+    if (d.source == "chat" or any(pair)) and d.chunk_tokens:
+        raise UserError(f"data.chunk_tokens={d.chunk_tokens} cuts documents into pieces, but fine-tuning examples "
+                        f"are packed whole; leave it 0.")
 
 
 def check_mesh(config, num_devices: int) -> dict[str, int]:

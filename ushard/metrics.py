@@ -67,11 +67,14 @@ class MetricsWriter:
     history: records with step > S, logged by an earlier run after its last checkpoint, are dropped
     from metrics.jsonl, and TensorBoard is told to hide its events with step > S. Without it the
     writer appends as it finds the file. Only process 0 writes; on the others every method is a no-op.
+    `tracker` (ushard/tracking.py, W&B) gets every record too, stays open across `rewind` and is
+    closed by `close`; it never raises.
     """
 
-    def __init__(self, workdir: str | None, resume_step: int | None = None):
+    def __init__(self, workdir: str | None, resume_step: int | None = None, tracker=None):
         self.enabled = workdir is not None and jax.process_index() == 0
         self._jsonl = self._tb = None
+        self._tracker = tracker
         if self.enabled:
             os.makedirs(workdir, exist_ok=True)
             self.path = os.path.join(workdir, "metrics.jsonl")
@@ -102,9 +105,10 @@ class MetricsWriter:
     def rewind(self, step: int) -> None:
         """Forgets what was written after `step`: for a run rolled back to the checkpoint at `step`."""
         if self.enabled:
-            self.close()
+            self._close_files()
             self._open(step)
-            self.enabled = True
+            if self._tracker:
+                self._tracker.rewind(step)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -114,6 +118,8 @@ class MetricsWriter:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, record["step"])
+            if self._tracker:
+                self._tracker.log(record)
         except OSError as e:
             self.enabled = False  # nothing more is written, and close() only lets go of the files
             self._let_go()
@@ -122,14 +128,23 @@ class MetricsWriter:
                             f"run the same command to resume from the last checkpoint.") from None
 
     def close(self) -> None:
-        if self.enabled:
+        try:
+            if self.enabled:
+                self.enabled = False
+                self._close_files()
+        finally:  # the tracker too after a failed write: it still has a run to finish
+            tracker, self._tracker = self._tracker, None
+            if tracker:
+                tracker.close()
+
+    def _close_files(self) -> None:
+        try:
+            self._jsonl.close()
+            self._tb.close()
+        except OSError as e:
             self.enabled = False
-            try:
-                self._jsonl.close()
-                self._tb.close()
-            except OSError as e:
-                self._let_go()
-                raise UserError(f"could not finish writing the metrics to {self.path} ({e.strerror or e}).") from None
+            self._let_go()
+            raise UserError(f"could not finish writing the metrics to {self.path} ({e.strerror or e}).") from None
 
     def _let_go(self) -> None:
         """Closes both files after a failed write, ignoring what they cannot flush (the disk is full)."""

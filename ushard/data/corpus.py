@@ -27,7 +27,8 @@ import zlib
 
 import numpy as np
 
-from ushard.data.sources import component_documents, glob_files, path_patterns
+from ushard.data.chat import FitCounts, chat_template, fit_window, prompt_completion
+from ushard.data.sources import component_documents, glob_files, packs_whole, path_patterns
 from ushard.data.tokenizer import get_tokenizer, token_dtype
 from ushard.errors import UserError
 
@@ -42,6 +43,14 @@ class Corpus:
     settings: dict  # the data settings that decided all of it, and eval_fraction
     components: np.ndarray | None = None  # each document's glob in data.paths; None: all the first
     weights: tuple = ()  # the mixture's weight of each component; (): no reweighting
+    # Fine-tuning examples (chat.py): each document at most a window long, packed whole, and which
+    # tokens count in the loss; None: plain documents, every token counts.
+    counted: np.ndarray | None = None
+    summary: str = ""  # what making the examples did (cut, skipped), for the run's first lines
+
+    @property
+    def whole(self) -> bool:
+        return self.counted is not None
 
     @functools.cached_property
     def checksum(self) -> int:
@@ -49,6 +58,8 @@ class Corpus:
         crc = 0
         for part in getattr(self.tokens, "parts", [self.tokens]):  # a file at a time, nothing copied
             crc = zlib.crc32(np.ascontiguousarray(part), crc)
+        if self.counted is not None:
+            crc = zlib.crc32(np.ascontiguousarray(self.counted), crc)
         return zlib.crc32(self.doc_lengths.astype("<i8").tobytes(), crc)
 
     @functools.cached_property
@@ -180,16 +191,23 @@ def mixture_repeats(components: np.ndarray, lengths: np.ndarray, scores: np.ndar
     return (np.floor(factor)[components] + (rank < extra[components])).astype(np.int64)
 
 
-def load_corpus(data_cfg) -> Corpus:
+def load_corpus(data_cfg, window: int | None = None) -> Corpus:
+    """The corpus of the data settings; fine-tuning examples are fitted to `window` tokens (seq_len + 1)."""
     tokenizer = get_tokenizer(data_cfg.tokenizer)
+    settings, weights = corpus_settings(data_cfg, window), mixture_weights(data_cfg)
+    if packs_whole(data_cfg):
+        if window is None:
+            raise ValueError("fine-tuning examples are fitted to a window: pass seq_len + 1")
+        tokens, counted, names, doc_lengths, components, summary = tokenize_examples(data_cfg, tokenizer, window)
+        return Corpus(tokens, names, doc_lengths, settings, components, weights, counted, summary)
     if data_cfg.source == "tokens":
         tokens, names, doc_lengths, components = read_token_files(data_cfg.paths, tokenizer)
     else:
         tokens, names, doc_lengths, components = tokenize_documents(data_cfg, tokenizer)
-    return Corpus(tokens, names, doc_lengths, corpus_settings(data_cfg), components, mixture_weights(data_cfg))
+    return Corpus(tokens, names, doc_lengths, settings, components, weights)
 
 
-def corpus_settings(data_cfg) -> dict:
+def corpus_settings(data_cfg, window: int | None) -> dict:
     """The data settings that decide the corpus (its fingerprint). Settings newer than a checkpoint are
     present only where they apply, so an older checkpoint's fingerprint still matches."""
     settings = {
@@ -203,6 +221,10 @@ def corpus_settings(data_cfg) -> dict:
         settings["parquet_column"] = data_cfg.parquet_column
     if data_cfg.weights.strip():
         settings["weights"] = data_cfg.weights
+    if packs_whole(data_cfg):  # the examples are fitted to the window, and the mask is chosen
+        settings.update(seq_len=window - 1, train_on=data_cfg.train_on, jsonl_field=None)
+        if data_cfg.source != "chat":
+            settings.update(prompt_field=data_cfg.prompt_field, completion_field=data_cfg.completion_field)
     return settings
 
 
@@ -218,6 +240,31 @@ def tokenize_documents(data_cfg, tokenizer):
         components.append(component)
     tokens = np.concatenate(parts) if parts else eos[:0]
     return tokens, names, np.array(doc_lengths, np.int64), np.array(components, np.int64)
+
+
+def tokenize_examples(data_cfg, tokenizer, window: int):
+    """(tokens, counted, names, document lengths, components, summary) of fine-tuning examples, each
+    fitted to `window` tokens (chat.py); examples with nothing left to count are left out."""
+    chat = data_cfg.source == "chat"
+    template = chat_template(tokenizer) if chat else None
+    what = "conversations" if chat else "prompt / completion records"
+    counts, all_count = FitCounts(), data_cfg.train_on == "all"
+    names, parts, masks, doc_lengths, components = [], [], [], [], []
+    for component, name, content in component_documents(data_cfg):
+        example = template.example(content, name) if chat else prompt_completion(tokenizer, *content)
+        example = fit_window(example, window, all_count, counts)
+        if example is None:
+            continue
+        names.append(name)
+        parts.append(example.tokens)
+        masks.append(example.counted)
+        doc_lengths.append(len(example.tokens))
+        components.append(component)
+    if not names:
+        raise UserError(f"data.paths={data_cfg.paths!r} holds no usable {what}: {counts.describe(what)}; give "
+                        f"files with at least one {'assistant turn' if chat else 'completion'} each.")
+    return (np.concatenate(parts), np.concatenate(masks), names, np.array(doc_lengths, np.int64),
+            np.array(components, np.int64), counts.describe(what))
 
 
 # --------------------------------------------------------------------------- pre-tokenized token files
@@ -299,6 +346,11 @@ def document_ends(tokens: np.ndarray, tokenizer, path: str) -> np.ndarray:
 def require_window(pieces: Pieces, window: int) -> None:
     """Both splits must hold at least one window of train.seq_len + 1 tokens; say what fits if not."""
     total, source = len(pieces.corpus.tokens), pieces.corpus.settings["source"]
+    if pieces.corpus.whole:  # whole examples, padded: any one fills a window
+        if len(pieces.lengths) < 2:
+            raise UserError(f"data.source={source!r} holds one usable example; at least two are needed, one "
+                            f"held out for the eval loss; add data.")
+        return
     if len(pieces.lengths) < 2:  # one document, no longer than a piece
         fit = (total - 1) // 2 - 1  # the longest seq_len whose automatic pieces cut it in two, each a window
         if fit < 1:

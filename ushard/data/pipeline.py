@@ -46,7 +46,7 @@ from __future__ import annotations
 import numpy as np
 
 from ushard.data.corpus import Corpus, load_corpus, require_window, splitmix64
-from ushard.data.packing import FIELDS, PackedStream, window_rows
+from ushard.data.packing import FIELDS, PackedStream, pack_whole, window_rows
 from ushard.errors import UserError
 
 __all__ = ["FIELDS", "Batches", "make_batches"]
@@ -54,9 +54,10 @@ __all__ = ["FIELDS", "Batches", "make_batches"]
 ORDER_VERSION = 2  # the old {"next_batch": N} states are version 1
 # The fingerprint entries a user sets, with the config key that sets each.
 SETTING_KEYS = {
-    "seed": "train.seed", "source": "data.source", "paths": "data.paths", "jsonl_field": "data.jsonl_field",
-    "tokenizer": "data.tokenizer", "eval_fraction": "data.eval_fraction", "chunk_tokens": "data.chunk_tokens",
-    "parquet_column": "data.parquet_column", "weights": "data.weights",
+    "seed": "train.seed", "seq_len": "train.seq_len", "source": "data.source", "paths": "data.paths",
+    "jsonl_field": "data.jsonl_field", "tokenizer": "data.tokenizer", "eval_fraction": "data.eval_fraction",
+    "chunk_tokens": "data.chunk_tokens", "parquet_column": "data.parquet_column", "weights": "data.weights",
+    "train_on": "data.train_on", "prompt_field": "data.prompt_field", "completion_field": "data.completion_field",
 }
 RESTART = "--config.data.restart=true starts a fresh data order from the beginning of the data"
 
@@ -89,8 +90,9 @@ class Batches:
         self.seq_len = seq_len
         self.window = seq_len + 1
         self.seed = seed
-        self.auto_chunk = chunk_tokens == 0  # then a resume may adopt the checkpoint's piece length
-        self._own_chunk = chunk_tokens or 2 * self.window
+        # Then a resume may adopt the checkpoint's piece length; fine-tuning examples are never cut.
+        self.auto_chunk = chunk_tokens == 0 and not corpus.whole
+        self._own_chunk = self.window if corpus.whole else chunk_tokens or 2 * self.window
         self._use(self._own_chunk)
 
     def _use(self, chunk: int) -> None:
@@ -99,10 +101,28 @@ class Batches:
         require_window(pieces, self.window)  # before anything changes: a refused chunk leaves the old one
         self.pieces = pieces
         train, held_out = pieces.training(), pieces.split(True)
-        self.train = PackedStream(self.corpus.tokens, *train, shuffled(len(train[0]), self.seed))
-        self.held_out = PackedStream(self.corpus.tokens, *held_out, in_source_order(len(held_out[0])))
+        if self.corpus.whole:
+            # Windows of whole examples; the padding's token id is never seen (a segment of its own,
+            # counted nowhere), 0 is as good as any.
+            corpus, seed = self.corpus, self.seed
+            self.train = pack_whole(corpus.tokens, corpus.counted, *train, self.window, 0,
+                                    lambda n: shuffled(n, seed))
+            self.held_out = pack_whole(corpus.tokens, corpus.counted, *held_out, self.window, 0, in_source_order)
+        else:
+            self.train = PackedStream(self.corpus.tokens, *train, shuffled(len(train[0]), self.seed))
+            self.held_out = PackedStream(self.corpus.tokens, *held_out, in_source_order(len(held_out[0])))
         self.order = {"version": ORDER_VERSION, "seed": self.seed, **self.corpus.settings, "chunk_tokens": chunk,
                       "train_tokens": self.train.epoch_tokens, "checksum": pieces.checksum()}
+
+    def summary(self) -> str:
+        """For fine-tuning examples, a line on what was made of them; "" otherwise."""
+        if not self.corpus.whole:
+            return ""
+        windows = self.train.epoch_tokens // self.window
+        padding = 1 - int(self.pieces.training()[1].sum()) / self.train.epoch_tokens
+        return (f"data: {self.corpus.summary}; packed whole into {windows:,} training windows of {self.window} "
+                f"tokens an epoch ({100 * padding:.0f}% padding), {self.held_out.epoch_tokens // self.window:,} "
+                f"held out")
 
     # ------------------------------------------------------------------ batches
 
@@ -173,4 +193,4 @@ def make_batches(data_cfg, seq_len: int, seed: int) -> Batches:
     if data_cfg.chunk_tokens < 0:
         raise UserError(f"data.chunk_tokens={data_cfg.chunk_tokens} must be a number of tokens, or 0 for "
                         f"2 * (train.seq_len + 1).")
-    return Batches(load_corpus(data_cfg), seq_len, seed, data_cfg.chunk_tokens)
+    return Batches(load_corpus(data_cfg, seq_len + 1), seq_len, seed, data_cfg.chunk_tokens)

@@ -81,6 +81,11 @@ class HFTokenizer:
             text = text.decode("utf-8", errors="replace")
         return np.array(self._tokenizer.encode(text, add_special_tokens=False).ids, self._dtype)
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and the character each token starts at (how a chat's turns are told apart)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return np.array(encoding.ids, self._dtype), np.array([start for start, _ in encoding.offsets], np.int64)
+
     def decode(self, tokens) -> str:
         return self._tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
 

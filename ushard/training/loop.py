@@ -19,6 +19,7 @@ import time
 import jax
 import numpy as np
 
+from ushard import tracking
 from ushard.build import build
 from ushard.checkpoint import Checkpoints
 from ushard.data import local_block, make_batches, place_batch
@@ -114,6 +115,7 @@ class Trainer:
     """One training run: `build(config)` (mesh, layout, model, steps) with data, checkpoints and the loop."""
 
     def __init__(self, config, workdir: str | None = None, devices=None, batches=None):
+        tracking.check(config, workdir)  # a missing W&B package or login stops the run before it builds
         self.config = config
         self.workdir = workdir
         self.setup = build(config, devices)
@@ -195,10 +197,13 @@ class Trainer:
                 return self.run(log, signals)
         t = self.config.train
         log(self.setup.describe())
+        if self.batches.summary():
+            log(self.batches.summary())
         state, data_state = self.initial_state(log)
         step = int(jax.device_get(state.step))
         signals.check(self._nothing_new(step))
-        writer = MetricsWriter(self.workdir, resume_step=step)  # drops what an earlier run logged after it
+        writer = MetricsWriter(self.workdir, resume_step=step,  # drops what an earlier run logged after it
+                               tracker=tracking.start(self.config, self.workdir, log))
         records, failed = [], True
         try:
             if step < t.steps:
@@ -380,6 +385,7 @@ class Trainer:
             "tflops_per_device": tflops,
             "mfu": tflops * 1e12 / self.peak if self.peak else None,
             "skipped_steps": int(metrics["skipped"]),
+            "loss_tokens": int(metrics["loss_tokens"]),  # the targets the loss counted (all but masked ones)
         }
 
 

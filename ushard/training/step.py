@@ -166,19 +166,19 @@ class Steps:
         return sums, grads
 
     def _mean_loss_and_grads(self, params, batch):
-        """(mean loss, mean aux terms, mean gradients) over the global batch's target tokens."""
+        """(mean loss, mean aux terms, mean gradients, target tokens counted) over the global batch."""
         with self._tracing(batch) as batch:
             (loss, count, weighted_aux), grads = self._grad_sums(params, batch)
-            count = jnp.maximum(count, 1.0)
-            aux = {name: term / count for name, term in weighted_aux.items()}
-            return loss / count, aux, jax.tree.map(lambda g: g / count, grads)
+            divisor = jnp.maximum(count, 1.0)
+            aux = {name: term / divisor for name, term in weighted_aux.items()}
+            return loss / divisor, aux, jax.tree.map(lambda g: g / divisor, grads), count
 
     def _loss_and_grads(self, params, batch):
-        loss, _, grads = self._mean_loss_and_grads(params, batch)
+        loss, _, grads, _ = self._mean_loss_and_grads(params, batch)
         return loss, grads
 
     def _train_step(self, state: TrainState, batch):
-        loss, aux, grads_and_loads = self._mean_loss_and_grads(state.params, batch)
+        loss, aux, grads_and_loads, count = self._mean_loss_and_grads(state.params, batch)
         grads = self.model.without_expert_loads(grads_and_loads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
@@ -192,5 +192,5 @@ class Steps:
             opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
             skipped = skipped + (~finite).astype(jnp.int32)
         metrics = {"loss": loss, "aux": aux, "grad_norm": grad_norm, "lr": self.schedule(state.step),
-                   "finite": finite, "skipped": skipped}
+                   "finite": finite, "skipped": skipped, "loss_tokens": count}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, skipped=skipped), metrics
