@@ -50,6 +50,7 @@ def test_sharding_tour():
 
 def test_finetune_from_hf():
     pytest.importorskip("transformers")  # the `hf` extra
+    pytest.importorskip("lm_eval")  # the `eval` extra
     ns, printed = run_notebook("finetune_from_hf.ipynb")
     try:
         assert "'model.safetensors', 'tokenizer.json'" in printed[1]
@@ -59,6 +60,12 @@ def test_finetune_from_hf():
         assert np.abs(ns["ours"] - imported).max() > 1e-3
         losses = [row["loss"] for row in ns["rows"]]
         assert len(losses) == 6 and losses[-1] < losses[0] - 0.3
+        # chat fine-tuning: the assistant's tokens only, a minority of each batch's targets
+        assert "conversations used" in printed[4] and "training windows of 129 tokens" in printed[4]
+        assert all(0 < row["loss_tokens"] < 16 * 128 / 2 for row in ns["rows"])
+        # evaluation: perplexity on the held-out conversations, and the local lm-eval task
+        assert "perplexity" in printed[5] and "from the run's held-out split" in printed[5]
+        assert "|stdlib_modules|" in printed[5] and "|acc " in printed[5]
         assert "fine-tuned logits, ushard vs transformers: max relative difference" in printed[-1]
     finally:
         shutil.rmtree(ns["work"], ignore_errors=True)
