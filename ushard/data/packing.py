@@ -113,20 +113,30 @@ def row_fields(tokens: np.ndarray, starts: np.ndarray, counted: np.ndarray | Non
 
 def best_fit_windows(lengths: np.ndarray, window: int) -> list[list[int]]:
     """Pieces (by index) grouped into windows of `window` tokens: longest first, each into the window
-    it fills best (best-fit decreasing: rarely more than a few percent more windows than needed)."""
-    free: list[tuple[int, int]] = []  # (space left, window), sorted
+    it fills best (best-fit decreasing: rarely more than a few percent more windows than needed).
+    Windows are found by their space left, of which there are at most `window` values: a step costs
+    a search of those, whatever the number of pieces."""
+    spaces: list[int] = []  # the space left in some window, each value once, sorted
+    with_space: dict[int, list[int]] = {}  # space left -> the windows that have that much
     windows: list[list[int]] = []
     for piece in np.argsort(-np.asarray(lengths), kind="stable"):
         need = int(lengths[piece])
-        k = bisect.bisect_left(free, (need, -1))
-        if k < len(free):
-            space, w = free.pop(k)
+        k = bisect.bisect_left(spaces, need)
+        if k < len(spaces):
+            space = spaces[k]
+            w = with_space[space].pop()
+            if not with_space[space]:
+                del with_space[space], spaces[k]
         else:
             space, w = window, len(windows)
             windows.append([])
         windows[w].append(int(piece))
-        if space > need:
-            bisect.insort(free, (space - need, w))
+        left = space - need
+        if left:
+            if left not in with_space:
+                bisect.insort(spaces, left)
+                with_space[left] = []
+            with_space[left].append(w)
     return windows
 
 
