@@ -197,3 +197,23 @@ def test_under_vmap_the_sealed_kernel_runs_once_per_element():
     want = batched(jax.lax.ragged_dot)
     for name, a, b in zip(("value", "d_x", "d_w"), got, want):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_the_mosaic_forward_kernel_is_rebuilt_to_skip_idle_row_blocks():
+    """The installed JAX's `ragged_dot_mgpu` source takes the guard (kernels/grouped_matmul.py,
+    `_skip_idle_blocks`): the rebuilt module differs from JAX's by the guard and the block body's
+    indentation only. A JAX whose source no longer fits falls back to its own kernel, and this test
+    says so (the row buckets then come back into play)."""
+    import difflib
+    import inspect
+
+    module = gm._mosaic_module("ragged_dot_mgpu")
+    assert gm._skip_idle_blocks(module) is not None and gm._mosaic_ragged_dot()[1]
+    diff = list(difflib.ndiff(inspect.getsource(module).splitlines(), gm._skip_idle_source(module).splitlines()))
+    added = [line for line in diff if line.startswith("+ ")]
+    removed = [line for line in diff if line.startswith("- ")]
+    guard = [line for line in added if "pl.when(group_info.actual_size > 0)" in line or "def _rows_in_block" in line]
+    assert len(guard) == 2
+    # Every other change re-indents a line of the block body by two spaces.
+    assert sorted(line[2:].strip() for line in added if line not in guard) == \
+        sorted(line[2:].strip() for line in removed)

@@ -9,7 +9,8 @@ processes of one GPU each, joined by `jax.distributed`, as a cluster launcher ru
 process driving every GPU is the default). The last thing printed is one table: tokens/s, TFLOP/s per device,
 MFU against the chip's datasheet bf16 dense peak, and peak memory of the busiest device. FLOPs are counted as in
 ushard/metrics.py (6*N + causal attention), the same formula the peers use. For an MoE model the JSON result
-also holds the busiest expert's load over the mean load in the timed steps (`moe_busiest_expert_over_mean`).
+also holds the busiest expert's load over the mean load in the timed steps (`moe_busiest_expert_over_mean`),
+and with experts over devices (ragged dispatch) the busiest device's (`moe_busiest_device_over_mean`).
 With `--config.checkpoint.init_from=WORKDIR` the timed run starts from those parameters: for an MoE model, the
 routing of a trained router rather than of an initial one, which sends most tokens to a few experts.
 """
@@ -45,7 +46,7 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     sys.path.insert(0, os.path.dirname(HERE))
     from ushard import xla_flags
     from ushard.config import load_config
-    from ushard.models.moe import DISPATCH_OVERFLOW
+    from ushard.models.moe import BUSIEST_DEVICE, DISPATCH_OVERFLOW
     from ushard.training.loop import Trainer
 
     config = load_config(config_name, overrides)
@@ -68,10 +69,12 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     start = time.perf_counter()
     overflows = []  # each timed step's share of MoE layers whose ragged dispatch overflowed, read after
     loads = []  # and its busiest expert's load over the mean (mean over MoE layers)
+    device_loads = []  # and, experts over devices with the ragged dispatch, the busiest device's
     for s in range(warmup, warmup + steps):
         state, metrics = step_fn(state, batches[s])
         overflows.append(metrics["aux"].get(DISPATCH_OVERFLOW, 0.0))
         loads.append(metrics["aux"].get("moe_load_max_over_mean"))
+        device_loads.append(metrics["aux"].get(BUSIEST_DEVICE))
     jax.block_until_ready((state, metrics))
     step_time = (time.perf_counter() - start) / steps
     overflow = max(float(x) for x in overflows)
@@ -87,6 +90,8 @@ def run_ushard_once(config_name: str, overrides: list[str], steps: int, warmup: 
     extra = {}
     if loads[0] is not None:
         extra["moe_busiest_expert_over_mean"] = float(np.mean([float(x) for x in loads]))
+    if device_loads[0] is not None:
+        extra["moe_busiest_device_over_mean"] = float(np.mean([float(x) for x in device_loads]))
     if breakdown:
         grads_fn = trainer.steps.loss_and_grads.lower(state.params, batches[0]).compile()
         jax.block_until_ready(grads_fn(state.params, batches[0]))

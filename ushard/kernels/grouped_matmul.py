@@ -123,7 +123,8 @@ def grouped_matmul(x, w, group_sizes, impl: str = "xla", row_buckets: int = 1):
     """x [rows, k] (sorted by group) @ w[group] for each row's group -> [rows, n] (module docstring),
     by the resolved implementation `impl`. `row_buckets` > 1: the groups may fill far fewer rows than
     x has (a receive buffer), and the Pallas kernels run on the fewest of `row_buckets` evenly spaced
-    row counts that holds them (`_on_rows_in_use`)."""
+    row counts that holds them (`_on_rows_in_use`), unless they skip idle row blocks themselves
+    (`GroupedKernels.skips_idle_rows`: the Mosaic-GPU kernels)."""
     if impl == "xla":
         return jax.lax.ragged_dot(x, w, group_sizes)
     if impl in KERNELS:
@@ -136,7 +137,7 @@ def pallas_grouped_matmul(kernels: "GroupedKernels", x, w, group_sizes, row_buck
     # Operands typed alike, as JAX's own ops broadcast them (inside a `shard_map`), so that each
     # gradient the VJP returns has its operand's type.
     x, w, group_sizes = varying_alike(x, w, group_sizes)
-    return _with_vjp(kernels, row_buckets, x, w, group_sizes)
+    return _with_vjp(kernels, 1 if kernels.skips_idle_rows() else row_buckets, x, w, group_sizes)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,9 @@ class GroupedKernels:
     rows_grad: Callable
     weights_grad: Callable
     row_multiple: int = 1
+    # Whether `forward` and `rows_grad` cost nothing on row blocks past the groups (as
+    # `weights_grad`'s kernels do): then the row buckets are not needed, and one compile serves.
+    skips_idle_rows: Callable[[], bool] = lambda: False
 
 
 def _rows_in_groups(rows: int, group_sizes):
@@ -232,10 +236,66 @@ def _mosaic_module(name: str):
     return importlib.import_module(f"jax.experimental.pallas.ops.gpu.{name}")
 
 
+# JAX's `ragged_dot_mgpu` visits a fixed grid of row blocks (the rows it is given, plus one per group
+# boundary) and runs the whole K loop in every one, also in the blocks past the groups that store
+# nothing. In a ragged receive buffer most of those are idle (ushard/parallel/expert.py sizes it for
+# `dispatch_headroom` times an even load). `_skip_idle_blocks` is the same kernel with each block's work
+# under `pl.when(rows in the block > 0)`: the work follows the rows in use, with one compile, where
+# row buckets (`_on_rows_in_use`) need a compile per bucket and still round up to a bucket.
+_IDLE_ANCHOR = "group_info = GroupInfo.create("
+
+
+def _skip_idle_source(module) -> str | None:
+    """`module`'s source (JAX's ragged_dot_mgpu) with its block body under `pl.when(group_info.actual_size
+    > 0)`; None where the source does not have the expected shape."""
+    import inspect
+
+    try:
+        lines = inspect.getsource(module).splitlines()
+    except (OSError, TypeError):
+        return None
+    at = [i for i, line in enumerate(lines) if _IDLE_ANCHOR in line]
+    if len(at) != 1:
+        return None
+    i = at[0]
+    indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+    end = i + 1
+    while end < len(lines) and (not lines[end].strip() or lines[end].startswith(indent)):
+        end += 1
+    body = ["  " + line if line.strip() else line for line in lines[i + 1:end]]
+    guard = [f"{indent}@pl.when(group_info.actual_size > 0)", f"{indent}def _rows_in_block():"]
+    return "\n".join(lines[:i + 1] + guard + body + lines[end:]) + "\n"
+
+
+def _skip_idle_blocks(module):
+    """`_skip_idle_source`'s kernel as a new module; None where it does not apply."""
+    import types
+
+    source = _skip_idle_source(module)
+    if source is None:
+        return None
+    patched = types.ModuleType(module.__name__ + "_skip_idle")
+    patched.__file__ = getattr(module, "__file__", None)
+    try:
+        exec(compile(source, f"<{patched.__name__}>", "exec"), patched.__dict__)  # noqa: S102
+    except Exception:  # noqa: BLE001  (another JAX's source: keep its kernel as it is)
+        return None
+    return patched if callable(getattr(patched, "ragged_dot", None)) else None
+
+
+@functools.cache
+def _mosaic_ragged_dot():
+    """(ragged_dot, whether it skips idle row blocks): `_skip_idle_blocks`'s kernel where it applies,
+    else JAX's own."""
+    module = _mosaic_module("ragged_dot_mgpu")
+    patched = _skip_idle_blocks(module)
+    return (patched.ragged_dot, True) if patched is not None else (module.ragged_dot, False)
+
+
 def _mosaic_forward(x, w, group_sizes, transpose_rhs: bool = False):
     blocks = MOSAIC_BLOCKS[("rows_grad" if transpose_rhs else "forward", shape_class(w.shape[0]))]
-    return _mosaic_module("ragged_dot_mgpu").ragged_dot(x, w, group_sizes=group_sizes, transpose_rhs=transpose_rhs,
-                                                         **blocks.kwargs())
+    ragged_dot = _mosaic_ragged_dot()[0]
+    return ragged_dot(x, w, group_sizes=group_sizes, transpose_rhs=transpose_rhs, **blocks.kwargs())
 
 
 def _mosaic_weights_grad(x, d_y, group_sizes):
@@ -248,6 +308,7 @@ _MOSAIC = GroupedKernels(
     forward=_mosaic_forward,
     rows_grad=functools.partial(_mosaic_forward, transpose_rhs=True),
     weights_grad=_mosaic_weights_grad,
+    skips_idle_rows=lambda: _mosaic_ragged_dot()[1],
 )
 
 

@@ -31,7 +31,9 @@ metrics), the mean over MoE layers of max_e f_e / mean_e f_e ("moe_load_max_over
 balanced) and of the fraction of assignments dropped ("moe_dropped_fraction", 0 when dropless); with
 the ragged dispatch, the share of layers whose receive buffer (`dispatch_headroom` times an even load)
 could not hold a device's rows ("moe_dispatch_overflow": the layer's output is then NaN, and the
-training loop stops the run with a sentence before that step is saved).
+training loop stops the run with a sentence before that step is saved), and, with the experts over
+several devices, the busiest device's share of the routed rows over the mean share
+("moe_busiest_device_over_mean": what sets the pace of an expert-parallel step).
 
 Where the routed experts run (this device, or spread over the mesh with all-to-all dispatch) is
 decided by the layout's `seams.routed_experts` (ushard/parallel/expert.py, wired in by `build`),
@@ -57,6 +59,8 @@ from ushard.sharding import current_layout, sum_over_rows
 
 # The auxiliary figure that reports a ragged dispatch whose rows did not fit its receive buffer.
 DISPATCH_OVERFLOW = "moe_dispatch_overflow"
+# ...and, with the ragged dispatch over several devices, the busiest device's routed rows over the mean.
+BUSIEST_DEVICE = "moe_busiest_device_over_mean"
 
 
 class ExpertBias(nnx.Variable):
@@ -225,7 +229,8 @@ class MoE(nnx.Module):
                                                       capacity, moe.dispatch, moe.dispatch_headroom)
         if moe.num_shared_experts:
             y = y + self.shared(x)
-        return y, self._aux(logits, probs, experts, keep, bias, overflow)
+        groups = layout.size("experts") if layout is not None and moe.dispatch == "ragged" else 1
+        return y, self._aux(logits, probs, experts, keep, bias, overflow, groups)
 
     def _grouped_matmul(self, layout, dtype) -> str:
         """The grouped-matmul kernel: the run's plan's (`ParallelPlan.grouped_matmul`), or without a
@@ -237,7 +242,7 @@ class MoE(nnx.Module):
         return grouped_kernels.resolve(self.moe.grouped_matmul_impl, device.platform, dtype, features,
                                        device.device_kind)
 
-    def _aux(self, logits, probs, experts, keep, bias, overflow) -> dict:
+    def _aux(self, logits, probs, experts, keep, bias, overflow, groups: int = 1) -> dict:
         moe, per_layer = self.moe, 1.0 / self.moe_layers  # the stack sums over layers: figures as means
         share = assignment_shares(experts, moe.num_experts)
         aux = {
@@ -246,6 +251,9 @@ class MoE(nnx.Module):
         }
         if moe.dispatch == "ragged":  # the share of MoE layers whose ragged dispatch overflowed (module docstring)
             aux[DISPATCH_OVERFLOW] = jax.lax.stop_gradient(overflow) * per_layer
+        if groups > 1:  # experts over `groups` devices (in blocks, ushard/parallel/expert.py): the busiest's rows
+            device_share = jnp.sum(share.reshape(groups, -1), axis=1)
+            aux[BUSIEST_DEVICE] = jax.lax.stop_gradient(jnp.max(device_share) * groups) * per_layer
         if moe.bias_update_rate:
             aux["moe_load_max_over_mean"] += load_signal(bias, share)
         if moe.aux_loss_weight:

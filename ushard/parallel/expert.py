@@ -20,8 +20,12 @@ so every device holds tokens of its own; per device (and the same with no layout
   runs them for every sender, and a second brings the outputs back to the slots they came from.
   The capacity is the most one device can hold for one expert under the drop rule
   (ushard/models/moe.py): local rows x min(row capacity, local row length). Dropless, that is every
-  local token, so the result is exact (buffers E / top_k times the assignments);
-  `ragged_all_to_all`, which would move only what is used, does not run on CPU (not implemented).
+  local token, so the result is exact (buffers E / top_k times the assignments).
+- Dispatch "ragged", experts split: only the kept assignments travel (`_ragged`), into a receive
+  buffer of `dispatch_headroom` times an even load. They travel by `_padded_exchange`: one dense
+  `all_to_all` of a buffer per pair of devices, also `dispatch_headroom` times an even share (XLA's
+  `ragged_all_to_all` measured 19 times slower on 4 x H200, and has no CPU implementation:
+  `EXCHANGE`; on CPUs its stand-in built from all-gathers serves where it is asked for).
 
 The expert weights enter the map as they are stored (ZeRO-3: split over fsdp too) and are gathered
 inside it, in the compute dtype. `expert_fn`'s outputs are partial sums where `expert_mlp` is split
@@ -31,14 +35,20 @@ are summed over those axes.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from ushard.models import dispatch as local_dispatch
-from ushard.sharding import TOKEN_NAMES, current_layout, varying, varying_axes
+from ushard.sharding import TOKEN_NAMES, current_layout, varying, varying_alike, varying_axes
+
+# The name the "dots" remat policies keep (ushard/models/stack.py; models/moe.py tags the experts'
+# matmul outputs with it), given here also to the exchanged rows (`KEEP_EXCHANGED`).
+EXPERT_MATMUL = "expert_matmul"
 
 
 def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int,
@@ -69,7 +79,8 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
 
     ragged = dispatch == "ragged" and groups > 1
     cpu = layout.platform == "cpu"
-    exchange = _ragged_all_to_all_by_gather if cpu else jax.lax.ragged_all_to_all
+    # CPUs have no `ragged_all_to_all`: its stand-in there, when it is asked for.
+    exchange = _ragged_all_to_all_by_gather if cpu and EXCHANGE == "ragged" else EXCHANGES[EXCHANGE]
 
     def per_device(x, experts, gates, keep, weights):
         weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
@@ -114,8 +125,18 @@ def _gather(w, stored, compute):
 
 
 # The grouped matmul runs on the fewest of this many evenly spaced row counts of the receive buffer
-# that holds what arrived (ushard/kernels/grouped_matmul.py), not on every row of the buffer.
+# that holds what arrived (ushard/kernels/grouped_matmul.py), not on every row of the buffer. Kernels
+# that skip idle row blocks themselves (the Mosaic-GPU ones) ignore it: one compile, no rounding up.
 RECEIVE_BUCKETS = 8
+# Whether the backward pass keeps both exchanges' results (the rows received, the outputs sent back)
+# under the "dots" remat policies, tagged like the experts' matmul outputs. Otherwise the recomputed
+# forward runs both exchanges again: six a layer and step instead of four (bench_moe expert=4 on
+# 4 x H200: 314 TFLOP/s a GPU kept, 288 not, for 0.2 GiB more; docs/benchmarks.md).
+KEEP_EXCHANGED = True
+# How the ragged dispatch moves rows between devices off CPUs: "padded", a dense `all_to_all` of one
+# fixed buffer per pair of devices (`_padded_exchange`); or "ragged", XLA's `ragged_all_to_all`, which
+# moved 7 GB/s a device on 4 x H200 (JAX 0.11.2) against the dense all_to_all's 133 (docs/benchmarks.md).
+EXCHANGE = "padded"
 
 
 def receive_rows(assignments: int, groups: int, local_experts: int, k: int, headroom: float) -> int:
@@ -144,16 +165,27 @@ def _ragged(x, experts, gates, keep, weights, expert_fn, axes, groups: int, exch
     counts = jax.lax.all_gather(sizes, axes)  # [senders, experts]
     most = receive_rows(rows.shape[0], groups, local_experts, k, headroom)
     over = jnp.max(jnp.sum(counts.reshape(groups, groups, local_experts), axis=(0, 2))) > most
+    if getattr(exchange, "pair_capacity", False):  # a buffer per pair of devices: each must hold its rows
+        pair = pair_rows(rows.shape[0], groups, headroom)
+        over = over | (jnp.max(jnp.sum(counts.reshape(groups, groups, local_experts), axis=2)) > pair)
+        exchange = functools.partial(exchange, capacity=pair)
     plan = _ragged_plan(jnp.where(over, 0, counts), jax.lax.axis_index(axes), local_experts)
     # The result of `ragged_all_to_all` takes the type of its output buffer: zeros typed as differing
     # between devices like the rows, or JAX takes what each device received for the same on all of
     # them, and the transpose of its implicit broadcast sums the devices' gradients together.
     buffer = lambda shape: varying(jnp.zeros(shape, rows.dtype), varying_axes(rows))  # noqa: E731
-    received = exchange(rows, buffer((most, d)), *plan["there"], axis_name=axes)
+    kept = (lambda a: checkpoint_name(a, EXPERT_MATMUL)) if KEEP_EXCHANGED else (lambda a: a)  # noqa: E731
+    received = kept(exchange(rows, buffer((most, d)), *plan["there"], axis_name=axes))
     computed = expert_fn(weights, received, plan["group_sizes"], row_buckets=RECEIVE_BUCKETS)
-    out_sorted = exchange(computed, buffer(rows.shape), *plan["back"], axis_name=axes)
+    out_sorted = kept(exchange(computed, buffer(rows.shape), *plan["back"], axis_name=axes))
     y = local_dispatch.unsort_and_combine(out_sorted, order, inverse, gates, x)
     return jnp.where(over, jnp.asarray(jnp.nan, y.dtype), y), over.astype(jnp.float32)
+
+
+def pair_rows(assignments: int, groups: int, headroom: float) -> int:
+    """The rows one device may send another through `_padded_exchange`: `headroom` times an even share
+    of the `assignments` it sends, never more than all of them."""
+    return min(assignments, math.ceil(headroom * assignments / groups))
 
 
 def _ragged_plan(counts, me, local_experts: int) -> dict:
@@ -197,3 +229,88 @@ def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, out
     copied = operands[slice_of_row // per_device, source_row]
     written = jnp.any(inside, axis=0).reshape(-1, *(1,) * (output.ndim - 1))
     return jnp.where(written, copied, output)
+
+
+def _arriving(table, axis_name, per: int):
+    """[senders, per]: each device's entries of `table` (per device: `per` slices) for the slices it
+    sends this device."""
+    gathered = jax.lax.all_gather(table, axis_name)  # [senders, devices * per]
+    return jax.lax.dynamic_slice_in_dim(gathered, jax.lax.axis_index(axis_name) * per, per, axis=1)
+
+
+def _landing(send_sizes, output_offsets, axis_name, capacity: int, rows: int):
+    """Where each of this device's `rows` output rows comes from in what `_padded_move` receives
+    ([senders * capacity] rows, each sender's slices packed one after another), and whether any
+    slice lands there (else the output buffer keeps its row)."""
+    groups = jax.lax.axis_size(axis_name)
+    per = send_sizes.shape[0] // groups
+    sizes_in, lands = _arriving(send_sizes, axis_name, per), _arriving(output_offsets, axis_name, per)
+    packed_at = (jnp.arange(groups)[:, None] * capacity + jnp.cumsum(sizes_in, axis=1) - sizes_in).reshape(-1)
+    lands, sizes_in = lands.reshape(-1), sizes_in.reshape(-1)
+    row = jnp.arange(rows)
+    inside = (lands[:, None] <= row) & (row < lands[:, None] + sizes_in[:, None])  # [slices, rows]
+    which = jnp.argmax(inside, axis=0)
+    source = jnp.clip(packed_at[which] + row - lands[which], 0, groups * capacity - 1)
+    return source, jnp.any(inside, axis=0)[:, None]
+
+
+def _padded_move(operand, input_offsets, send_sizes, output_offsets, axis_name, capacity: int, rows: int):
+    """`jax.lax.ragged_all_to_all`'s result by one dense `all_to_all`, into `rows` rows that are zero
+    where nothing lands: each device packs the slices it sends each other device into that pair's
+    `capacity` rows (slice after slice), and unpacks what it receives to the offsets each sender gave.
+    Rows past `capacity` for a pair are lost: the caller checks the counts first (`pair_rows`)."""
+    groups = jax.lax.axis_size(axis_name)
+    per = input_offsets.shape[0] // groups
+    sizes = send_sizes.reshape(groups, per)
+    ends = jnp.cumsum(sizes, axis=1)
+    slot = jnp.arange(capacity)
+    piece = jnp.sum(ends[:, :, None] <= slot, axis=1)  # [devices, capacity]: which of its slices fills the slot
+    used = piece < per
+    piece = jnp.minimum(piece, per - 1)
+    offset = jnp.take_along_axis(input_offsets.reshape(groups, per) - (ends - sizes), piece, axis=1)
+    source = jnp.clip(offset + slot, 0, operand.shape[0] - 1)
+    packed = jnp.where(used[..., None], operand[source], jnp.zeros((), operand.dtype))  # [devices, capacity, d]
+    received = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=True)  # [senders, capacity, d]
+    received = received.reshape(groups * capacity, *operand.shape[1:])
+    source, written = _landing(send_sizes, output_offsets, axis_name, capacity, rows)
+    return jnp.where(written, received[source], jnp.zeros((), operand.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _padded(operand, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, capacity, rows):
+    return _padded_move(operand, input_offsets, send_sizes, output_offsets, axis_name, capacity, rows)
+
+
+def _padded_forward(operand, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, capacity, rows):
+    out = _padded_move(operand, input_offsets, send_sizes, output_offsets, axis_name, capacity, rows)
+    return out, (operand.shape[0], input_offsets, output_offsets, recv_sizes)
+
+
+def _padded_backward(axis_name, capacity, rows, residuals, d_out):
+    """The same exchange the other way (as `ragged_all_to_all` transposes): each received slice's
+    gradient goes back to the rows it came from."""
+    operand_rows, input_offsets, output_offsets, recv_sizes = residuals
+    per = input_offsets.shape[0] // jax.lax.axis_size(axis_name)
+    back_from = _arriving(output_offsets, axis_name, per).reshape(-1)  # where they landed here
+    back_to = _arriving(input_offsets, axis_name, per).reshape(-1)  # where they came from there
+    d_operand = _padded_move(d_out, back_from, recv_sizes, back_to, axis_name, capacity, operand_rows)
+    return d_operand, None, None, None, None
+
+
+_padded.defvjp(_padded_forward, _padded_backward)
+
+
+def _padded_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name,
+                     capacity: int):
+    """`jax.lax.ragged_all_to_all`'s signature and result, through one fixed buffer of `capacity`
+    rows per pair of devices and a dense `all_to_all` (`_padded_move`), differentiated the same way."""
+    operand, input_offsets, send_sizes, output_offsets, recv_sizes = varying_alike(
+        operand, input_offsets, send_sizes, output_offsets, recv_sizes)
+    rows = output.shape[0]
+    moved = _padded(operand, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, capacity, rows)
+    written = _landing(send_sizes, output_offsets, axis_name, capacity, rows)[1]
+    return jnp.where(written, moved, output)
+
+
+_padded_exchange.pair_capacity = True
+EXCHANGES = {"padded": _padded_exchange, "ragged": jax.lax.ragged_all_to_all}
