@@ -150,6 +150,14 @@ def test_bad_chat_files_stop_with_one_sentence(tmp_path, content, message):
         make_batches(data_config(source="chat", paths=str(tmp_path / "c.jsonl")), 63, 0)
 
 
+def test_a_file_without_a_usable_conversation_stops_the_run(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [conversation("q", "a")] * 3)
+    write_jsonl(tmp_path / "questions.jsonl", [{"messages": [{"role": "user", "content": "only a question"}]}] * 2)
+    with pytest.raises(UserError, match=r"questions.jsonl holds no usable conversations: none of its 2 has a token "
+                                        r"that counts in the loss \(data.train_on='assistant'\)"):
+        make_batches(data_config(source="chat", paths=f"{good},{tmp_path / 'questions.jsonl'}"), 63, 0)
+
+
 def test_the_cli_reports_a_bad_conversation_in_one_line(tmp_path, capsys):
     (tmp_path / "c.jsonl").write_text('{"messages": [{"role": "wizard", "content": "hi"}]}\n')
     status = main(["train", "--config", "tiny", "--workdir", str(tmp_path / "run"), "--config.data.source=chat",

@@ -203,6 +203,7 @@ def test_tasks_without_lm_eval_installed_is_one_sentence(run, capsys, monkeypatc
     one_sentence(eval_cli(capsys, "--workdir", run[0], "--tasks", "ushard_tiny_choice"), "pip install 'ushard[eval]'")
 
 
+@pytest.mark.slow  # lm-eval indexes its 14,000 tasks to suggest a name: the suite's time
 def test_an_unknown_task_is_one_sentence(run, capsys):
     pytest.importorskip("lm_eval")
     one_sentence(eval_cli(capsys, "--workdir", run[0], "--tasks", "ushard_no_such_task", "--include_path",

@@ -618,6 +618,7 @@ MOE_STAGES = {"mesh.pipeline": 2, "mesh.expert": 2, "parallel.pipeline_schedule"
               "parallel.pipeline_microbatches": 4}
 
 
+@pytest.mark.slow  # the suite's time; test_moe_resumes_across_expert_layouts is in the default tier
 def test_moe_resumes_from_one_composed_layout_in_another(tmp_path_factory, stdlib_batches):
     """Saved by pipeline x expert x fsdp, resumed by pipeline x expert x tensor: the same losses,
     auxiliary terms and expert loads at steps 4-6."""

@@ -342,7 +342,7 @@ BENCH_MOE_DROPLESS = {"model.moe.capacity_factor": 0, "model.n_layers": 1, "trai
 
 
 @pytest.mark.parametrize("layout, cuts", [
-    pytest.param({}, 1, id="fsdp8"),
+    pytest.param({}, 1, id="fsdp8", marks=pytest.mark.slow),  # a 75-second compile: the suite's time
     # The receive buffer, headroom 2 x 1,024 assignments a device, in megablox's 512-row tiles: the
     # kernels are compiled for each of its four cuts (`_row_cuts`), one picked per call.
     pytest.param({"mesh.expert": 4, "mesh.fsdp": 2, "model.moe.dispatch": "ragged"}, 4, id="expert4_fsdp2_ragged",

@@ -250,11 +250,15 @@ def tokenize_examples(data_cfg, tokenizer, window: int):
     what = "conversations" if chat else "prompt / completion records"
     counts, all_count = FitCounts(), data_cfg.train_on == "all"
     names, parts, masks, doc_lengths, components = [], [], [], [], []
+    read_in, used_in = {}, set()  # per file (a name is "path:line"): examples read; files with one used
     for component, name, content in component_documents(data_cfg):
         example = template.example(content, name) if chat else prompt_completion(tokenizer, *content)
         example = fit_window(example, window, all_count, counts)
+        path = name.rsplit(":", 1)[0]
+        read_in[path] = read_in.get(path, 0) + 1
         if example is None:
             continue
+        used_in.add(path)
         names.append(name)
         parts.append(example.tokens)
         masks.append(example.counted)
@@ -263,6 +267,11 @@ def tokenize_examples(data_cfg, tokenizer, window: int):
     if not names:
         raise UserError(f"data.paths={data_cfg.paths!r} holds no usable {what}: {counts.describe(what)}; give "
                         f"files with at least one {'assistant turn' if chat else 'completion'} each.")
+    unusable = [path for path in read_in if path not in used_in]
+    if unusable:
+        raise UserError(f"{unusable[0]} holds no usable {what}: none of its {read_in[unusable[0]]:,} has a token "
+                        f"that counts in the loss (data.train_on={data_cfg.train_on!r}) within a window of "
+                        f"train.seq_len+1={window} tokens; remove it from data.paths or fix it.")
     return (np.concatenate(parts), np.concatenate(masks), names, np.array(doc_lengths, np.int64),
             np.array(components, np.int64), counts.describe(what))
 
