@@ -129,9 +129,9 @@ def test_dispatch_compute_combine_matches_the_per_token_reference(problem, layou
 
 
 def test_the_ragged_dispatch_through_ragged_all_to_all_matches_the_per_token_reference(problem, monkeypatch):
-    """EXCHANGE="ragged" (XLA's ragged_all_to_all off CPUs): on CPUs its stand-in built from all-gathers,
+    """The "ragged" exchange (XLA's ragged_all_to_all, as on TPUs): on CPUs its stand-in built from all-gathers,
     which follows its documented semantics, moves the rows."""
-    monkeypatch.setattr(expert_parallel, "EXCHANGE", "ragged")
+    monkeypatch.setattr(expert_parallel, "EXCHANGE", {"cpu": "ragged"})
     weights, x, experts, gates, cotangent = problem
     out, grads, keep = value_and_grads(*LAYOUTS["expert=4 fsdp=2 ragged"], T, weights, x, experts, gates, cotangent)
     want_out, want_grads = reference_value_and_grads(weights, x, experts, gates, keep, cotangent)

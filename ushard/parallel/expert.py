@@ -22,10 +22,10 @@ so every device holds tokens of its own; per device (and the same with no layout
   (ushard/models/moe.py): local rows x min(row capacity, local row length). Dropless, that is every
   local token, so the result is exact (buffers E / top_k times the assignments).
 - Dispatch "ragged", experts split: only the kept assignments travel (`_ragged`), into a receive
-  buffer of `dispatch_headroom` times an even load. They travel by `_padded_exchange`: one dense
-  `all_to_all` of a buffer per pair of devices, also `dispatch_headroom` times an even share (XLA's
-  `ragged_all_to_all` measured 19 times slower on 4 x H200, and has no CPU implementation:
-  `EXCHANGE`; on CPUs its stand-in built from all-gathers serves where it is asked for).
+  buffer of `dispatch_headroom` times an even load. On GPUs and CPUs they travel by
+  `_padded_exchange`: one dense `all_to_all` of a buffer per pair of devices, also
+  `dispatch_headroom` times an even share (XLA's `ragged_all_to_all` measured 19 times slower on
+  4 x H200, and has no CPU implementation). TPUs keep `ragged_all_to_all` (`EXCHANGE`).
 
 The expert weights enter the map as they are stored (ZeRO-3: split over fsdp too) and are gathered
 inside it, in the compute dtype. `expert_fn`'s outputs are partial sums where `expert_mlp` is split
@@ -80,7 +80,8 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     ragged = dispatch == "ragged" and groups > 1
     cpu = layout.platform == "cpu"
     # CPUs have no `ragged_all_to_all`: its stand-in there, when it is asked for.
-    exchange = _ragged_all_to_all_by_gather if cpu and EXCHANGE == "ragged" else EXCHANGES[EXCHANGE]
+    how = EXCHANGE.get(layout.platform, "padded")
+    exchange = _ragged_all_to_all_by_gather if cpu and how == "ragged" else EXCHANGES[how]
 
     def per_device(x, experts, gates, keep, weights):
         weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
@@ -133,10 +134,12 @@ RECEIVE_BUCKETS = 8
 # forward runs both exchanges again: six a layer and step instead of four (bench_moe expert=4 on
 # 4 x H200: 314 TFLOP/s a GPU kept, 288 not, for 0.2 GiB more; docs/benchmarks.md).
 KEEP_EXCHANGED = True
-# How the ragged dispatch moves rows between devices off CPUs: "padded", a dense `all_to_all` of one
-# fixed buffer per pair of devices (`_padded_exchange`); or "ragged", XLA's `ragged_all_to_all`, which
-# moved 7 GB/s a device on 4 x H200 (JAX 0.11.2) against the dense all_to_all's 133 (docs/benchmarks.md).
-EXCHANGE = "padded"
+# How the ragged dispatch moves rows between devices, per platform ("padded" where not named): a
+# dense `all_to_all` of one fixed buffer per pair of devices (`_padded_exchange`), or "ragged", XLA's
+# `ragged_all_to_all`, which moved 7 GB/s a device on 4 x H200 (JAX 0.11.2) against the dense
+# all_to_all's 133 (docs/benchmarks.md). TPUs keep it: their compiles were checked with it, and the
+# padded exchange was measured on GPUs only. On CPUs "ragged" is its stand-in built from all-gathers.
+EXCHANGE = {"tpu": "ragged"}
 
 
 def receive_rows(assignments: int, groups: int, local_experts: int, k: int, headroom: float) -> int:
