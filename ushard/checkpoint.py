@@ -374,9 +374,8 @@ def _chain(error: BaseException) -> list[BaseException]:
 def _waited_only(error: BaseException) -> bool:
     """Whether a save failed only by waiting for other processes at one of orbax's barriers, with no
     error of its own: with several processes, then another one's failure is the cause."""
-    chain = _chain(error)
+    chain = _chain(error)  # never empty: `error` itself
     return (not any(_os_errno(e) for e in chain)
-            and any(isinstance(e, TimeoutError) or "Barrier timed out" in str(e) for e in chain)
             and all(isinstance(e, TimeoutError) or "Barrier timed out" in str(e) for e in chain))
 
 

@@ -19,6 +19,7 @@ from importlib import resources
 import ml_collections
 
 from ushard.data.corpus import mixture_weights
+from ushard.data.sources import packs_whole
 from ushard.data.tokenizer import get_tokenizer
 from ushard.errors import UserError
 from ushard.models.config import ModelConfig
@@ -425,7 +426,7 @@ def _check_fine_tuning_data(d) -> None:
     if any(pair) and d.source not in ("jsonl", "parquet"):
         raise UserError(f"data.prompt_field and data.completion_field name fields of jsonl or parquet records, but "
                         f"data.source={d.source!r}; use data.source='chat' for conversations.")
-    if (d.source == "chat" or any(pair)) and d.chunk_tokens:
+    if packs_whole(d) and d.chunk_tokens:
         raise UserError(f"data.chunk_tokens={d.chunk_tokens} cuts documents into pieces, but fine-tuning examples "
                         f"are packed whole; leave it 0.")
 

@@ -28,6 +28,7 @@ import os
 import numpy as np
 
 from ushard.data.sources import read_bytes
+from ushard.data.tokenizer import HFTokenizer
 from ushard.errors import UserError
 
 # The byte tokenizer's template: each turn is a header line `<|role|>` then its content; a user,
@@ -166,7 +167,7 @@ def _token_text(value) -> str | None:
 
 
 def chat_template(tokenizer):
-    return HFChatTemplate(tokenizer) if hasattr(tokenizer, "path") else ByteTemplate(tokenizer)
+    return HFChatTemplate(tokenizer) if isinstance(tokenizer, HFTokenizer) else ByteTemplate(tokenizer)
 
 
 def prompt_completion(tokenizer, prompt: str, completion: str) -> Example:

@@ -88,23 +88,28 @@ def component_documents(data_cfg):
                 raise UserError(f"{path} holds no {what}; remove it from data.paths or fill it.")
 
 
-def jsonl_records(path: str, *fields: str):
-    """(path:line, text) for each record, or (path:line, (text, ...)) when several fields are named."""
+def jsonl_lines(path: str):
+    """(path:line, the line's text) for each non-blank line of a JSONL file."""
     # utf-8-sig: a byte order mark (as some Windows editors write) is not part of the first record.
     # Records end at "\n" only: str.splitlines() would also split at a U+2028 that JSON allows
     # inside a string. A "\r" before the "\n" is whitespace to json.loads.
     content = read_bytes(path).decode("utf-8-sig", errors="replace")
     for lineno, line in enumerate(content.split("\n"), 1):
-        if not line.strip():
-            continue
+        if line.strip():
+            yield f"{path}:{lineno}", line
+
+
+def jsonl_records(path: str, *fields: str):
+    """(path:line, text) for each record, or (path:line, (text, ...)) when several fields are named."""
+    for name, line in jsonl_lines(path):
         try:
             record = json.loads(line)
             texts = tuple(record[field] for field in fields)
             if not all(isinstance(text, str) for text in texts):
                 raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{path}:{lineno} is not a JSON object with {_field_phrase(fields)}.") from None
-        yield f"{path}:{lineno}", texts if len(fields) > 1 else texts[0]
+            raise UserError(f"{name} is not a JSON object with {_field_phrase(fields)}.") from None
+        yield name, texts if len(fields) > 1 else texts[0]
 
 
 def _field_phrase(fields: tuple[str, ...]) -> str:
@@ -118,12 +123,8 @@ ROLES = ("system", "user", "assistant", "tool")  # of a chat message
 
 
 def read_conversations(path: str):
-    """(path:line, messages) for each non-empty line of a chat JSONL file, checked."""
-    content = read_bytes(path).decode("utf-8-sig", errors="replace")
-    for lineno, line in enumerate(content.split("\n"), 1):
-        if not line.strip():
-            continue
-        name = f"{path}:{lineno}"
+    """(path:line, messages) for each non-blank line of a chat JSONL file, checked."""
+    for name, line in jsonl_lines(path):
         try:
             messages = json.loads(line)["messages"]
             if not isinstance(messages, list) or not messages:

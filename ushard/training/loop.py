@@ -197,8 +197,9 @@ class Trainer:
                 return self.run(log, signals)
         t = self.config.train
         log(self.setup.describe())
-        if self.batches.summary():
-            log(self.batches.summary())
+        summary = self.batches.summary()
+        if summary:
+            log(summary)
         state, data_state = self.initial_state(log)
         step = int(jax.device_get(state.step))
         signals.check(self._nothing_new(step))
