@@ -25,7 +25,6 @@ from ushard.models.moe import (
     row_capacity,
     within_capacity,
 )
-from ushard.parallel import expert as expert_parallel
 from ushard.parallel.expert import routed_experts
 from ushard.sharding import use_layout
 from ushard.training.loop import Trainer
@@ -82,7 +81,8 @@ LAYOUTS = {
 }
 
 
-def value_and_grads(layout_sizes, dispatch, capacity, weights, x, experts, gates, cotangent, ffn=expert_ffn):
+def value_and_grads(layout_sizes, dispatch, capacity, weights, x, experts, gates, cotangent, ffn=expert_ffn,
+                    exchange="auto"):
     """(output, grads w.r.t. weights, x and gates) of routed_experts under a layout, as one program."""
     keep = within_capacity(experts, E, capacity) if capacity < T else jnp.ones(experts.shape, bool)
     layout = None if layout_sizes is None else layout_for(3, **layout_sizes)
@@ -91,7 +91,7 @@ def value_and_grads(layout_sizes, dispatch, capacity, weights, x, experts, gates
         gates = jnp.where(keep, gates, 0.0)
         # Receive buffers for the worst case: the skewed routing sends a third of all rows to one device.
         out, _ = routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, ffn, capacity,
-                                dispatch, headroom=8.0)
+                                dispatch, headroom=8.0, exchange=exchange)
         return jnp.sum(out * cotangent), out
 
     def run(weights, x, gates):
@@ -128,12 +128,24 @@ def test_dispatch_compute_combine_matches_the_per_token_reference(problem, layou
         assert 0 < np.mean(~np.asarray(keep)) < 0.5  # the rule dropped some assignments, not most
 
 
-def test_the_ragged_dispatch_through_ragged_all_to_all_matches_the_per_token_reference(problem, monkeypatch):
-    """The "ragged" exchange (XLA's ragged_all_to_all, as on TPUs): on CPUs its stand-in built from all-gathers,
+def test_the_ragged_dispatch_through_ragged_all_to_all_matches_the_per_token_reference(problem):
+    """The "ragged_all_to_all" exchange (XLA's, as on TPUs): on CPUs its stand-in built from all-gathers,
     which follows its documented semantics, moves the rows."""
-    monkeypatch.setattr(expert_parallel, "EXCHANGE", {"cpu": "ragged"})
     weights, x, experts, gates, cotangent = problem
-    out, grads, keep = value_and_grads(*LAYOUTS["expert=4 fsdp=2 ragged"], T, weights, x, experts, gates, cotangent)
+    out, grads, keep = value_and_grads(*LAYOUTS["expert=4 fsdp=2 ragged"], T, weights, x, experts, gates, cotangent,
+                                       exchange="ragged_all_to_all")
+    want_out, want_grads = reference_value_and_grads(weights, x, experts, gates, keep, cotangent)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["expert=8 ragged", "expert=4 fsdp=2 ragged", "expert=2 tensor=2 fsdp=2 ragged"])
+def test_the_ragged_dispatch_by_all_gather_matches_the_per_token_reference(problem, layout):
+    """The "all_gather" exchange: tokens all-gathered over the expert group, partial outputs reduce-scattered."""
+    weights, x, experts, gates, cotangent = problem
+    out, grads, keep = value_and_grads(*LAYOUTS[layout], T, weights, x, experts, gates, cotangent,
+                                       exchange="all_gather")
     want_out, want_grads = reference_value_and_grads(weights, x, experts, gates, keep, cotangent)
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
@@ -330,12 +342,14 @@ def test_loss_free_bias_lowers_the_expert_load_imbalance(stdlib_batches):
     assert balanced < 0.75 * unbalanced, (balanced, unbalanced)
 
 
-def test_training_stops_with_a_sentence_when_the_ragged_dispatch_overflows(stdlib_batches):
+@pytest.mark.parametrize("exchange", ["auto", "all_gather"])
+def test_training_stops_with_a_sentence_when_the_ragged_dispatch_overflows(stdlib_batches, exchange):
     """A receive buffer of exactly an even load overflows at the first uneven step: the run stops
     with a sentence that names the setting, not with NaN losses or an out-of-memory crash."""
     from ushard.errors import UserError
 
     config = small_config("tiny_moe", **{**SMALL_MOE, "mesh.expert": 8, "model.moe.dispatch": "ragged",
-                                         "model.moe.dispatch_headroom": 1.0, "train.steps": 2})
+                                         "model.moe.dispatch_headroom": 1.0, "model.moe.exchange": exchange,
+                                         "train.steps": 2})
     with pytest.raises(UserError, match=r"at step 1 .* raise model\.moe\.dispatch_headroom"):
         Trainer(config, devices=jax.devices()[:8], batches=stdlib_batches).run(log=lambda *_: None)

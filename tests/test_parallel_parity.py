@@ -80,6 +80,9 @@ LAYOUTS = {
     "expert4_fsdp2_keep_gathered_moe": (
         {**SMALL_MOE, "mesh.expert": 4, "mesh.fsdp": 2, "parallel.reshard_after_forward": False}, 8),
     "expert8_moe": ({**SMALL_MOE, "mesh.expert": 8}, 8),
+    "expert4_fsdp2_all_gather_moe": (
+        {**SMALL_MOE, "mesh.expert": 4, "mesh.fsdp": 2, "model.moe.dispatch": "ragged",
+         "model.moe.exchange": "all_gather"}, 8),
     "expert2_tensor2_fsdp2_moe": ({**SMALL_MOE, "mesh.expert": 2, "mesh.tensor": 2, "mesh.fsdp": 2}, 8),
     "expert2_tensor2_fsdp2_sp_moe": ({**SMALL_MOE, "mesh.expert": 2, "mesh.tensor": 2, "mesh.fsdp": 2, **SP}, 8),
     "expert2_sequence2_fsdp2_ring_moe": (
@@ -94,7 +97,7 @@ LAYOUTS = {
 # 4, with fsdp=4 beside fsdp=2, with kept weights beside the pipeline's, with tensor beside the same
 # with SP): in the slow tier (`-m slow`), for the default suite's time.
 SLOW_LAYOUTS = ("fsdp2", "ddp", "sequence2_all_gather", "sequence2_ring", "sequence4_ring", "tensor4_fsdp2_sp_fused",
-                "expert8_moe", "expert2_fsdp4_moe", "expert4_fsdp2_keep_gathered_moe",
+                "expert8_moe", "expert4_fsdp2_all_gather_moe", "expert2_fsdp4_moe", "expert4_fsdp2_keep_gathered_moe",
                 "expert2_tensor2_fsdp2_moe")
 REFERENCES = {"fused": "single_fused", "fp8": "single_fp8", "moe": "single_moe", "moecap": "single_moecap"}
 MOE_LAYOUTS = [n for n in LAYOUTS if n.endswith(("_moe", "_moecap"))]
@@ -181,11 +184,13 @@ def test_moe_runs_exercise_routing_drops_and_balancing(results):
 
 @pytest.mark.parametrize("name", layout_params(n for n in MOE_LAYOUTS if not n.startswith("single")))
 def test_moe_layouts_send_tokens_to_their_experts_without_replicating(results, name):
-    """Split experts are reached by all-to-all (not by gathering every token everywhere), and XLA
-    never falls back to replicating a tensor to reshard it."""
+    """Split experts are reached by all-to-all (or, with `model.moe.exchange="all_gather"`, by the
+    all-gather and reduce-scatter it asks for), and XLA never falls back to replicating a tensor to
+    reshard it."""
     got = results[name]
     assert not [line for line in got["compiler_log"] if "Involuntary full rematerialization" in line]
-    assert any(kind == "all-to-all" for _, kind, _ in collectives(got["hlo"]))
+    kinds = {kind for _, kind, _ in collectives(got["hlo"])}
+    assert ({"all-gather", "reduce-scatter"} <= kinds) if "all_gather" in name else ("all-to-all" in kinds)
 
 
 def spec_of(sharding_tree, *path):

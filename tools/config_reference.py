@@ -85,6 +85,11 @@ DESCRIPTIONS = {
     "model.moe.dispatch_headroom": "with `ragged`: each device's receive buffer in multiples of an even load (its "
                                    "memory; the Pallas grouped matmuls compute only the rows in use, to an eighth "
                                    "of the buffer); a step that needs more stops the run",
+    "model.moe.exchange": "with `ragged`: how routed rows move between devices: `auto` (`all_to_all` on GPUs and "
+                          "CPUs, `ragged_all_to_all` on TPUs), `all_to_all` (a dense all-to-all of a buffer per "
+                          "pair of devices, `dispatch_headroom` times an even share), `ragged_all_to_all` (XLA's), "
+                          "`all_gather` (tokens gathered to every device of the expert group, outputs "
+                          "reduce-scattered back; not measured on GPUs yet)",
     "model.moe.grouped_matmul_impl": "the dropless experts' grouped matmul: `auto` (JAX's Pallas Mosaic-GPU kernel "
                                      "on Hopper GPUs in 16-bit compute, megablox on TPUs, else XLA), `xla` "
                                      "(ragged_dot), `mosaic_gpu`, `megablox`",

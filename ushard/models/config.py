@@ -18,6 +18,7 @@ from ushard.models.stack import REMAT_POLICIES
 DTYPES = ("float32", "bfloat16", "float16")
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCHES = ("padded", "ragged")
+EXCHANGES = ("auto", "all_to_all", "ragged_all_to_all", "all_gather")
 
 
 def _check_at_least(owner, keys, low: int, prefix: str) -> None:
@@ -68,6 +69,11 @@ class MoEConfig:
     # The ragged dispatch's receive buffer, in multiples of the rows a device gets when the load is
     # even: the grouped matmul runs over all of it; a step whose load needs more stops the run.
     dispatch_headroom: float = 2.0
+    # How the ragged dispatch moves rows between devices (ushard/parallel/expert.py): "auto" (a dense
+    # all_to_all of a buffer per pair of devices; XLA's ragged_all_to_all on TPUs), "all_to_all",
+    # "ragged_all_to_all", or "all_gather" (tokens gathered to every device of the expert group,
+    # outputs reduce-scattered back).
+    exchange: str = "auto"
     # The dropless experts' grouped matmul (ushard/kernels/grouped_matmul.py): "auto" runs JAX's Pallas
     # Mosaic-GPU kernel on Hopper GPUs in 16-bit compute, else "xla" (ragged_dot).
     grouped_matmul_impl: str = "auto"
@@ -82,7 +88,7 @@ class MoEConfig:
         if not self.dispatch_headroom >= 1:
             raise UserError(f"{p}dispatch_headroom={self.dispatch_headroom!r} must be at least 1 (the rows of an "
                             f"even load).")
-        for key, valid in (("score_func", SCORE_FUNCS), ("dispatch", DISPATCHES),
+        for key, valid in (("score_func", SCORE_FUNCS), ("dispatch", DISPATCHES), ("exchange", EXCHANGES),
                            ("grouped_matmul_impl", GROUPED_MATMUL_IMPLS)):
             if getattr(self, key) not in valid:
                 raise UserError(f"{p}{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}.")
@@ -170,7 +176,8 @@ class ModelConfig:
     # changed. Every other setting (new ones included, unless added here) defines the model's function.
     IMPLEMENTATION_SETTINGS = ("compute_dtype", "attention_impl", "remat", "scan_unroll", "fused_mlp",
                                "fp8", "moe.aux_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate",
-                               "moe.dispatch", "moe.dispatch_headroom", "moe.grouped_matmul_impl")
+                               "moe.dispatch", "moe.dispatch_headroom", "moe.exchange",
+                               "moe.grouped_matmul_impl")
 
     @classmethod
     def from_config(cls, model_cfg, ignore_unknown: bool = False) -> "ModelConfig":

@@ -226,7 +226,8 @@ class MoE(nnx.Module):
             y = dispatch.on_device(x, experts, gates, keep, weights, ffn, capacity)
         else:  # wherever the layout puts the experts (the layout's seam: ushard/parallel/expert.py)
             y, overflow = layout.seams.routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, ffn,
-                                                      capacity, moe.dispatch, moe.dispatch_headroom)
+                                                      capacity, moe.dispatch, moe.dispatch_headroom,
+                                                      moe.exchange)
         if moe.num_shared_experts:
             y = y + self.shared(x)
         groups = layout.size("experts") if layout is not None and moe.dispatch == "ragged" else 1

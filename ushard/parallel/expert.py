@@ -21,11 +21,16 @@ so every device holds tokens of its own; per device (and the same with no layout
   The capacity is the most one device can hold for one expert under the drop rule
   (ushard/models/moe.py): local rows x min(row capacity, local row length). Dropless, that is every
   local token, so the result is exact (buffers E / top_k times the assignments).
-- Dispatch "ragged", experts split: only the kept assignments travel (`_ragged`), into a receive
-  buffer of `dispatch_headroom` times an even load. On GPUs and CPUs they travel by
-  `_padded_exchange`: one dense `all_to_all` of a buffer per pair of devices, also
-  `dispatch_headroom` times an even share (XLA's `ragged_all_to_all` measured 19 times slower on
-  4 x H200, and has no CPU implementation). TPUs keep `ragged_all_to_all` (`EXCHANGE`).
+- Dispatch "ragged", experts split: only the kept assignments are computed, in a receive buffer of
+  `dispatch_headroom` times an even load. How they travel is `exchange` (`model.moe.exchange`):
+  - "all_to_all" (`_ragged` with `_padded_exchange`): each device sends every expert the rows routed
+    to it, by one dense `all_to_all` of a buffer per pair of devices, also `dispatch_headroom` times
+    an even share; the default on GPUs and CPUs (`AUTO_EXCHANGE`).
+  - "ragged_all_to_all" (`_ragged` with XLA's collective, sized by the counts; measured 19 times
+    slower on 4 x H200; on CPUs a stand-in built from all-gathers): the default on TPUs.
+  - "all_gather" (`_gathered`): every device of an expert group gathers the group's tokens, runs its
+    experts on those routed to them, and a reduce-scatter sums the outputs back; no buffer per pair,
+    and more bytes moved than the routed rows when few experts share a device.
 
 The expert weights enter the map as they are stored (ZeRO-3: split over fsdp too) and are gathered
 inside it, in the compute dtype. `expert_fn`'s outputs are partial sums where `expert_mlp` is split
@@ -52,14 +57,16 @@ EXPERT_MATMUL = "expert_matmul"
 
 
 def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int,
-                   dispatch: str = "padded", headroom: float = 2.0):
+                   dispatch: str = "padded", headroom: float = 2.0, exchange: str = "auto"):
     """Every token through its kept experts, weighted by its gates: x [batch, length, d], experts int /
     gates float32 / keep bool [batch, length, k], weights {name: [experts, ...]} with logical names
     `weight_names`; `row_capacity`: the drop rule's C (the most assignments an expert keeps from one
     sequence; the length when dropless); `dispatch`: "padded" or "ragged", how assignments travel to
     experts split over devices; `headroom`: the ragged receive buffer's rows, in multiples of an even
-    load (`_ragged`). Returns (y [batch, length, d] in x's dtype, overflow float32: 1 where a ragged
-    dispatch had more rows for a device than its buffer holds, and y is then NaN; else 0)."""
+    load (`_ragged`); `exchange`: how the ragged dispatch moves rows ("auto", "all_to_all",
+    "ragged_all_to_all", "all_gather"; module docstring). Returns (y [batch, length, d] in x's dtype,
+    overflow float32: 1 where a ragged dispatch had more rows for a device than its buffer holds, and
+    y is then NaN; else 0)."""
     layout = current_layout()
     if layout is None:
         return local_dispatch.on_device(x, experts, gates, keep, weights, expert_fn, row_capacity), jnp.float32(0)
@@ -78,15 +85,17 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     compute = {name: layout.spec(weight_names[name]) for name in weights}
 
     ragged = dispatch == "ragged" and groups > 1
-    cpu = layout.platform == "cpu"
+    how = AUTO_EXCHANGE.get(layout.platform, "all_to_all") if exchange == "auto" else exchange
     # CPUs have no `ragged_all_to_all`: its stand-in there, when it is asked for.
-    how = EXCHANGE.get(layout.platform, "padded")
-    exchange = _ragged_all_to_all_by_gather if cpu and how == "ragged" else EXCHANGES[how]
+    moves = _ragged_all_to_all_by_gather if layout.platform == "cpu" and how == "ragged_all_to_all" else MOVES.get(how)
 
     def per_device(x, experts, gates, keep, weights):
         weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
         if ragged:
-            y, overflow = _ragged(x, experts, gates, keep, weights, expert_fn, expert_axes, groups, exchange, headroom)
+            if how == "all_gather":
+                y, overflow = _gathered(x, experts, gates, keep, weights, expert_fn, expert_axes, groups, headroom)
+            else:
+                y, overflow = _ragged(x, experts, gates, keep, weights, expert_fn, expert_axes, groups, moves, headroom)
             # The same on every device of an expert group (their counts table is); the most over the rest.
             every_axis = token_axes + hidden_axes
             overflow = jax.lax.pmax(varying(overflow, every_axis), every_axis)
@@ -134,12 +143,12 @@ RECEIVE_BUCKETS = 8
 # forward runs both exchanges again: six a layer and step instead of four (bench_moe expert=4 on
 # 4 x H200: 314 TFLOP/s a GPU kept, 288 not, for 0.2 GiB more; docs/benchmarks.md).
 KEEP_EXCHANGED = True
-# How the ragged dispatch moves rows between devices, per platform ("padded" where not named): a
-# dense `all_to_all` of one fixed buffer per pair of devices (`_padded_exchange`), or "ragged", XLA's
-# `ragged_all_to_all`, which moved 7 GB/s a device on 4 x H200 (JAX 0.11.2) against the dense
-# all_to_all's 133 (docs/benchmarks.md). TPUs keep it: their compiles were checked with it, and the
-# padded exchange was measured on GPUs only. On CPUs "ragged" is its stand-in built from all-gathers.
-EXCHANGE = {"tpu": "ragged"}
+# How the ragged dispatch moves rows between devices with `exchange="auto"`, per platform
+# ("all_to_all" where not named): XLA's `ragged_all_to_all` moved 7 GB/s a device on 4 x H200
+# (JAX 0.11.2) against the dense all_to_all's 133 (docs/benchmarks.md), so GPUs use the dense one;
+# TPUs keep `ragged_all_to_all`: their compiles were checked with it, and the dense exchange was
+# measured on GPUs only. "all_gather" (`_gathered`) is chosen only by name: not measured on GPUs yet.
+AUTO_EXCHANGE = {"tpu": "ragged_all_to_all"}
 
 
 def receive_rows(assignments: int, groups: int, local_experts: int, k: int, headroom: float) -> int:
@@ -182,6 +191,34 @@ def _ragged(x, experts, gates, keep, weights, expert_fn, axes, groups: int, exch
     computed = expert_fn(weights, received, plan["group_sizes"], row_buckets=RECEIVE_BUCKETS)
     out_sorted = kept(exchange(computed, buffer(rows.shape), *plan["back"], axis_name=axes))
     y = local_dispatch.unsort_and_combine(out_sorted, order, inverse, gates, x)
+    return jnp.where(over, jnp.asarray(jnp.nan, y.dtype), y), over.astype(jnp.float32)
+
+
+def _gathered(x, experts, gates, keep, weights, expert_fn, axes, groups: int, headroom: float):
+    """The ragged dispatch by all-gather: every device of the expert group gathers the group's tokens
+    and their routing, runs its own experts on the assignments routed to them (sorted by local expert,
+    in a buffer of `receive_rows`), combines them by gates into partial outputs for every token of the
+    group, and a reduce-scatter sums each token's partial outputs on the device that holds it. Nothing
+    is sized per pair of devices, and the transposes (reduce-scatter, all-gather) are the backward
+    pass's exchanges. Where a device's rows exceed its buffer, its outputs are NaN with overflow 1,
+    as in `_ragged`. Returns (y, overflow)."""
+    local_experts, k = local_dispatch.experts_held(weights), experts.shape[-1]
+    kept = (lambda a: checkpoint_name(a, EXPERT_MATMUL)) if KEEP_EXCHANGED else (lambda a: a)  # noqa: E731
+    gather = lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True)  # noqa: E731
+    every = kept(gather(x))  # [groups * batch, length, d]
+    local = gather(experts) - jax.lax.axis_index(axes) * local_experts
+    mine = gather(keep) & (local >= 0) & (local < local_experts)
+    tokens, key, gates = local_dispatch.flat(every, local, gather(gates), mine, local_experts)
+    order, sizes, _ = local_dispatch.sort_by_expert(key, local_experts)
+    inverse = local_dispatch.inverse_of(order)
+    most = receive_rows(x.shape[0] * x.shape[1] * k, groups, local_experts, k, headroom)
+    over = jnp.sum(sizes) > most
+    rows = local_dispatch.assignment_rows(tokens, order, inverse, k)[:most]  # the routed rows come first
+    computed = expert_fn(weights, rows, jnp.where(over, 0, sizes), row_buckets=RECEIVE_BUCKETS)
+    computed = jnp.pad(computed, ((0, key.shape[0] - most), (0, 0)))  # the assignments routed elsewhere: zero
+    partial = local_dispatch.unsort_and_combine(computed, order, inverse, gates, every)
+    y = kept(jax.lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True))
+    over = jax.lax.pmax(varying(over, axes), axes)  # a NaN anywhere in the group reaches every device's sums
     return jnp.where(over, jnp.asarray(jnp.nan, y.dtype), y), over.astype(jnp.float32)
 
 
@@ -316,4 +353,4 @@ def _padded_exchange(operand, output, input_offsets, send_sizes, output_offsets,
 
 
 _padded_exchange.pair_capacity = True
-EXCHANGES = {"padded": _padded_exchange, "ragged": jax.lax.ragged_all_to_all}
+MOVES = {"all_to_all": _padded_exchange, "ragged_all_to_all": jax.lax.ragged_all_to_all}  # "all_gather": `_gathered`
