@@ -1,29 +1,86 @@
 """The per-device memory estimate (ushard/estimate.py) against XLA's memory analysis of the compiled
-train step, on 8 simulated CPU devices: the state exactly, the peak within 10% (full remat within 15%:
-the estimate misses part of the recomputed layer's working set)."""
+train step, on 8 simulated CPU devices: the state and batch exactly, the peak within 10% (full remat
+within 15%: the estimate misses part of the recomputed layer's working set). One case of every mesh
+kind runs by default; the rest of the grid (more ZeRO stages, remat policies, wider tensor splits,
+MoE dispatch modes, the shipped configs) is marked slow."""
 
 import pytest
 
 from conftest import small_config
 from ushard.aot import compile_train_step
 from ushard.build import build
+from ushard.config import apply_overrides, load_config
 from ushard.estimate import estimate
 
 # A model large enough that activations, not bookkeeping, fill the memory: 4 layers of width 256,
 # 16 sequences of 256 tokens.
 BASE = {"model.d_model": 256, "model.d_ff": 1024, "model.n_layers": 4, "train.seq_len": 256, "train.batch_size": 16}
+TENSOR = {"mesh.tensor": 2, "mesh.fsdp": 4}
+SEQUENCE = {"mesh.sequence": 2, "mesh.fsdp": 4}
+ONE_F_ONE_B = {"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_schedule": "1f1b",
+               "parallel.pipeline_microbatches": 4}
+MOE = ("tiny_moe", {"mesh.expert": 8})  # configs/tiny_moe.py at BASE's sizes: capacity factor 1.25
+slow = pytest.mark.slow
 GRID = {
-    "fsdp8_zero0": {"mesh.fsdp": 8, "parallel.zero_stage": 0},
-    "fsdp8_zero1": {"mesh.fsdp": 8, "parallel.zero_stage": 1},
-    "fsdp8_zero2": {"mesh.fsdp": 8, "parallel.zero_stage": 2},
-    "fsdp8_zero3": {"mesh.fsdp": 8},
-    "data8": {"mesh.data": 8},
-    "data2_fsdp4": {"mesh.data": 2, "mesh.fsdp": 4},
-    "data2_fsdp4_accum2": {"mesh.data": 2, "mesh.fsdp": 4, "train.grad_accum": 2},
-    "fsdp8_remat_dots": {"mesh.fsdp": 8, "model.remat": "dots"},
-    "fsdp8_remat_dots_attention_norms": {"mesh.fsdp": 8, "model.remat": "dots_attention_norms"},
-    "fsdp8_remat_full": {"mesh.fsdp": 8, "model.remat": "full"},
+    "fsdp8_zero0": ("tiny", {"mesh.fsdp": 8, "parallel.zero_stage": 0}),
+    "fsdp8_zero1": ("tiny", {"mesh.fsdp": 8, "parallel.zero_stage": 1}),
+    "fsdp8_zero2": ("tiny", {"mesh.fsdp": 8, "parallel.zero_stage": 2}),
+    "fsdp8_zero3": ("tiny", {"mesh.fsdp": 8}),
+    "data8": ("tiny", {"mesh.data": 8}),
+    "data2_fsdp4": ("tiny", {"mesh.data": 2, "mesh.fsdp": 4}),
+    "data2_fsdp4_accum2": ("tiny", {"mesh.data": 2, "mesh.fsdp": 4, "train.grad_accum": 2}),
+    "fsdp8_remat_dots": ("tiny", {"mesh.fsdp": 8, "model.remat": "dots"}),
+    "fsdp8_remat_dots_attention_norms": ("tiny", {"mesh.fsdp": 8, "model.remat": "dots_attention_norms"}),
+    "fsdp8_remat_full": ("tiny", {"mesh.fsdp": 8, "model.remat": "full"}),
+    "tensor2_fsdp4": ("tiny", TENSOR),
+    "tensor2_fsdp4_sp": ("tiny", {**TENSOR, "parallel.sequence_parallel": True}),
+    "sequence2_fsdp4_ring": ("tiny", SEQUENCE),
+    "sequence2_fsdp4_all_gather": ("tiny", {**SEQUENCE, "parallel.context_parallel": "all_gather"}),
+    "pipeline2_fsdp4_1f1b": ("tiny", ONE_F_ONE_B),
+    "expert8_padded": MOE,
+    "expert8_ragged": (MOE[0], {**MOE[1], "model.moe.dispatch": "ragged"}),
+    # the slow tier
+    "tensor4_fsdp2_kv_repeated": ("tiny", {"mesh.tensor": 4, "mesh.fsdp": 2}),
+    "tensor4_fsdp2_sp": ("tiny", {"mesh.tensor": 4, "mesh.fsdp": 2, "parallel.sequence_parallel": True}),
+    "tensor2_fsdp4_sp_zero1_dots": ("tiny", {**TENSOR, "parallel.sequence_parallel": True,
+                                             "parallel.zero_stage": 1, "model.remat": "dots"}),
+    "sequence2_fsdp4_ring_keep_kv": ("tiny", {**SEQUENCE, "parallel.context_keep_kv": True}),
+    "sequence2_tensor2_fsdp2_ring": ("tiny", {"mesh.sequence": 2, "mesh.tensor": 2, "mesh.fsdp": 2}),
+    "pipeline2_fsdp4_1f1b_2_microbatches": ("tiny", {**ONE_F_ONE_B, "parallel.pipeline_microbatches": 2}),
+    "pipeline2_fsdp4_1f1b_remat_full": ("tiny", {**ONE_F_ONE_B, "model.remat": "full"}),
+    "pipeline2_tensor2_fsdp2_1f1b": ("tiny", {**ONE_F_ONE_B, "mesh.tensor": 2, "mesh.fsdp": 2}),
+    "expert4_fsdp2_dropless": (MOE[0], {"mesh.expert": 4, "mesh.fsdp": 2, "model.moe.capacity_factor": 0.0}),
+    "expert1_fsdp8_zero3": (MOE[0], {"mesh.expert": 1, "mesh.fsdp": 8}),
+    "expert8_padded_remat_dots": (MOE[0], {**MOE[1], "model.remat": "dots"}),
 }
+DEFAULT_TIER = list(GRID)[:list(GRID).index("tensor4_fsdp2_kv_repeated")]
+
+# The shipped configs at their own widths, vocabularies, dtypes and remat, shrunk in layers, sequence and
+# batch so that a compile takes seconds; there the weights and the vocabulary's buffers outweigh the
+# activations. The first ones run by default, the rest are marked slow.
+SHIPPED = {
+    "bench_1b_fsdp8": ("bench_1b", {"mesh.fsdp": 8}),
+    "llama3_8b_fsdp8": ("llama3_8b", {"mesh.fsdp": 8}),
+    "tiny_moe_expert8": ("tiny_moe", {}),
+    # the slow tier
+    "tiny_fsdp8": ("tiny", {"mesh.fsdp": 8}),
+    "bench_1b_fsdp8_reshard": ("bench_1b", {"mesh.fsdp": 8, "parallel.reshard_after_forward": True,
+                                            "model.scan_unroll": 1}),
+    "bench_1b_fsdp8_zero1": ("bench_1b", {"mesh.fsdp": 8, "parallel.zero_stage": 1}),
+    "bench_1b_tensor2_fsdp4_sp": ("bench_1b", {"mesh.tensor": 2, "mesh.fsdp": 4, "parallel.sequence_parallel": True}),
+    "bench_1b_fsdp8_remat_full": ("bench_1b", {"mesh.fsdp": 8, "model.remat": "full"}),
+    "llama3_8b_fsdp8_keep_gathered": ("llama3_8b", {"mesh.fsdp": 8, "parallel.reshard_after_forward": False}),
+    "llama3_8b_fsdp8_zero1": ("llama3_8b", {"mesh.fsdp": 8, "parallel.zero_stage": 1}),
+    "llama3_8b_fsdp8_remat_dots": ("llama3_8b", {"mesh.fsdp": 8, "model.remat": "dots"}),
+    "llama3_8b_tensor2_fsdp4": ("llama3_8b", {"mesh.tensor": 2, "mesh.fsdp": 4}),
+    "llama3_8b_tensor2_fsdp4_sp": ("llama3_8b", {"mesh.tensor": 2, "mesh.fsdp": 4, "parallel.sequence_parallel": True}),
+}
+# Not yet within 10% on the shipped configs, so not here: ZeRO-2 and data-only meshes (XLA:CPU keeps
+# unrolled layers' gradients whole there), sequence over a large vocabulary, 1F1B over bfloat16 weights,
+# the MoE configs (bench_moe, mixtral_8x7b); deepseek_v3_like needs more than two layers.
+SHIPPED_DEFAULT_TIER = list(SHIPPED)[:list(SHIPPED).index("tiny_fsdp8")]
+SHRUNK = {"model.n_layers": 2, "train.seq_len": 256, "train.batch_size": 8, "train.grad_accum": 1, "mesh.fsdp": 1,
+          "mesh.tensor": 1, "mesh.sequence": 1, "mesh.pipeline": 1, "mesh.data": 1}
 
 
 def compiled_peak(memory) -> int:
@@ -31,9 +88,7 @@ def compiled_peak(memory) -> int:
         + memory.temp_size_in_bytes
 
 
-@pytest.mark.parametrize("name", GRID)
-def test_the_estimate_matches_the_compilers_memory_analysis(name):
-    setup = build(small_config("tiny", **{**BASE, **GRID[name]}))
+def assert_estimate_matches_compiler(setup):
     estimated = estimate(setup)
     memory = compile_train_step(setup).memory_analysis()
     assert estimated.state + estimated.batch == memory.argument_size_in_bytes
@@ -41,6 +96,21 @@ def test_the_estimate_matches_the_compilers_memory_analysis(name):
     assert estimated.peak == pytest.approx(compiled_peak(memory), rel=tolerance)
 
 
-def test_layouts_it_does_not_model_yet_are_refused():
-    with pytest.raises(NotImplementedError, match=r"split over \['tensor'\]"):
-        estimate(build(small_config("tiny", **{"mesh.tensor": 2, "mesh.fsdp": 4})))
+@pytest.mark.parametrize("name", [n if n in DEFAULT_TIER else pytest.param(n, marks=slow) for n in GRID])
+def test_the_estimate_matches_the_compilers_memory_analysis(name):
+    config_name, overrides = GRID[name]
+    assert_estimate_matches_compiler(build(small_config(config_name, **{**BASE, **overrides})))
+
+
+@pytest.mark.parametrize("name", [n if n in SHIPPED_DEFAULT_TIER else pytest.param(n, marks=slow) for n in SHIPPED])
+def test_the_estimate_matches_the_compiler_on_the_shipped_configs(name):
+    config_name, overrides = SHIPPED[name]
+    config = load_config(config_name)
+    apply_overrides(config, [f"{k}={v}" for k, v in {**SHRUNK, **overrides}.items()])
+    assert_estimate_matches_compiler(build(config))
+
+
+def test_layouts_it_does_not_model_are_refused():
+    setup = build(small_config("tiny", **{"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_microbatches": 4}))
+    with pytest.raises(NotImplementedError, match="gpipe pipeline schedule"):
+        estimate(setup)

@@ -6,6 +6,7 @@ notebooks and the planner. Nothing is compiled until a step function is first ca
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -63,18 +64,21 @@ class Setup:
                 + "".join(f"\nnote: {line}" for line in self.notes))
 
 
-def build(config, devices=None) -> Setup:
-    """Validates `config` for `devices` (default: all) and composes its parts; raises UserError if invalid."""
+def build(config, devices=None, platform: str | None = None, device_kind: str | None = None) -> Setup:
+    """Validates `config` for `devices` (default: all) and composes its parts; raises UserError if invalid.
+    `platform` and `device_kind` (default: the devices') choose the kernels for other chips than the
+    devices: the planner lays a GPU cluster out on simulated CPU devices to trace it, never to run it."""
     devices = jax.devices() if devices is None else list(devices)
     mesh_shape = validate(config, len(devices))
     model_cfg = ModelConfig.from_config(config.model)
     model = model_definition(model_cfg)
-    platform = devices[0].platform
+    platform = platform or devices[0].platform
     attention_kernels.check(model_cfg.attention_impl, platform, config.train.seq_len, mesh_shape["pipeline"])
     if model_cfg.moe.num_experts:
         grouped_kernels.check(model_cfg.moe.grouped_matmul_impl, platform, (model_cfg.d_model, model_cfg.expert_d_ff))
-    plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg, devices[0].device_kind)
-    layout = Layout.from_plan(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), plan, SEAMS)
+    plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg, device_kind or devices[0].device_kind)
+    layout = dataclasses.replace(Layout.from_plan(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), plan, SEAMS),
+                                 platform=platform)
     tx, schedule = make_optimizer(config.train, model.logical)
     t = config.train
     steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip")

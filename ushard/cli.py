@@ -4,7 +4,9 @@
 `ushard eval (--workdir DIR | --hf PATH) --tasks NAME[,NAME] [--include_path DIR] [--num_fewshot K] [--limit N]`
 (lm-evaluation-harness),
 `ushard convert --from-hf DIR --to WORKDIR`, `ushard convert --from WORKDIR --to-hf DIR [--dtype D]` and
-`ushard compile --config NAME_OR_PATH [--config.a.b=value ...] --topology v5p:4x4x4 [--num_slices N]`.
+`ushard compile --config NAME_OR_PATH [--config.a.b=value ...] --topology v5p:4x4x4 [--num_slices N]` and
+`ushard plan --config NAME_OR_PATH [--config.a.b=value ...] (--devices N | --topology T | --gpus h100:8x4)
+[--hbm GiB] [--compile] [--recommend] [--json] [--chart PATH]`.
 
 A user's mistake (`UserError`) ends with one sentence on stderr and exit status 2, no traceback.
 """
@@ -87,7 +89,38 @@ def _parser() -> argparse.ArgumentParser:
     aot.add_argument("--topology", required=True, help="GENERATION:SHAPE, e.g. v5p:4x4x4, v5e:4x4, v6e:4x4, v4:2x2x2")
     aot.add_argument("--num_slices", type=int, default=1,
                      help="slices of that topology (default: 1); mesh.dcn.* spans them")
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub) -> None:
+    plan = sub.add_parser(
+        "plan", help="will a layout fit, how fast will it run, which layout to use: without the hardware",
+        description="Per device: memory (state, activations, gradients) against the chip's HBM; per mesh axis: the "
+                    "bytes each kind of collective moves and their time on the link the axis crosses; the pipeline "
+                    "bubble, the predicted step time and MFU. Name the machine with one of --devices, --topology "
+                    "or --gpus.",
+    )
+    plan.add_argument("--config", required=True,
+                      help="a shipped config name (e.g. llama3_8b) or a path to a config .py")
+    plan.add_argument("--devices", type=int, metavar="N", help="N devices of --hardware (one host of up to 8)")
+    plan.add_argument("--hardware", metavar="KIND", help="with --devices: h100 (default), h200, v5p, v5e, v4, ...")
+    plan.add_argument("--topology", metavar="T", help="a TPU topology, e.g. v5p:4x4x4 (needs the tpu extra)")
+    plan.add_argument("--num_slices", type=int, default=1, help="with --topology: slices of it (default: 1)")
+    plan.add_argument("--gpus", metavar="KIND:PERxHOSTS", help="a GPU cluster, e.g. h100:8x4: 4 hosts of 8 H100s")
+    plan.add_argument("--hbm", type=float, metavar="GiB", help="the memory of one chip (default: the chip's)")
+    plan.add_argument("--bandwidth", action="append", default=[], metavar="NAME=GB/s",
+                      help="a link's rate a device: intra_host (NVLink, ICI), p2p (neighbour sends), inter_host "
+                           "(InfiniBand, DCN); repeat for several")
+    plan.add_argument("--compile", action="store_true",
+                      help="also compile the train step (simulated CPU devices, or the TPU topology) and print XLA's "
+                           "memory analysis and collectives beside the estimate")
+    plan.add_argument("--recommend", action="store_true",
+                      help="search mesh shapes, ZeRO stage, remat, pipeline and expert layouts; print the fastest "
+                           "that fit")
+    plan.add_argument("--top", type=int, default=3, help="with --recommend: how many layouts (default: 3)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    plan.add_argument("--chart", metavar="PATH", help="write a PNG of the memory and time per layout (plot extra)")
 
 
 def _add_eval_parser(sub) -> None:
@@ -191,6 +224,34 @@ def compile_step(args, overrides) -> None:
     print(aot.summary(aot.compile_train_step(setup)))
 
 
+def plan(args, overrides) -> None:
+    import ushard
+    from ushard import planner
+
+    config = ushard.load_config(args.config, overrides)
+    target = planner.target_for(args.devices, args.topology, args.gpus, args.num_slices, args.hbm, args.hardware,
+                                args.bandwidth)
+    if args.recommend:
+        found = planner.recommend(config, target, args.top, log=_to_stderr)
+        if not found:
+            raise UserError(f"no layout of this config fits {target.what} ({target.hbm_bytes / 2**30:.0f} GiB a "
+                            f"device); add devices, lower train.batch_size or train.seq_len.")
+        if args.compile:
+            for a in found:
+                a.compiled = planner.compiled_figures(a.setup)
+    else:
+        found = [planner.assess(config, target, compile=args.compile)]
+    if args.chart:
+        planner.chart(found, target, args.chart)
+    if args.json:
+        objects = [planner.as_json(a, target) for a in found]
+        print(json.dumps({"layouts": objects} if args.recommend else objects[0]))
+    elif args.recommend:
+        print(planner.recommendations(found, target))
+    else:
+        print(planner.report(found[0], target))
+
+
 def evaluate(args, overrides) -> None:
     import jax
 
@@ -252,6 +313,8 @@ def main(argv=None) -> int:
             train(args, overrides)
         elif args.command == "compile":
             compile_step(args, overrides)
+        elif args.command == "plan":
+            plan(args, overrides)
         elif args.command == "sample":
             if overrides:
                 raise UserError(f"sample takes no --config overrides (--config.{overrides[0]}); the model's "

@@ -1,15 +1,52 @@
 """Per-device memory of a train step, estimated without compiling it (groundwork of the planner, issue 27).
 
+What is counted, per device:
 - The training state (parameters, optimizer state, step counters) and the batch: exact, the bytes of
   each array's shard under the layout's shardings.
-- Temporaries: what the backward pass keeps of the forward (JAX's own list of saved residuals under
-  the model's remat policy, `saved_residuals`, traced for one device's share of the batch), plus one
-  layer's full activations (the layer whose backward pass runs; under remat, the one recomputed),
-  plus the gradients in float32, laid out as the ZeRO stage lays them out.
+- Saved activations: what the backward pass keeps of the forward, as JAX lists it (`saved_residuals`
+  under the model's remat policy), traced for one device's work: its rows of the batch, its part of
+  the sequence (context parallelism), its stage's layers and microbatches in flight (1F1B pipelines), its
+  experts' dispatch buffers (expert parallelism). Each device's share of a residual split by tensor
+  parallelism is found from the residual's dimensions (`device_elements`); with sequence parallelism
+  the residual stream's residuals (token dimensions and the model width) are split over `tensor` too.
+- One layer's full activations (the layer whose backward pass runs; under remat, the one recomputed)
+  and the residual stream's gradient entering and leaving it.
+- The gradients in float32, laid out as the ZeRO stage lays them out (twice with gradient
+  accumulation: the running sum and one microbatch's). A 1F1B pipeline adds its own buffers: the
+  stage's weights prepared for compute, its float32 weight-gradient accumulator, the activations and
+  gradients passed between stages.
 
-Covered so far: layouts that split only the batch (`data`, `fsdp`, any ZeRO stage) and every remat
-policy; the activations of tensor, sequence, context, pipeline and expert layouts are not modelled
-yet (`estimate` refuses them). Checked against XLA's memory analysis in tests/test_estimate.py.
+How dimensions are attributed: model code names logical axes, but a residual is only a shape. The
+model is traced a second time with every dimension that tensor parallelism splits scaled by its own
+prime (`SCALES`: KV heads, query heads per KV head, head size, MLP width, vocabulary, length). The
+factor by which each dimension of a residual grew says which logical dimensions it holds, also where
+several are flattened into one, and so which mesh axes divide it. Context parallelism and expert
+dispatch are traced through stand-ins of their shard_map code (`trace_layout`) that compute one
+device's shapes without communicating: the ring keeps each device's queries, keys, values, output and
+log-sum-exp (its custom VJP), the all-gather mode the gathered keys and values and the scores of the
+local queries against them; the experts' buffers are those of `ushard.models.dispatch` (padded) or of
+`ushard.parallel.expert.receive_rows` (ragged).
+
+Beside these, named terms for what the compiler holds around the weights and the vocabulary:
+- The held dtype: XLA:CPU computes bfloat16 matmuls in float32 and drops the round trips this makes,
+  so on CPU everything of the compute dtype is held (and traced) in float32 (`held_dtype`).
+- The vocabulary's buffers as the forward pass starts (`vocabulary_buffers`): the embedding table and
+  LM head as computed (gathered under ZeRO-3, or cast), and the embedding's float32 gradient, rows
+  scattered into zeros of the whole table, allocated ahead of the forward pass and kept to the end.
+- Kept state (`kept_state`): with train.on_nonfinite "skip", copies of the old optimizer moments.
+- Kept weights (`kept_weights`): ZeRO-3's gathered layer weights where they live from the forward pass
+  to the backward (reshard_after_forward false, or no remat in a fully unrolled stack).
+The peak holds the kept weights and the larger of two phases: the backward pass's (activations,
+gradients, pipeline buffers) and the forward pass's start (vocabulary's buffers and kept state).
+
+Not counted: XLA's own scratch buffers, the
+transient buffers of collectives, and kernels' workspace beyond what JAX's residuals name. Not
+modelled (`estimate` refuses them): the GPipe and circular pipeline schedules (autodiff of their tick
+loop compiles to more than the ticks' residuals, by an amount not explained yet), pipelines over
+two layer stacks (leading dense MoE layers), and fused attention kernels (cuDNN, splash) under
+context parallelism, whose blocks the stand-in does not know. Known to fall short on CPU (not refused):
+ZeRO-2 and data-only meshes with an unrolled stack, whose layers' gradients XLA:CPU keeps whole.
+Checked against XLA's memory analysis in tests/test_estimate.py.
 """
 
 from __future__ import annotations
@@ -20,14 +57,21 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax._src import ad_checkpoint
+from jax.ad_checkpoint import checkpoint_name
 
+from ushard.config import MESH_AXES
+from ushard.mesh import build_mesh
+from ushard.models import dispatch
 from ushard.models.definition import model_definition
+from ushard.parallel.expert import EXPERT_MATMUL, receive_rows
+from ushard.parallel.pipeline import ring_size
+from ushard.sharding import Layout, Seams, use_layout
 from ushard.training.step import objective_terms
 
-# Mesh axes whose split changes more than the batch each device holds (not modelled yet).
-UNMODELLED_AXES = ("tensor", "sequence", "pipeline", "expert")
+# Each dimension tensor parallelism splits, scaled by a prime of its own in the second trace. The
+# model's width is heads x head size, so it grows by kv_heads x groups x head_dim.
+SCALES = {"kv_heads": 2, "head_dim": 3, "groups": 5, "mlp": 7, "vocab": 11, "length": 13}
 
 
 @dataclass(frozen=True)
@@ -36,17 +80,61 @@ class MemoryEstimate:
 
     state: int  # parameters, optimizer state, counters
     batch: int
-    saved_activations: int  # kept by the forward pass for the backward pass
+    saved_activations: int  # kept by the forward pass for the backward pass (all microbatches in flight)
     layer_activations: int  # one layer's activations while its backward pass runs
     gradients: int  # float32, laid out as the ZeRO stage lays them out
+    pipeline_buffers: int = 0  # 1F1B: prepared weights, gradient accumulators, activations between stages
+    vocabulary_buffers: int = 0  # as the forward pass starts: the outer weights as computed, the embedding's gradient
+    kept_state: int = 0  # the old optimizer moments, copied to keep them for a step found non-finite
+    kept_weights: int = 0  # ZeRO-3: every layer's gathered weights, kept from the forward pass to the backward
+
+    @property
+    def backward_phase(self) -> int:
+        """What the backward pass holds beside the state: saved and one layer's activations, gradients."""
+        return self.saved_activations + self.layer_activations + self.gradients + self.pipeline_buffers
+
+    @property
+    def forward_start(self) -> int:
+        """What the forward pass holds beside the state as it starts: the vocabulary's buffers and the
+        copied moments, which cannot go in the donated state buffers the copies free (`kept_state`)."""
+        return self.vocabulary_buffers + self.kept_state
 
     @property
     def temporaries(self) -> int:
-        return self.saved_activations + self.layer_activations + self.gradients
+        # The two phases peak at different times: the larger one counts. Kept weights live through both.
+        return self.kept_weights + max(self.backward_phase, self.forward_start)
 
     @property
     def peak(self) -> int:
         return self.state + self.batch + self.temporaries
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class DeviceWork:
+    """What one device computes, in the terms the traces need (read from the layout and plan)."""
+
+    rows: int  # sequences per device in one microbatch (pipeline) or gradient-accumulation part
+    length: int  # tokens of a sequence on this device
+    layers: int  # layers one chunk of the stack runs: a pipeline stage's per round, else all
+    stages: int  # pipeline stages (1 without a pipeline)
+    tensor_ways: int  # how many ways query heads and MLP columns are split
+    kv_ways: int  # how many ways the K/V heads are split (fewer than tensor_ways where they are repeated)
+    vocab_ways: int
+    residual_ways: int  # the residual stream's extra split along its length (sequence parallelism)
+    context: str | None  # "ring" / "all_gather" where the sequence is split
+    context_ways: int
+    keep_kv: bool
+    expert_groups: int  # devices the experts are split over
+    dispatch: str | None  # "padded" / "ragged" for an MoE model
+    experts_gathered: bool  # expert weights stored split over axes they are gathered from (ZeRO-3)
+
+    @property
+    def split_by_tensor(self) -> bool:
+        return max(self.tensor_ways, self.vocab_ways, self.residual_ways) > 1
 
 
 def shard_bytes(tree) -> int:
@@ -57,37 +145,378 @@ def shard_bytes(tree) -> int:
 
 def estimate(setup) -> MemoryEstimate:
     """The per-device memory of `setup`'s train step (ushard.build's Setup); module docstring."""
-    split = [a for a in UNMODELLED_AXES if setup.layout.mesh.shape[a] > 1]
-    if split:
-        raise NotImplementedError(f"the memory estimate does not model activations split over {split} yet")
+    refuse_unmodelled(setup)
     state = setup.steps.abstract_state()
     t = setup.config.train
-    rows = t.batch_size // t.grad_accum // setup.layout.size("act_batch")
     token_ids = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=setup.layout.batch)
-    batch = shard_bytes(dict.fromkeys(setup.steps.batch_shardings, token_ids))
-    saved = saved_activations(setup, rows, setup.model_config.remat)
-    every_layer = saved_activations(setup, rows, "none")
+    # Without document masking nothing reads the segment ids, and the compiled step drops them.
+    read = [k for k in setup.steps.batch_shardings if k != "segment_ids" or setup.model_config.document_mask]
+    batch = shard_bytes(dict.fromkeys(read, token_ids))
+    work, pipeline = device_work(setup), setup.layout.pipeline
     gradients = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=s), state.params,
                              setup.steps.shardings.grads)
     # With gradient accumulation the running sum and one microbatch's gradients exist together.
     copies = 2 if t.grad_accum > 1 else 1
-    return MemoryEstimate(state=shard_bytes(state), batch=batch, saved_activations=saved,
-                          layer_activations=every_layer // setup.model_config.n_layers,
-                          gradients=copies * shard_bytes(gradients))
+    one_f_one_b = pipeline is not None and pipeline.name == "1f1b"
+    return MemoryEstimate(
+        state=shard_bytes(state), batch=batch, saved_activations=saved_activations(setup, work),
+        vocabulary_buffers=vocabulary_buffers(setup), kept_state=kept_state(setup, state),
+        kept_weights=kept_weights(setup),
+        layer_activations=(stack_and_outer(setup, work, "none", layers=layer_period(setup))[0]
+                           + stream_gradients(setup, work)),
+        gradients=copies * shard_bytes(gradients),
+        pipeline_buffers=one_f_one_b_buffers(setup, work) if one_f_one_b else 0,
+    )
 
 
-def saved_activations(setup, rows: int, remat: str) -> int:
-    """The bytes the backward pass keeps of a forward pass over `rows` sequences on one device, with
-    the model's layers under the remat policy `remat` (JAX's list of saved residuals, arguments excluded)."""
-    model = model_definition(dataclasses.replace(setup.model_config, remat=remat))
-    params = jax.eval_shape(lambda: model.init(0))
-    token_ids = jax.ShapeDtypeStruct((rows, setup.config.train.seq_len), jnp.int32)
+def held_dtype(setup):
+    """The dtype the compiler holds compute-dtype buffers in. XLA:CPU has no 16-bit matmuls: it computes
+    them in float32 and drops the float32 -> bfloat16 -> float32 round trips this makes, so on CPU the
+    weights and activations of a bfloat16 model are held in float32."""
+    return jnp.dtype(jnp.float32 if setup.plan.platform == "cpu" else setup.model_config.compute_dtype)
+
+
+def vocabulary_buffers(setup) -> int:
+    """The outer weights (embedding table, LM head: the vocabulary's) and the embedding's gradient, as
+    the forward pass starts. The weights are gathered whole for compute (ZeRO-3) or cast to the held
+    dtype; the compiler gathers the head's early, as the embedding's lookup runs. The embedding's
+    gradient is a float32 sum of rows scattered into zeros of the whole table (ushard.models.layers.
+    embed_lookup), which the compiler allocates ahead of the forward pass and keeps to the backward's
+    end; it is whole on every device before gradients are reduced to their ZeRO layout."""
+    model, layout, dtype = setup.model, setup.layout, held_dtype(setup)
+    outer_names, outer_shapes = model.split_stack(model.logical)[1], model.split_stack(model.shapes)[1]
+    gathered = setup.plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1
+    total = 0
+    for shape, names in zip(jax.tree.leaves(outer_shapes), jax.tree.leaves(outer_names, is_leaf=_is_names)):
+        if "vocab" not in names:
+            continue
+        if gathered or dtype != shape.dtype:
+            total += shard_bytes(jax.ShapeDtypeStruct(shape.shape, dtype, sharding=layout.sharding(names)))
+    table = model.shapes["embedding"]
+    table_names = model.logical["embedding"]
+    return total + shard_bytes(jax.ShapeDtypeStruct(table.shape, jnp.float32, sharding=layout.sharding(table_names)))
+
+
+def kept_state(setup, state) -> int:
+    """With train.on_nonfinite "skip", the step keeps the old state where its numbers are not finite
+    (`jnp.where(finite, new, old)`). The new optimizer moments are written into the donated buffers of
+    the old ones before that choice, so the compiler first copies the old moments (ahead of the forward
+    pass); the parameters' new values are computed within the choice and need no copy. The copies free
+    the donated buffers, which the compiler reuses for buffers no larger than a state shard (the
+    layers' activations), not for the vocabulary's whole buffers: the copies count beside the latter."""
+    if not setup.steps.skip_nonfinite:
+        return 0
+    return shard_bytes(state.opt_state)
+
+
+def kept_weights(setup) -> int:
+    """ZeRO-3's gathered layer weights (matmul weights in the held dtype, tensor splits kept) where they
+    live from the forward pass to the backward: with parallel.reshard_after_forward false by design;
+    without remat in a fully unrolled stack because the backward pass's all-gather of a weight is then
+    the forward's, which XLA merges (CSE). A rolled scan gathers again in its backward loop. A pipeline
+    prepares its stage's weights itself (`one_f_one_b_buffers`)."""
+    layout, cfg, model = setup.layout, setup.model_config, setup.model
+    gathered = setup.plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1
+    merged = cfg.remat == "none" and cfg.scan_unroll >= cfg.n_layers
+    if not gathered or layout.pipeline is not None or not (layout.zero.keep_gathered or merged):
+        return 0
+    stack_names, stack_shapes = model.split_stack(model.logical)[0], model.split_stack(model.shapes)[0]
+    dtype = held_dtype(setup)
+    return sum(shard_bytes(jax.ShapeDtypeStruct(shape.shape, dtype, sharding=layout.sharding(names)))
+               for shape, names in zip(jax.tree.leaves(stack_shapes), jax.tree.leaves(stack_names, is_leaf=_is_names))
+               if "norm" not in names)
+
+
+def _is_names(x) -> bool:
+    return isinstance(x, tuple)
+
+
+def stream_gradients(setup, work: DeviceWork) -> int:
+    """The residual stream's gradient entering and leaving the layer whose backward pass runs (float32)."""
+    return 2 * work.rows * work.length * setup.model_config.d_model * 4 // work.residual_ways
+
+
+def refuse_unmodelled(setup) -> None:
+    """Raises NotImplementedError for layouts whose memory this module does not model (module docstring)."""
+    plan, moe = setup.plan, setup.model_config.moe
+    if plan.pipeline is not None and plan.pipeline.name != "1f1b":
+        raise NotImplementedError(f"the memory estimate does not model the {plan.pipeline.name} pipeline schedule "
+                                  f"yet (autodiff of its tick loop holds more than the ticks' residuals); only 1f1b")
+    if plan.pipeline is not None and moe.num_experts and moe.first_dense_layers:
+        raise NotImplementedError("the memory estimate does not model a pipeline over two layer stacks "
+                                  "(model.moe.first_dense_layers > 0)")
+    if plan.context_blocks is not None and plan.context_blocks.name != "xla":
+        raise NotImplementedError(f"the memory estimate does not model context parallelism on "
+                                  f"{plan.context_blocks.name} blocks, only on XLA's")
+
+
+def device_work(setup) -> DeviceWork:
+    layout, plan, cfg, t = setup.layout, setup.plan, setup.model_config, setup.config.train
+    rows = t.batch_size // t.grad_accum // layout.size("act_batch")
+    stages, chunks = layout.size("layers"), 1
+    if plan.pipeline is not None:
+        rows //= plan.pipeline.microbatches
+        chunks = stages * (plan.pipeline.repeats if plan.pipeline.name == "circular" else 1)
+    tensor = layout.size("act_heads")
+    # Repeated K/V heads (kv_heads_split false): each rank computes one KV head's copy.
+    kv = tensor if plan.split_kv_heads else min(tensor, cfg.n_kv_heads)
+    return DeviceWork(
+        rows=rows, length=t.seq_len // layout.size("act_length"), layers=cfg.n_layers // chunks, stages=stages,
+        tensor_ways=tensor, kv_ways=kv, vocab_ways=layout.size("act_vocab"),
+        residual_ways=layout.size("act_residual_length") // layout.size("act_length"), context=plan.context_mode,
+        context_ways=layout.size("act_length"), keep_kv=plan.context_keep_kv, expert_groups=layout.size("experts"),
+        dispatch=plan.expert_dispatch,
+        experts_gathered=plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1 and not layout.zero.keep_gathered,
+    )
+
+
+def saved_activations(setup, work: DeviceWork) -> int:
+    """The residuals every microbatch in flight keeps at once (module docstring)."""
+    pipeline, remat = setup.layout.pipeline, setup.model_config.remat
+    if pipeline is None:
+        return device_residual_bytes(setup, work, remat, setup.model_config.n_layers)
+    # 1F1B (the only schedule modelled): its ring holds `ring_size` microbatches' residuals of the
+    # stage's layers whatever their number. The ring is a carry of the tick loop that each tick
+    # rewrites in a conditional: the loop holds it twice (in and out), and the forward slot holds the
+    # residuals it is writing, or while it computes them one layer's activations, as the backward slot
+    # holds another layer's. Embedding, head and loss run on one microbatch at a time.
+    stack, outer = stack_and_outer(setup, work, remat, work.layers)
+    layer = stack_and_outer(setup, work, "none", layers=layer_period(setup))[0]
+    return 2 * ring_size(work.stages) * stack + max(stack, layer) + outer
+
+
+def layer_period(setup) -> int:
+    """Layers in one item of the scanned stack (an MoE model's period of `every` layers)."""
+    moe = setup.model_config.moe
+    return moe.every if moe.num_experts else 1
+
+
+def stack_and_outer(setup, work: DeviceWork, remat: str, layers: int) -> tuple[int, int]:
+    """(residual bytes of `layers` stacked layers, of everything else: embedding, head, loss), from
+    traces of `layers` and twice as many (the scanned stack's residuals grow with its length)."""
+    once = device_residual_bytes(setup, work, remat, layers)
+    twice = device_residual_bytes(setup, work, remat, 2 * layers)
+    return twice - once, 2 * once - twice
+
+
+def one_f_one_b_buffers(setup, work: DeviceWork) -> int:
+    """A 1F1B stage's own buffers (ushard/parallel/pipeline.py, one_f_one_b): its weights prepared for
+    compute where that makes a copy (ZeRO-3 gathers them; another dtype casts them), the float32
+    accumulators of its weights' and the outer parameters' gradients (per group of rows: whole over
+    fsdp), and the activation and its gradient passed between stages."""
+    layout, cfg, model = setup.layout, setup.model_config, setup.model
+    stack_names, outer_names = model.split_stack(model.logical)
+    stack_shapes, outer_shapes = model.split_stack(model.shapes)
+
+    def compute_bytes(shapes, names, dtype):
+        placed = jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype,
+                                                                sharding=layout.sharding(n)),
+                              shapes, names, is_leaf=lambda x: isinstance(x, tuple))
+        return shard_bytes(placed)
+
+    compute_dtype = jnp.dtype(cfg.compute_dtype)
+    copied = (setup.plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1) or compute_dtype != cfg.param_dtype
+    prepared = compute_bytes(stack_shapes, stack_names, compute_dtype) if copied else 0
+    accumulators = (compute_bytes(stack_shapes, stack_names, jnp.float32)
+                    + compute_bytes(outer_shapes, outer_names, jnp.float32))
+    passed = 2 * work.rows * work.length * cfg.d_model * compute_dtype.itemsize
+    return prepared + accumulators + passed
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def device_residual_bytes(setup, work: DeviceWork, remat: str, n_layers: int) -> int:
+    """The bytes of the residuals one device keeps for a forward pass of `work` over a model of
+    `n_layers` layers under the remat policy `remat`: traced at one device's rows and length, and where
+    tensor parallelism splits the residuals, traced again with its dimensions scaled (`SCALES`) to see
+    which dimensions each residual holds."""
+    reference = residual_shapes(setup, work, remat, n_layers, scaled=False)
+    if not work.split_by_tensor:
+        return sum(math.prod(shape) * size for shape, size in reference)
+    scaled = residual_shapes(setup, work, remat, n_layers, scaled=True)
+    if [len(s) for s, _ in reference] != [len(s) for s, _ in scaled]:
+        raise NotImplementedError("the memory estimate could not match this model's residuals between its "
+                                  "two traces (the model's structure changed with its sizes)")
+    return sum(math.ceil(device_elements(shape, grown, work)) * size
+               for (shape, size), (grown, _) in zip(reference, scaled))
+
+
+def device_elements(shape, grown, work: DeviceWork) -> float:
+    """One device's elements of a residual of `shape` (a whole-model trace's), given its shape `grown`
+    in the scaled trace: each dimension divided by the ways its logical dimensions are split."""
+    elements, width, tokens = 1.0, False, False
+    for size, scaled_size in zip(shape, grown):
+        held = dimensions_held(size, scaled_size)
+        ways = 1
+        if {"kv_heads", "groups", "head_dim"} <= held:  # the model's width
+            width = True
+        elif {"kv_heads", "groups"} <= held:  # query heads
+            ways *= work.tensor_ways
+        elif "kv_heads" in held:
+            ways *= work.kv_ways
+        elif "groups" in held:
+            ways *= work.tensor_ways // work.kv_ways
+        if "mlp" in held:
+            ways *= work.tensor_ways
+        if "vocab" in held:
+            ways *= work.vocab_ways
+        tokens = tokens or "length" in held
+        elements *= size / ways
+    if width and tokens:  # the residual stream: split along its length by sequence parallelism
+        elements /= work.residual_ways
+    return elements
+
+
+def dimensions_held(size: int, scaled_size: int) -> set[str]:
+    """The logical dimensions whose scaling (`SCALES`) made a dimension of `size` grow to
+    `scaled_size`; none where the growth is not a product of them (a capacity rounded up, say)."""
+    if size == 0 or scaled_size % size:
+        return set()
+    growth, held = scaled_size // size, set()
+    for name, prime in SCALES.items():
+        if growth % prime == 0:
+            held.add(name)
+            growth //= prime
+            if growth % prime == 0:  # the same dimension twice in one: not a layout this model makes
+                return set()
+    return held if growth == 1 else set()
+
+
+def residual_shapes(setup, work: DeviceWork, remat: str, n_layers: int, scaled: bool) -> list[tuple]:
+    """(shape, itemsize) of each residual JAX saves for the backward pass of the objective (arguments
+    excluded), for `work.rows` sequences of `work.length` tokens on a model of `n_layers` layers."""
+    cfg = dataclasses.replace(setup.model_config, remat=remat, n_layers=n_layers,
+                              compute_dtype=held_dtype(setup).name)
+    length = work.length
+    if scaled:
+        s = SCALES
+        cfg = dataclasses.replace(
+            cfg, n_kv_heads=cfg.n_kv_heads * s["kv_heads"], n_heads=cfg.n_heads * s["kv_heads"] * s["groups"],
+            d_model=cfg.d_model * s["kv_heads"] * s["groups"] * s["head_dim"], d_ff=cfg.d_ff * s["mlp"],
+            vocab_size=cfg.vocab_size * s["vocab"],
+            moe=dataclasses.replace(cfg.moe, expert_d_ff=cfg.expert_d_ff * s["mlp"]))
+        length *= s["length"]
+    model = model_definition(cfg)
+    params = local_experts(jax.eval_shape(lambda: model.init(0)), model.logical, work.expert_groups)
+    token_ids = jax.ShapeDtypeStruct((work.rows, length), jnp.int32)
     batch = dict.fromkeys(setup.steps.batch_shardings, token_ids)
 
     def objective(params, batch):
-        logits, aux = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
+        with use_layout(trace_layout(work)):
+            logits, aux = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
         return objective_terms(logits, aux, batch)[0]
 
     residuals = ad_checkpoint.saved_residuals(objective, params, batch)
-    return sum(int(np.prod(aval.shape)) * jnp.dtype(aval.dtype).itemsize
-               for aval, source in residuals if not source.startswith("from the argument"))
+    # Arguments are counted in the state; a constant (the embedding's table shape, kept by its custom
+    # VJP only for its shape) is never materialised.
+    return [(aval.shape, jnp.dtype(aval.dtype).itemsize) for aval, source in residuals
+            if not source.startswith(("from the argument", "from a constant"))]
+
+
+def local_experts(params, logical, groups: int):
+    """`params` with every routed expert weight cut to one device's block of experts: what the expert
+    map receives as its argument."""
+    def block(p, names):
+        if "experts" not in names:
+            return p
+        return jax.ShapeDtypeStruct((p.shape[0] // groups, *p.shape[1:]), p.dtype) if names[0] == "experts" else \
+            jax.ShapeDtypeStruct((p.shape[0], p.shape[1] // groups, *p.shape[2:]), p.dtype)
+
+    return jax.tree.map(block, params, logical, is_leaf=lambda x: isinstance(x, tuple))
+
+
+# --------------------------------------------------------------------------- one device's stand-ins
+
+
+class _TraceLayout(Layout):
+    """A one-device layout under which the model runs one device's work: nothing is placed, but the
+    sequence's and the experts' splits are reported as the real layout's, so that attention and MoE
+    layers call the stand-ins of their parallel code (`_trace_seams`)."""
+
+    def size(self, name, kind="compute"):
+        return self.ways.get(name, 1)
+
+
+def trace_layout(work: DeviceWork) -> Layout:
+    mesh = build_mesh(dict.fromkeys(MESH_AXES, 1), devices=jax.devices()[:1])
+    layout = _TraceLayout.create(mesh, zero_stage=0)
+    object.__setattr__(layout, "seams", Seams(context_attention=_context_stand_in(work),
+                                              routed_experts=_experts_stand_in(work)))
+    object.__setattr__(layout, "ways", {"act_length": work.context_ways, "experts": work.expert_groups})
+    return layout
+
+
+def _context_stand_in(work: DeviceWork):
+    """Context-parallel attention (ushard/parallel/context.py) as one device computes it, no transfers:
+    the ring's custom VJP keeps the local queries, keys, values, output and log-sum-exp (and, with
+    keep_kv, the blocks that arrived); the all-gather mode attends to gathered keys and values under
+    autodiff."""
+    ways = work.context_ways
+
+    def attention(q, k, v, segment_ids, xla_block, _fused):
+        t = q.shape[1]
+        index = jnp.arange(t)[None]
+        if work.context == "all_gather":
+            gathered = [jnp.concatenate([a] * ways, axis=1) if a is not None else None for a in (k, v, segment_ids)]
+            all_index = jnp.arange(t * ways)[None]
+            return xla_block(q, gathered[0], gathered[1], index, all_index, segment_ids, gathered[2])[0].astype(q.dtype)
+
+        @jax.custom_vjp
+        def ring(q, k, v):
+            return xla_block(q, k, v, index, index, segment_ids, segment_ids)[0].astype(q.dtype)
+
+        def forward(q, k, v):
+            out, lse = xla_block(q, k, v, index, index, segment_ids, segment_ids)
+            out = out.astype(q.dtype)
+            received = (jnp.concatenate([k] * (ways - 1), axis=1), jnp.concatenate([v] * (ways - 1), axis=1))
+            return out, (q, k, v, out, lse, received if work.keep_kv else None)
+
+        def backward(residuals, d_out):
+            q, k, v = residuals[:3]
+            return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+
+        ring.defvjp(forward, backward)
+        return ring(q, k, v)
+
+    return attention
+
+
+def _experts_stand_in(work: DeviceWork):
+    """ushard/parallel/expert.py's routed experts as one device computes them: its experts' block of
+    the weights, the padded dispatch's buffers (ushard/models/dispatch.py: every expert's capacity of
+    this device's rows, which the all-to-all sends and receives whole), or the ragged dispatch's
+    receive buffer (`receive_rows`)."""
+    groups = work.expert_groups
+
+    def routed(x, experts, gates, keep, weights, _names, expert_fn, row_capacity, how, headroom, _chunks=1):
+        if work.experts_gathered:  # gathered inside the map: a copy that is not the map's argument
+            weights = {name: w * jnp.ones((), w.dtype) for name, w in weights.items()}
+        if groups == 1:
+            return dispatch.on_device(x, experts, gates, keep, weights, expert_fn, row_capacity), jnp.float32(0)
+        if how != "ragged":
+            return dispatch.on_device(x, experts, gates, keep, weights, expert_fn, row_capacity, groups,
+                                      exchange=lambda buffer: buffer), jnp.float32(0)
+        return _ragged_stand_in(x, experts, gates, keep, weights, expert_fn, groups, headroom), jnp.float32(0)
+
+    return routed
+
+
+def _ragged_stand_in(x, experts, gates, keep, weights, expert_fn, groups: int, headroom: float):
+    local_experts, k = dispatch.experts_held(weights), experts.shape[-1]
+    tokens, key, gates = dispatch.flat(x, experts, gates, keep, local_experts * groups)
+    order, sizes, _ = dispatch.sort_by_expert(key, local_experts * groups)
+    inverse = dispatch.inverse_of(order)
+    rows = dispatch.assignment_rows(tokens, order, inverse, k)
+    most = receive_rows(rows.shape[0], groups, local_experts, k, headroom)
+    received = checkpoint_name(_resized(rows, most), EXPERT_MATMUL)
+    computed = expert_fn(weights, received, sizes[:local_experts])
+    out_sorted = checkpoint_name(_resized(computed, rows.shape[0]), EXPERT_MATMUL)
+    return dispatch.unsort_and_combine(out_sorted, order, inverse, gates, x)
+
+
+def _resized(rows, count: int):
+    """`rows` [n, d] cut or zero-padded to `count` rows: a buffer of the exchange's size."""
+    if count <= rows.shape[0]:
+        return rows[:count]
+    return jnp.pad(rows, ((0, count - rows.shape[0]), (0, 0)))

@@ -15,6 +15,7 @@ the platform lacks; the `ParallelPlan` records the choice once per run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -121,6 +122,8 @@ def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool) -> t
 
 def whole_sequence(q, k, v, segment_ids, impl: str):
     """Causal attention over whole sequences by the resolved kernel `impl` ("xla", "cudnn", "splash")."""
+    if impl == "cudnn" and _traced_off_the_chip:
+        return by_halves(FLASH_SHAPES, q, k, v, segment_ids)
     if impl == "splash":
         from ushard.kernels.splash import splash_attention
 
@@ -169,6 +172,37 @@ def by_halves(blocks: BlockKernel, q, k, v, segment_ids):
 
     attend.defvjp(attend_forward, attend_backward)
     return attend(q, k, v, segment_ids)
+
+
+# While true, cuDNN attention is traced as `FLASH_SHAPES` (`traced_off_the_chip`).
+_traced_off_the_chip = False
+
+
+@contextlib.contextmanager
+def traced_off_the_chip():
+    """cuDNN attention cannot be traced without a GPU. Inside this, it is traced as a stand-in with
+    flash attention's shapes: XLA blocks forward, a backward that is never run, and the residuals a
+    flash kernel keeps (queries, keys, values, output, log-sum-exp). For the planner's memory
+    estimate of a GPU cluster laid out on simulated CPU devices; never for a step that runs."""
+    global _traced_off_the_chip
+    before, _traced_off_the_chip = _traced_off_the_chip, True
+    try:
+        yield
+    finally:
+        _traced_off_the_chip = before
+
+
+def _flash_shapes_forward(q, k, v, causal, q_segments, k_segments):
+    length = jnp.arange(q.shape[1])[None]
+    out, lse = xla_block(q, k, v, length, length if causal else jnp.zeros_like(length), q_segments, k_segments)
+    return out.astype(q.dtype), lse
+
+
+def _flash_shapes_backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
+    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+
+
+FLASH_SHAPES = BlockKernel(_flash_shapes_forward, _flash_shapes_backward, segments=True)
 
 
 def xla_block(q, k, v, q_index, k_index, q_segments, k_segments):

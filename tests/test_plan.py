@@ -1,0 +1,151 @@
+"""`ushard plan` (ushard/planner.py): the report and its JSON, the estimate beside the compiled step,
+and `--recommend`'s textbook answers, on 8 simulated CPU devices."""
+
+import json
+import math
+
+import pytest
+
+from conftest import small_config
+from ushard import planner
+from ushard.cli import main
+
+# A model big enough for activations to matter and small enough to trace in a second.
+BASE = {"model.d_model": 256, "model.d_ff": 1024, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 2,
+        "train.seq_len": 256, "train.batch_size": 16}
+OVERRIDES = [f"--config.{key}={value}" for key, value in BASE.items()]
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_report_names_memory_collectives_and_time(capsys):
+    code, out, err = run_cli(capsys, "plan", "--config", "tiny", *OVERRIDES, "--devices", "8",
+                             "--config.mesh.tensor=2", "--config.parallel.sequence_parallel=true")
+    assert code == 0, err
+    for words in ("memory per device", "parameters", "optimizer state", "activations kept", "peak",
+                  "GiB HBM: fits", "step", "MFU", "tensor", "intra_host 270"):
+        assert words in out, (words, out)
+
+
+def test_a_slower_link_makes_a_slower_step(capsys):
+    def step(*argv):
+        code, out, err = run_cli(capsys, "plan", "--config", "tiny", *OVERRIDES, "--gpus", "h100:4x2", "--json",
+                                 "--config.mesh.fsdp=8", *argv)
+        assert code == 0, err
+        return json.loads(out)["estimate"]["step_s"]
+
+    assert step("--bandwidth", "inter_host=0.5") > step()
+
+
+def test_json_holds_the_estimate_and_the_compiled_peak_within_ten_percent(capsys):
+    code, out, err = run_cli(capsys, "plan", "--config", "tiny", *OVERRIDES, "--devices", "8", "--json",
+                             "--compile")
+    assert code == 0, err
+    plan = json.loads(out)
+    estimate, compiled = plan["estimate"], plan["compiled"]
+    assert estimate["step_s"] > 0 and estimate["memory"]["fits"] is True
+    assert compiled["estimate_peak_bytes"] == pytest.approx(compiled["peak_bytes"], rel=0.10)
+    assert "all-gather" in compiled["collectives"]  # ZeRO-3 over fsdp=8 gathers the weights
+
+
+def test_a_layout_that_does_not_fit_says_so(capsys):
+    code, out, err = run_cli(capsys, "plan", "--config", "tiny", *OVERRIDES, "--devices", "8", "--hbm", "0.01")
+    assert code == 0, err
+    assert "does NOT fit" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpus", "h100:8x4"], "JAX_NUM_CPU_DEVICES=32"),  # this process has 8 simulated devices
+    (["--gpus", "h100"], "--gpus='h100' is not a GPU cluster"),
+    (["--devices", "8", "--gpus", "h100:8"], "name the machine once"),
+    (["--devices", "8", "--hbm", "-1"], "--hbm=-1.0 must be a positive"),
+    (["--devices", "8", "--hardware", "a100x"], "a100x"),
+    (["--devices", "8", "--bandwidth", "nvlink=900"], "--bandwidth 'nvlink=900' is not NAME=GB/s"),
+])
+def test_bad_machines_get_one_sentence(capsys, argv, words):
+    code, _, err = run_cli(capsys, "plan", "--config", "tiny", *argv)
+    assert code == 2 and words in err and "Traceback" not in err, err
+
+
+def test_the_chart_is_written(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    code, _, err = run_cli(capsys, "plan", "--config", "tiny", *OVERRIDES, "--devices", "8", "--chart", str(path))
+    assert code == 0, err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def recommended(config_name, target, **overrides):
+    config = small_config(config_name, **{**BASE, **overrides})
+    return planner.recommend(config, target, top=50)
+
+
+def settings(a, key):
+    return a.overrides[key]
+
+
+def test_recommend_takes_the_lowest_zero_stage_that_fits():
+    """Where ZeRO-1 fits, no layout is given ZeRO-2 or ZeRO-3 (ZeRO-0 does not fit in this HBM)."""
+    config = small_config("tiny", **BASE)
+    target = planner.target_for(devices=8)
+    fsdp8 = {"mesh.fsdp": 8}
+    zero = {stage: planner.assess(small_config("tiny", **BASE, **fsdp8, **{"parallel.zero_stage": stage}), target)
+            for stage in (0, 1)}
+    hbm = (zero[0].memory.peak + zero[1].memory.peak) / 2 / planner.GIB
+    found = planner.recommend(config, planner.target_for(devices=8, hbm_gib=hbm), top=50)
+    flat = [a for a in found if all(a.overrides[f"mesh.{x}"] == 1 for x in ("tensor", "pipeline", "sequence"))]
+    assert flat and all(a.overrides["parallel.zero_stage"] == 1 for a in flat)
+
+
+def test_recommend_keeps_tensor_parallelism_inside_a_host_and_pipelines_across_hosts():
+    found = recommended("tiny", planner.target_for(gpus="h100:4x2"))
+    assert found and all(a.overrides["mesh.tensor"] <= 4 for a in found)
+    assert all(a.overrides["mesh.pipeline"] in (1, 2) for a in found)
+
+
+def test_recommend_adds_no_pipeline_on_one_host_where_memory_does_not_force_it():
+    found = recommended("tiny", planner.target_for(devices=8))
+    assert found and all(a.overrides["mesh.pipeline"] == 1 for a in found)
+
+
+def test_recommend_splits_an_moe_models_experts_before_tensor_parallelism():
+    """The first layout that splits the model's weights splits its experts (not tensor parallelism),
+    and a layout with tensor parallelism has its experts split as far as the devices left allow."""
+    found = recommended("tiny_moe", planner.target_for(devices=8), **{"model.moe.expert_d_ff": 256})
+    experts = small_config("tiny_moe").model.moe.num_experts
+    split = [a.overrides for a in found if a.overrides["mesh.expert"] > 1 or a.overrides["mesh.tensor"] > 1]
+    assert split and split[0]["mesh.expert"] > 1 and split[0]["mesh.tensor"] == 1, split
+    for a in found:
+        o = a.overrides
+        if o["mesh.tensor"] > 1:
+            left = 8 // (o["mesh.tensor"] * o["mesh.pipeline"] * o["mesh.sequence"])
+            assert o["mesh.expert"] == math.gcd(experts, left), o
+
+
+def test_recommend_prints_ready_overrides_and_json(capsys):
+    code, out, err = run_cli(capsys, "plan", "--config", "tiny", *OVERRIDES, "--devices", "8", "--recommend",
+                             "--top", "2")
+    assert code == 0, err
+    assert out.count("--config.mesh.fsdp=") == 2 and "the lowest stage that fits" in out
+    code, out, err = run_cli(capsys, "plan", "--config", "tiny", *OVERRIDES, "--devices", "8", "--recommend",
+                             "--top", "2", "--json")
+    layouts = json.loads(out)["layouts"]
+    assert code == 0 and len(layouts) == 2
+    assert layouts[0]["estimate"]["step_s"] <= layouts[1]["estimate"]["step_s"]
+    assert all(layout["reasons"] and layout["overrides"] for layout in layouts)
+
+
+@pytest.mark.slow
+def test_llama3_8b_is_planned_and_compiled_for_a_tpu_topology(capsys):
+    """The issue's command: the estimate beside XLA's memory analysis for 64 v5p chips (libtpu)."""
+    pytest.importorskip("libtpu")
+    code, out, err = run_cli(capsys, "plan", "--config", "llama3_8b", "--topology", "v5p:4x4x4", "--compile",
+                             "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["target"]["devices"] == 64 and plan["compiled"]["peak_bytes"] > 0
+    assert plan["estimate"]["step_s"] > 0
