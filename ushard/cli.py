@@ -238,7 +238,7 @@ def plan(args, overrides) -> None:
                             f"device); add devices, lower train.batch_size or train.seq_len.")
         if args.compile:
             for a in found:
-                a.compiled = planner.compiled_figures(a.setup)
+                planner.add_compiled(a, target)
     else:
         found = [planner.assess(config, target, compile=args.compile)]
     if args.chart:

@@ -133,7 +133,6 @@ class Assessment:
     """One layout of one config on a target: its memory per device, its predicted step, and, where
     compiled, what XLA made of it."""
 
-    config: object
     overrides: dict  # the `--config.` settings that make this layout (recommend's), else {}
     setup: object
     memory: object | None  # ushard.estimate.MemoryEstimate; None where the estimate does not model it
@@ -170,12 +169,23 @@ def assess(config, target: Target, compile: bool = False, overrides: dict | None
     except NotImplementedError as e:
         memory, note = None, str(e)
     time = step_time.predict(setup, target.hardware)
-    result = Assessment(config=config, overrides=dict(overrides or {}), setup=setup, memory=memory, memory_note=note,
+    result = Assessment(overrides=dict(overrides or {}), setup=setup, memory=memory, memory_note=note,
                         time=time, parameters=estimate.shard_bytes(state.params),
                         optimizer_state=estimate.shard_bytes(state.opt_state), hbm_bytes=target.hbm_bytes)
     if compile:
-        result.compiled = compiled_figures(build(config, list(target.devices)) if gpu else setup)
+        add_compiled(result, target)
     return result
+
+
+def add_compiled(a: Assessment, target: Target) -> None:
+    """Compiles `a`'s train step for the target's stand-in devices, with their own kernels (a GPU
+    target's simulated CPU devices cannot compile cuDNN), and records XLA's figures in `a.compiled`."""
+    from ushard.build import build
+
+    setup = a.setup
+    if setup.plan.platform != target.devices[0].platform:
+        setup = build(setup.config, list(target.devices))
+    a.compiled = compiled_figures(setup)
 
 
 def compiled_figures(setup) -> dict:
@@ -230,7 +240,7 @@ def memory_lines(a: Assessment) -> list[str]:
         ratio = f"  (its estimate: {estimated / peak:.2f} of it)" if estimated and peak else ""
         lines.append(f"  {'compiled peak (XLA memory analysis)':<46}{_gib(peak)}{ratio}")
         if a.compiled["platform"] != a.setup.plan.platform:
-            lines.append(f"  (compiled for the simulated {a.compiled['platform'].upper()} devices, with their kernels)")
+            lines.append(f"  (compiled for the {a.compiled['platform'].upper()} devices here, with their kernels)")
     return lines
 
 
@@ -342,7 +352,7 @@ def mesh_candidates(config, target: Target, forced: bool = False) -> list[tuple[
                 replicas = hosts // pipeline
                 if replicas > 1 and ways % replicas == 0 and ways > replicas:
                     shapes.append((dict(mesh, data=replicas, fsdp=ways // replicas),
-                                   reasons + [f"data={replicas}: a replica a host, ZeRO inside it"]))
+                                   reasons + [f"data={replicas}: a replica a host, fsdp inside it"]))
     return shapes
 
 
@@ -432,6 +442,12 @@ def recommendations(found: list[Assessment], target: Target) -> str:
         lines += ["", f"{rank}. {' '.join(overrides_text(a.overrides))}",
                   f"   step {t.step_s * 1e3:.1f} ms, {t.tflops_per_device:.0f} TFLOP/s a device, MFU "
                   f"{t.mfu:.1%}; peak {a.memory.peak / GIB:.1f} GiB a device"]
+        if a.compiled is not None:
+            c = a.compiled
+            ratio = f" (its estimate: {c['estimate_peak_bytes'] / c['peak_bytes']:.2f} of it)" \
+                if c["estimate_peak_bytes"] else ""
+            lines.append(f"   compiled for the {c['platform'].upper()} devices here: peak "
+                         f"{c['peak_bytes'] / GIB:.1f} GiB{ratio}")
         lines += [f"   - {reason}" for reason in a.reasons]
     return "\n".join(lines)
 
