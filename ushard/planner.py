@@ -34,6 +34,8 @@ class Target:
     hardware: object  # ushard.step_time.Hardware
     per_host: int  # devices joined by the fast link (NVLink, a TPU slice's ICI)
     what: str  # one phrase, e.g. "4 hosts of 8 h100"
+    usable: float = 1.0  # the share of the chip's HBM a run may take (`usable_share`)
+    usable_why: str = ""
 
     @property
     def count(self) -> int:
@@ -41,7 +43,28 @@ class Target:
 
     @property
     def hbm_bytes(self) -> int:
-        return self.hardware.hbm_bytes
+        """What one device gives the run: the part of its HBM JAX lets a process allocate."""
+        return int(self.hardware.hbm_bytes * self.usable)
+
+
+# JAX preallocates this share of a GPU's memory for a process unless XLA_PYTHON_CLIENT_MEM_FRACTION
+# says otherwise (JAX's GPU memory allocation docs); on TPUs a process has the whole HBM.
+JAX_GPU_MEMORY_SHARE = 0.75
+
+
+def usable_share(platform: str) -> tuple[float, str]:
+    """(share of HBM a run gets, why), from the environment the run would have: this process's."""
+    import os
+
+    if platform != "gpu":
+        return 1.0, ""
+    given = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    try:
+        share = float(given) if given else JAX_GPU_MEMORY_SHARE
+    except ValueError:
+        raise UserError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={given!r} is not a number.") from None
+    source = "XLA_PYTHON_CLIENT_MEM_FRACTION" if given else "JAX's default; XLA_PYTHON_CLIENT_MEM_FRACTION raises it"
+    return share, f"{share:.0%} of the HBM ({source})"
 
 
 def parse_gpus(text: str) -> tuple[str, int, int]:
@@ -80,7 +103,8 @@ def target_for(devices: int | None = None, topology: str | None = None, gpus: st
                bandwidths: list[str] = ()) -> Target:
     """The machine of `ushard plan`'s flags: `gpus` ("h100:8x4"), a TPU `topology` ("v5p:4x4x4", with
     `num_slices`), or `devices` of `hardware` (a preset name of ushard.step_time; default h100).
-    `hbm_gib` overrides the chip's memory; `bandwidths`, "NAME=GB/s" items, the links' (`LINKS`)."""
+    `hbm_gib` is what one device gives the run (default: the chip's HBM, on GPUs the share JAX
+    allocates, `usable_share`); `bandwidths`, "NAME=GB/s" items, the links' (`LINKS`)."""
 
     if sum(x is not None for x in (devices, topology, gpus)) != 1:
         raise UserError("name the machine once: --devices N, --topology GENERATION:SHAPE or --gpus KIND:PERxHOSTS.")
@@ -104,8 +128,9 @@ def target_for(devices: int | None = None, topology: str | None = None, gpus: st
         per_host = min(devices, chip.devices_per_host)
         found, what = cpu_devices(devices), f"{devices} {chip.name}"
     chip = chip.replace(devices_per_host=per_host)
+    usable, why = usable_share(chip.platform)
     if hbm_gib is not None:
-        chip = chip.replace(hbm_bytes=int(hbm_gib * GIB))
+        chip, usable, why = chip.replace(hbm_bytes=int(hbm_gib * GIB)), 1.0, "--hbm"
     for item in bandwidths:
         name, _, value = item.partition("=")
         try:
@@ -116,7 +141,7 @@ def target_for(devices: int | None = None, topology: str | None = None, gpus: st
             raise UserError(f"--bandwidth {item!r} is not NAME=GB/s with NAME one of {', '.join(LINKS)} and a "
                             f"positive rate.")
         chip = chip.replace(**{LINKS[name]: rate * 1e9})
-    return Target(devices=found, hardware=chip, per_host=per_host, what=what)
+    return Target(devices=found, hardware=chip, per_host=per_host, what=what, usable=usable, usable_why=why)
 
 
 def chip_named(name: str, flag: str):
@@ -226,7 +251,7 @@ def _gib(n: int) -> str:
     return f"{n / GIB:8.2f} GiB"
 
 
-def memory_lines(a: Assessment) -> list[str]:
+def memory_lines(a: Assessment, target: Target) -> list[str]:
     zero = a.setup.plan.zero_stage
     lines = [f"memory per device (estimate; ZeRO-{zero}, remat {a.setup.model_config.remat!r}):"]
     if a.memory is None:
@@ -234,7 +259,8 @@ def memory_lines(a: Assessment) -> list[str]:
     else:
         lines += [f"  {label:<46}{_gib(read(a))}" for label, read in MEMORY_ROWS if read(a)]
         verdict = "fits" if a.fits else "does NOT fit"
-        lines.append(f"  {'peak':<46}{_gib(a.memory.peak)}  of {a.hbm_bytes / GIB:.1f} GiB HBM: {verdict}")
+        usable = f" ({target.usable_why})" if target.usable_why else ""
+        lines.append(f"  {'peak':<46}{_gib(a.memory.peak)}  of {a.hbm_bytes / GIB:.1f} GiB{usable}: {verdict}")
     if a.compiled is not None:
         peak, estimated = a.compiled["peak_bytes"], a.compiled["estimate_peak_bytes"]
         ratio = f"  (its estimate: {estimated / peak:.2f} of it)" if estimated and peak else ""
@@ -262,7 +288,7 @@ def report(a: Assessment, target: Target) -> str:
     links = (f"links (GB/s a device): intra_host {hw.intra_host_bw / 1e9:.0f}, p2p {hw.p2p_bw / 1e9:.0f}, "
              f"inter_host {hw.inter_host_bw / 1e9:.1f} (--bandwidth NAME=GB/s to change)")
     lines = [head, a.setup.plan.describe().rstrip("\n"), links, ""]
-    lines += memory_lines(a)
+    lines += memory_lines(a, target)
     lines += [""] + a.time.describe().split("\n")
     if a.compiled is not None:
         lines += [""] + compiled_collective_lines(a)
