@@ -201,3 +201,15 @@ def test_bench_runs_a_variant_as_one_process_per_device():
     result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
     assert result["name"] == "fsdp2" and "error" not in result
     assert result["devices"].startswith("2 x ") and result["tokens_per_s"] > 0
+
+
+def test_plan_check_times_the_layouts_the_planner_recommends():
+    """tools/plan_check.py: the planner's first choice for two devices, timed by bench.py beside its prediction."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}
+    out = subprocess.run([sys.executable, os.path.join(TOOLS, "plan_check.py"), "--config", "configs/tiny.py",
+                          "--hardware", "h100", "--top", "1", "--steps", "1", "--warmup", "1"],
+                         cwd=os.path.dirname(TOOLS), env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("plan1"))
+    predicted, measured = (float(x) for x in row.split()[1:3])
+    assert predicted > 0 and measured > 0 and "--config.mesh.fsdp=" in row
