@@ -149,3 +149,28 @@ def test_llama3_8b_is_planned_and_compiled_for_a_tpu_topology(capsys):
     plan = json.loads(out)
     assert plan["target"]["devices"] == 64 and plan["compiled"]["peak_bytes"] > 0
     assert plan["estimate"]["step_s"] > 0
+
+
+def test_training_refuses_a_layout_whose_state_alone_does_not_fit(monkeypatch, stdlib_batches):
+    """Before anything is allocated, with the numbers (the device's memory is stood in for: CPUs report none)."""
+    import jax
+
+    from ushard.errors import UserError
+    from ushard.training.loop import Trainer
+
+    config = small_config("tiny", **BASE, **{"mesh.fsdp": 8, "parallel.zero_stage": 0})
+    monkeypatch.setattr(planner, "device_memory", lambda setup: 2**20)
+    with pytest.raises(UserError, match=r"this layout cannot fit: its training state alone takes .* GiB a device "
+                                        r"\(parameters .*, optimizer state .*, float32 gradients .*\)"):
+        Trainer(config, devices=jax.devices()[:8], batches=stdlib_batches).run(log=lambda *_: None)
+
+
+def test_the_state_check_counts_the_zero_stages_split():
+    """ZeRO-0 holds the whole state on each device; ZeRO-3 an eighth of it: a limit between the two."""
+    target = planner.target_for(devices=8)
+    zero3 = planner.assess(small_config("tiny", **BASE, **{"mesh.fsdp": 8}), target).setup
+    zero0 = planner.assess(small_config("tiny", **BASE, **{"mesh.fsdp": 8, "parallel.zero_stage": 0}), target).setup
+    whole = sum(planner.estimate_state_bytes(zero0))
+    planner.check_state_fits(zero3, limit=whole // 2)
+    with pytest.raises(planner.UserError):
+        planner.check_state_fits(zero0, limit=whole // 2)

@@ -514,3 +514,48 @@ def chart(found: list[Assessment], target: Target, path: str) -> None:
         raise UserError(f"--chart={path} could not be written ({e.strerror or e}).") from None
     finally:
         plt.close(figure)
+
+
+# --------------------------------------------------------------------------- before a run
+
+def device_memory(setup) -> int | None:
+    """The bytes one of this process's devices gives a run, where the device reports it (GPUs, TPUs)."""
+    device = setup.mesh.local_devices[0]
+    try:
+        stats = device.memory_stats()
+    except (NotImplementedError, RuntimeError):  # backends that keep no allocator statistics
+        return None
+    return (stats or {}).get("bytes_limit")
+
+
+def estimate_state_bytes(setup) -> tuple[int, int, int]:
+    """(parameters, optimizer state, float32 gradients): one device's bytes, from the shardings."""
+    import jax
+    import jax.numpy as jnp
+
+    from ushard import estimate
+
+    state = setup.steps.abstract_state()
+    gradients = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=s), state.params,
+                             setup.steps.shardings.grads)
+    return (estimate.shard_bytes(state.params), estimate.shard_bytes(state.opt_state),
+            estimate.shard_bytes(gradients))
+
+
+def check_state_fits(setup, limit: int | None = None) -> None:
+    """Refuses, before anything is allocated, a layout whose training state alone (parameters,
+    optimizer state and float32 gradients, laid out as the ZeRO stage lays them: exact, from the
+    shardings) exceeds the device's memory, with the numbers. Nothing is traced: the activations'
+    estimate stays with `ushard plan`, which says how much more a step needs."""
+    limit = device_memory(setup) if limit is None else limit
+    if not limit:
+        return
+    parameters, optimizer, gradients = estimate_state_bytes(setup)
+    needed = parameters + optimizer + gradients
+    if needed <= limit:
+        return
+    raise UserError(
+        f"this layout cannot fit: its training state alone takes {needed / GIB:.1f} GiB a device (parameters "
+        f"{parameters / GIB:.1f}, optimizer state {optimizer / GIB:.1f}, float32 gradients {gradients / GIB:.1f}) "
+        f"and a device gives the run {limit / GIB:.1f} GiB; split the state over more devices (mesh.fsdp with "
+        f"parallel.zero_stage=3), or run `ushard plan --recommend` for a layout that fits.")

@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from ushard import tracking
+from ushard import planner, tracking
 from ushard.build import build
 from ushard.checkpoint import Checkpoints
 from ushard.data import local_block, make_batches, place_batch
@@ -197,6 +197,7 @@ class Trainer:
                 return self.run(log, signals)
         t = self.config.train
         log(self.setup.describe())
+        planner.check_state_fits(self.setup)
         summary = self.batches.summary()
         if summary:
             log(summary)
