@@ -396,16 +396,26 @@ def _mesh_reasons(mesh: dict, per_host: int, hosts: int, moe: int, forced: bool)
     return reasons
 
 
-def layout_overrides(mesh: dict, zero: int, remat: str, config) -> dict:
-    overrides = {f"mesh.{axis}": size for axis, size in mesh.items()}
-    overrides.update({"parallel.zero_stage": zero, "model.remat": remat,
-                      "parallel.sequence_parallel": mesh["tensor"] > 1})
-    if mesh["pipeline"] > 1:
-        overrides.update({"parallel.pipeline_schedule": "1f1b",
-                          "parallel.pipeline_microbatches": _microbatches(config, mesh)})
+def layout_variants(config, mesh: dict) -> list[tuple[dict, list[str]]]:
+    """The settings beyond the mesh to try with it, each with its reasons: every pipeline schedule (at
+    the most microbatches up to four a stage that the batch divides into), and for a split sequence
+    both context modes."""
+    base = {f"mesh.{axis}": size for axis, size in mesh.items()}
+    base["parallel.sequence_parallel"] = mesh["tensor"] > 1
     if config.model.moe.num_experts and mesh["expert"] > 1:
-        overrides["model.moe.dispatch"] = "ragged"
-    return overrides
+        base["model.moe.dispatch"] = "ragged"
+    pipelines = [({}, [])]
+    if mesh["pipeline"] > 1:
+        count = _microbatches(config, mesh)
+        pipelines = [({"parallel.pipeline_schedule": schedule, "parallel.pipeline_microbatches": count,
+                       "parallel.pipeline_repeats": 2 if schedule == "circular" else 1},
+                      [f"{schedule} schedule, {count} microbatches"]) for schedule in ("1f1b", "gpipe", "circular")]
+    contexts = [({}, [])]
+    if mesh["sequence"] > 1:
+        contexts = [({"parallel.context_parallel": mode}, [f"context parallelism by {mode}"])
+                    for mode in ("ring", "all_gather")]
+    return [({**base, **pipe, **context}, why + more) for (pipe, why), (context, more)
+            in itertools.product(pipelines, contexts)]
 
 
 def _microbatches(config, mesh: dict) -> int:
@@ -434,11 +444,13 @@ def _search(config, target: Target, forced: bool, log=None) -> list[Assessment]:
     from ushard.config import apply_override_dict
 
     found = []
-    for mesh, reasons in mesh_candidates(config, target, forced):
+    candidates = [(variant, reasons + more) for mesh, reasons in mesh_candidates(config, target, forced)
+                  for variant, more in layout_variants(config, mesh)]
+    for variant, reasons in candidates:
         for remat in REMAT_ORDER:
             fitted = None
             for zero in range(4):
-                overrides = layout_overrides(mesh, zero, remat, config)
+                overrides = {**variant, "parallel.zero_stage": zero, "model.remat": remat}
                 candidate = config.copy_and_resolve_references()
                 try:
                     apply_override_dict(candidate, overrides)
