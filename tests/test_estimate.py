@@ -7,7 +7,7 @@ MoE dispatch modes, the shipped configs) is marked slow."""
 import pytest
 
 from conftest import small_config
-from ushard.aot import compile_train_step
+from ushard.aot import build_for, compile_train_step
 from ushard.build import build
 from ushard.config import apply_overrides, load_config
 from ushard.estimate import estimate
@@ -91,7 +91,10 @@ def compiled_peak(memory) -> int:
 def assert_estimate_matches_compiler(setup):
     estimated = estimate(setup)
     memory = compile_train_step(setup).memory_analysis()
-    assert estimated.state + estimated.batch == memory.argument_size_in_bytes
+    if setup.plan.platform == "tpu":  # TPU arrays are stored in tiles (8 x 128 for 32 bits): small ones padded
+        assert estimated.state + estimated.batch == pytest.approx(memory.argument_size_in_bytes, rel=0.05)
+    else:
+        assert estimated.state + estimated.batch == memory.argument_size_in_bytes
     tolerance = 0.15 if setup.model_config.remat == "full" else 0.10
     assert estimated.peak == pytest.approx(compiled_peak(memory), rel=tolerance)
 
@@ -108,6 +111,30 @@ def test_the_estimate_matches_the_compiler_on_the_shipped_configs(name):
     config = load_config(config_name)
     apply_overrides(config, [f"{k}={v}" for k, v in {**SHRUNK, **overrides}.items()])
     assert_estimate_matches_compiler(build(config))
+
+
+# On TPU devices (compiled ahead of time through libtpu, ushard/aot.py): splash attention, bfloat16 compute,
+# a vocabulary large enough that the logits and their gradient are the peak's largest buffers. The whole
+# llama3_8b at 4 sequences of 8192 a chip on v5p:4x4x4 (fsdp=64, 90 s to compile) reads 31.67 GiB
+# estimated against 31.56 GiB compiled (75.1 GiB before splash attention's residuals and the logits'
+# gradient were modelled).
+TPU = {
+    "tiny_v5p8_vocab32k": ("tiny", {"model.d_model": 256, "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 1024,
+                                    "model.n_layers": 4, "train.seq_len": 1024, "train.batch_size": 16,
+                                    "mesh.fsdp": 8, "model.compute_dtype": "bfloat16", "model.vocab_size": 32768}),
+    "llama3_8b_v5p8": ("llama3_8b", {"model.n_layers": 2, "train.seq_len": 2048, "train.batch_size": 8,
+                                     "mesh.fsdp": 8}),
+}
+
+
+@slow
+@pytest.mark.parametrize("name", list(TPU))
+def test_the_estimate_matches_the_tpu_compiler(name):
+    pytest.importorskip("libtpu")
+    config_name, overrides = TPU[name]
+    config = load_config(config_name)
+    apply_overrides(config, [f"{k}={v}" for k, v in overrides.items()])
+    assert_estimate_matches_compiler(build_for(config, "v5p:2x2x2"))
 
 
 def test_layouts_it_does_not_model_are_refused():

@@ -30,14 +30,23 @@ local queries against them; the experts' buffers are those of `ushard.models.dis
 Beside these, named terms for what the compiler holds around the weights and the vocabulary:
 - The held dtype: XLA:CPU computes bfloat16 matmuls in float32 and drops the round trips this makes,
   so on CPU everything of the compute dtype is held (and traced) in float32 (`held_dtype`).
+  On TPUs (and GPUs) the compute dtype is held as it is.
+- Fused attention: where the plan runs a fused kernel (splash on TPUs, cuDNN on GPUs), the trace runs
+  a stand-in with flash attention's residuals (`traced_attention`): never XLA's [T, T] scores, which
+  "auto" would mean on the host the trace runs on.
+- The logits' gradient (`logits_gradient`, TPU only): the TPU compiler materialises the gradient of the
+  [tokens, vocabulary] logits as the backward pass starts, while every saved activation (the logits
+  among them), the vocabulary's buffers and the gradients are live: a third phase (`loss_phase`).
+  On CPU the grid matches without it, so it is not charged there.
 - The vocabulary's buffers as the forward pass starts (`vocabulary_buffers`): the embedding table and
   LM head as computed (gathered under ZeRO-3, or cast), and the embedding's float32 gradient, rows
   scattered into zeros of the whole table, allocated ahead of the forward pass and kept to the end.
 - Kept state (`kept_state`): with train.on_nonfinite "skip", copies of the old optimizer moments.
 - Kept weights (`kept_weights`): ZeRO-3's gathered layer weights where they live from the forward pass
   to the backward (reshard_after_forward false, or no remat in a fully unrolled stack).
-The peak holds the kept weights and the larger of two phases: the backward pass's (activations,
-gradients, pipeline buffers) and the forward pass's start (vocabulary's buffers and kept state).
+The peak holds the kept weights and the largest of three phases: the backward pass's (activations,
+gradients, pipeline buffers), the forward pass's start (vocabulary's buffers and kept state) and, on
+TPUs, the loss's (saved activations, the logits' gradient, the vocabulary's buffers, the gradients).
 
 Not counted: XLA's own scratch buffers, the
 transient buffers of collectives, and kernels' workspace beyond what JAX's residuals name. Not
@@ -46,7 +55,7 @@ loop compiles to more than the ticks' residuals, by an amount not explained yet)
 two layer stacks (leading dense MoE layers), and fused attention kernels (cuDNN, splash) under
 context parallelism, whose blocks the stand-in does not know. Known to fall short on CPU (not refused):
 ZeRO-2 and data-only meshes with an unrolled stack, whose layers' gradients XLA:CPU keeps whole.
-Checked against XLA's memory analysis in tests/test_estimate.py.
+Checked against XLA's memory analysis in tests/test_estimate.py (CPU; TPU through libtpu, slow tier).
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ from jax._src import ad_checkpoint
 from jax.ad_checkpoint import checkpoint_name
 
 from ushard.config import MESH_AXES
+from ushard.kernels.attention import traced_off_the_chip
 from ushard.mesh import build_mesh
 from ushard.models import dispatch
 from ushard.models.definition import model_definition
@@ -87,6 +97,16 @@ class MemoryEstimate:
     vocabulary_buffers: int = 0  # as the forward pass starts: the outer weights as computed, the embedding's gradient
     kept_state: int = 0  # the old optimizer moments, copied to keep them for a step found non-finite
     kept_weights: int = 0  # ZeRO-3: every layer's gathered weights, kept from the forward pass to the backward
+    logits_gradient: int = 0  # the loss's gradient of the logits [tokens, vocabulary], as the backward pass starts
+
+    @property
+    def loss_phase(self) -> int:
+        """What the backward pass holds beside the state as it starts, at the loss: every saved
+        activation (the logits among them), the logits' gradient, the vocabulary's buffers (the head's
+        weights it multiplies by, the embedding's gradient allocated ahead) and the gradients."""
+        if not self.logits_gradient:
+            return 0
+        return self.saved_activations + self.logits_gradient + self.vocabulary_buffers + self.gradients
 
     @property
     def backward_phase(self) -> int:
@@ -101,8 +121,8 @@ class MemoryEstimate:
 
     @property
     def temporaries(self) -> int:
-        # The two phases peak at different times: the larger one counts. Kept weights live through both.
-        return self.kept_weights + max(self.backward_phase, self.forward_start)
+        # The phases peak at different times: the largest counts. Kept weights live through all.
+        return self.kept_weights + max(self.backward_phase, self.forward_start, self.loss_phase)
 
     @property
     def peak(self) -> int:
@@ -166,6 +186,7 @@ def estimate(setup) -> MemoryEstimate:
                            + stream_gradients(setup, work)),
         gradients=copies * shard_bytes(gradients),
         pipeline_buffers=one_f_one_b_buffers(setup, work) if one_f_one_b else 0,
+        logits_gradient=logits_gradient(setup, work),
     )
 
 
@@ -195,6 +216,18 @@ def vocabulary_buffers(setup) -> int:
     table = model.shapes["embedding"]
     table_names = model.logical["embedding"]
     return total + shard_bytes(jax.ShapeDtypeStruct(table.shape, jnp.float32, sharding=layout.sharding(table_names)))
+
+
+def logits_gradient(setup, work: DeviceWork) -> int:
+    """The gradient of the logits [rows, length, vocabulary] in the compute dtype, which the TPU
+    compiler materialises as the backward pass starts, while the saved logits and the vocabulary's
+    buffers are still live (measured through libtpu's memory analysis, tests/test_estimate.py). Not
+    charged on CPU, where the grid matches without it (not investigated further), nor on GPUs, where
+    it has not been checked."""
+    if setup.plan.platform != "tpu":
+        return 0
+    cfg = setup.model_config
+    return work.rows * work.length * cfg.vocab_size // work.vocab_ways * jnp.dtype(cfg.compute_dtype).itemsize
 
 
 def kept_state(setup, state) -> int:
@@ -387,7 +420,7 @@ def residual_shapes(setup, work: DeviceWork, remat: str, n_layers: int, scaled: 
     """(shape, itemsize) of each residual JAX saves for the backward pass of the objective (arguments
     excluded), for `work.rows` sequences of `work.length` tokens on a model of `n_layers` layers."""
     cfg = dataclasses.replace(setup.model_config, remat=remat, n_layers=n_layers,
-                              compute_dtype=held_dtype(setup).name)
+                              compute_dtype=held_dtype(setup).name, attention_impl=traced_attention(setup))
     length = work.length
     if scaled:
         s = SCALES
@@ -407,11 +440,21 @@ def residual_shapes(setup, work: DeviceWork, remat: str, n_layers: int, scaled: 
             logits, aux = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
         return objective_terms(logits, aux, batch)[0]
 
-    residuals = ad_checkpoint.saved_residuals(objective, params, batch)
+    with traced_off_the_chip():
+        residuals = ad_checkpoint.saved_residuals(objective, params, batch)
     # Arguments are counted in the state; a constant (the embedding's table shape, kept by its custom
     # VJP only for its shape) is never materialised.
     return [(aval.shape, jnp.dtype(aval.dtype).itemsize) for aval, source in residuals
             if not source.startswith(("from the argument", "from a constant"))]
+
+
+def traced_attention(setup) -> str:
+    """The attention the trace runs: the plan's kernel where it is XLA's; for a fused kernel (cuDNN,
+    splash) the stand-in with flash attention's residuals (queries, keys, values, output, log-sum-exp:
+    `kernels.attention.FLASH_SHAPES`, which `traced_off_the_chip` swaps in for "cudnn"), since the
+    trace runs on the host, where neither kernel exists and "auto" would mean XLA's [T, T] scores."""
+    fused = setup.plan.attention_for(in_stage=setup.layout.pipeline is not None) != "xla"
+    return "cudnn" if fused else "xla"
 
 
 def local_experts(params, logical, groups: int):
