@@ -174,3 +174,4 @@ def test_the_state_check_counts_the_zero_stages_split():
     planner.check_state_fits(zero3, limit=whole // 2)
     with pytest.raises(planner.UserError):
         planner.check_state_fits(zero0, limit=whole // 2)
+

@@ -63,8 +63,9 @@ def usable_share(platform: str) -> tuple[float, str]:
         share = float(given) if given else JAX_GPU_MEMORY_SHARE
     except ValueError:
         raise UserError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={given!r} is not a number.") from None
-    source = "XLA_PYTHON_CLIENT_MEM_FRACTION" if given else "JAX's default; XLA_PYTHON_CLIENT_MEM_FRACTION raises it"
-    return share, f"{share:.0%} of the HBM ({source})"
+    source = ("from XLA_PYTHON_CLIENT_MEM_FRACTION" if given
+              else "JAX's default, which XLA_PYTHON_CLIENT_MEM_FRACTION changes")
+    return share, f"{share:.0%} of the HBM, {source}"
 
 
 def parse_gpus(text: str) -> tuple[str, int, int]:
@@ -432,12 +433,39 @@ def _microbatches(config, mesh: dict) -> int:
 def recommend(config, target: Target, top: int = 3, log=None) -> list[Assessment]:
     """The fastest `top` layouts that fit, by predicted step time, each with its reasons: per mesh
     shape (`mesh_candidates`), the least recomputation whose lowest fitting ZeRO stage fits. Pipeline
-    stages within a host are tried only when nothing else fits."""
-    found = _search(config, target, forced=False, log=log)
-    if not found:
-        found = _search(config, target, forced=True, log=log)
+    stages within a host are tried only when nothing else fits; where nothing fits at all, the batch
+    in more gradient-accumulation parts (`train.grad_accum`), doubling, while each part still gives
+    every device a row."""
+    found = _search(config, target, forced=False, log=log) or _search(config, target, forced=True, log=log)
+    accumulate = config.train.grad_accum
+    while not found and config.train.batch_size // (2 * accumulate) >= target.count:
+        accumulate *= 2
+        candidate = config.copy_and_resolve_references()
+        candidate.train.grad_accum = accumulate
+        if _leanest_fits(candidate, target):  # the full search only where the leanest layout fits
+            found = _search(candidate, target, forced=False, log=log)
+    for a in found:
+        if accumulate != config.train.grad_accum:
+            a.overrides["train.grad_accum"] = accumulate
+            a.reasons.append(f"train.grad_accum={accumulate}: the batch in {accumulate} parts, so their "
+                             f"activations fit")
     found.sort(key=lambda a: a.time.step_s)
     return found[:top]
+
+
+def _leanest_fits(config, target: Target) -> bool:
+    """Whether the layout with the least memory a device short of pipeline stages fits: ZeRO-3 over
+    every device, full remat."""
+    from ushard.config import apply_override_dict
+
+    lean = config.copy_and_resolve_references()
+    mesh = dict.fromkeys(("pipeline", "data", "expert", "sequence", "tensor"), 1)
+    apply_override_dict(lean, {**{f"mesh.{a}": s for a, s in mesh.items()}, "mesh.fsdp": target.count,
+                               "parallel.zero_stage": 3, "model.remat": "full"})
+    try:
+        return bool(assess(lean, target).fits)
+    except UserError:
+        return False
 
 
 def _search(config, target: Target, forced: bool, log=None) -> list[Assessment]:
