@@ -62,7 +62,6 @@ SHIPPED = {
     "bench_1b_fsdp8": ("bench_1b", {"mesh.fsdp": 8}),
     "llama3_8b_fsdp8": ("llama3_8b", {"mesh.fsdp": 8}),
     "tiny_moe_expert8": ("tiny_moe", {}),
-    # the slow tier
     "tiny_fsdp8": ("tiny", {"mesh.fsdp": 8}),
     "bench_1b_fsdp8_reshard": ("bench_1b", {"mesh.fsdp": 8, "parallel.reshard_after_forward": True,
                                             "model.scan_unroll": 1}),
