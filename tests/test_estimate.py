@@ -7,7 +7,7 @@ MoE dispatch modes, the shipped configs) is marked slow."""
 import pytest
 
 from conftest import small_config
-from ushard.aot import build_for, compile_train_step
+from ushard.aot import build_for, compile_train_step, peak_bytes
 from ushard.build import build
 from ushard.config import apply_overrides, load_config
 from ushard.estimate import estimate
@@ -82,11 +82,6 @@ SHRUNK = {"model.n_layers": 2, "train.seq_len": 256, "train.batch_size": 8, "tra
           "mesh.tensor": 1, "mesh.sequence": 1, "mesh.pipeline": 1, "mesh.data": 1}
 
 
-def compiled_peak(memory) -> int:
-    return memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes \
-        + memory.temp_size_in_bytes
-
-
 def assert_estimate_matches_compiler(setup):
     estimated = estimate(setup)
     memory = compile_train_step(setup).memory_analysis()
@@ -95,7 +90,7 @@ def assert_estimate_matches_compiler(setup):
     else:
         assert estimated.state + estimated.batch == memory.argument_size_in_bytes
     tolerance = 0.15 if setup.model_config.remat == "full" else 0.10
-    assert estimated.peak == pytest.approx(compiled_peak(memory), rel=tolerance)
+    assert estimated.peak == pytest.approx(peak_bytes(memory), rel=tolerance)
 
 
 @pytest.mark.parametrize("name", [n if n in DEFAULT_TIER else pytest.param(n, marks=slow) for n in GRID])

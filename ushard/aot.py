@@ -220,6 +220,13 @@ def collectives_per_step(hlo_text: str) -> dict[str, tuple[int, int]]:
     return {kind: tuple(found[kind]) for kind in kinds}
 
 
+def peak_bytes(memory) -> int:
+    """What a device holds at the peak by a compiled step's `memory_analysis()`: arguments and outputs,
+    less the outputs that reuse donated arguments, and the temporaries."""
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes)
+
+
 def summary(compiled: jax.stages.Compiled) -> str:
     """Per-device memory and the collectives per step of a compiled step, as lines a person reads."""
     mem = compiled.memory_analysis()
@@ -229,8 +236,7 @@ def summary(compiled: jax.stages.Compiled) -> str:
                          ("aliased (donated)", mem.alias_size_in_bytes), ("temporaries", mem.temp_size_in_bytes),
                          ("generated code", mem.generated_code_size_in_bytes)):
         lines.append(f"  {label:<18} {gib(value)}")
-    peak = getattr(mem, "peak_memory_in_bytes", 0) or (
-        mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+    peak = getattr(mem, "peak_memory_in_bytes", 0) or peak_bytes(mem)
     lines.append(f"  {'peak':<18} {gib(peak)}")
     lines.append("collectives per step (per device):")
     per_step = collectives_per_step(compiled.as_text())

@@ -6,7 +6,6 @@ notebooks and the planner. Nothing is compiled until a step function is first ca
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -77,8 +76,7 @@ def build(config, devices=None, platform: str | None = None, device_kind: str | 
     if model_cfg.moe.num_experts:
         grouped_kernels.check(model_cfg.moe.grouped_matmul_impl, platform, (model_cfg.d_model, model_cfg.expert_d_ff))
     plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg, device_kind or devices[0].device_kind)
-    layout = dataclasses.replace(Layout.from_plan(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), plan, SEAMS),
-                                 platform=platform)
+    layout = Layout.from_plan(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), plan, SEAMS)
     tx, schedule = make_optimizer(config.train, model.logical)
     t = config.train
     steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip")

@@ -173,8 +173,6 @@ def estimate(setup) -> MemoryEstimate:
     read = [k for k in setup.steps.batch_shardings if k != "segment_ids" or setup.model_config.document_mask]
     batch = shard_bytes(dict.fromkeys(read, token_ids))
     work, pipeline = device_work(setup), setup.layout.pipeline
-    gradients = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=s), state.params,
-                             setup.steps.shardings.grads)
     # With gradient accumulation the running sum and one microbatch's gradients exist together.
     copies = 2 if t.grad_accum > 1 else 1
     one_f_one_b = pipeline is not None and pipeline.name == "1f1b"
@@ -184,10 +182,17 @@ def estimate(setup) -> MemoryEstimate:
         kept_weights=kept_weights(setup),
         layer_activations=(stack_and_outer(setup, work, "none", layers=layer_period(setup))[0]
                            + stream_gradients(setup, work)),
-        gradients=copies * shard_bytes(gradients),
+        gradients=copies * gradient_bytes(setup, state),
         pipeline_buffers=one_f_one_b_buffers(setup, work) if one_f_one_b else 0,
         logits_gradient=logits_gradient(setup, work),
     )
+
+
+def gradient_bytes(setup, state) -> int:
+    """One device's bytes of one set of float32 gradients, laid out as the ZeRO stage lays them out."""
+    gradients = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=s), state.params,
+                             setup.steps.shardings.grads)
+    return shard_bytes(gradients)
 
 
 def held_dtype(setup):

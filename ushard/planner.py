@@ -188,7 +188,7 @@ def assess(config, target: Target, compile: bool = False, overrides: dict | None
 
     gpu = target.hardware.platform == "gpu"
     setup = build(config, list(target.devices), *(("gpu", GPU_KINDS[target.hardware.name]) if gpu else ()))
-    state = setup.steps.abstract_state()
+    parameters, optimizer_state, _ = estimate_state_bytes(setup)
     try:
         with traced_off_the_chip():
             memory, note = estimate.estimate(setup), ""
@@ -196,8 +196,8 @@ def assess(config, target: Target, compile: bool = False, overrides: dict | None
         memory, note = None, str(e)
     time = step_time.predict(setup, target.hardware)
     result = Assessment(overrides=dict(overrides or {}), setup=setup, memory=memory, memory_note=note,
-                        time=time, parameters=estimate.shard_bytes(state.params),
-                        optimizer_state=estimate.shard_bytes(state.opt_state), hbm_bytes=target.hbm_bytes)
+                        time=time, parameters=parameters, optimizer_state=optimizer_state,
+                        hbm_bytes=target.hbm_bytes)
     if compile:
         add_compiled(result, target)
     return result
@@ -226,8 +226,7 @@ def compiled_figures(setup) -> dict:
         estimated = None
     compiled = aot.compile_train_step(setup)
     memory = compiled.memory_analysis()
-    peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes)
+    peak = aot.peak_bytes(memory)
     collectives = {kind: {"count": count, "bytes": size}
                    for kind, (count, size) in aot.collectives_per_step(compiled.as_text()).items()}
     return {"peak_bytes": int(peak), "argument_bytes": int(memory.argument_size_in_bytes),
@@ -570,16 +569,11 @@ def device_memory(setup) -> int | None:
 
 def estimate_state_bytes(setup) -> tuple[int, int, int]:
     """(parameters, optimizer state, float32 gradients): one device's bytes, from the shardings."""
-    import jax
-    import jax.numpy as jnp
-
     from ushard import estimate
 
     state = setup.steps.abstract_state()
-    gradients = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=s), state.params,
-                             setup.steps.shardings.grads)
     return (estimate.shard_bytes(state.params), estimate.shard_bytes(state.opt_state),
-            estimate.shard_bytes(gradients))
+            estimate.gradient_bytes(setup, state))
 
 
 def check_state_fits(setup, limit: int | None = None) -> None:

@@ -224,7 +224,8 @@ class Layout:
         """The layout a `ParallelPlan` decides, reaching the parallel code through `seams`."""
         layout = cls.create(mesh, plan.zero_stage, plan.reshard_after_forward, plan.sequence_parallel,
                             split_kv=plan.split_kv_heads, pipeline=plan.pipeline, split_head=plan.pipeline_head_split)
-        return dataclasses.replace(layout, plan=plan, seams=seams)
+        # The plan's platform, not the devices': the planner traces another platform's kernels on stand-ins.
+        return dataclasses.replace(layout, plan=plan, seams=seams, platform=plan.platform)
 
     @classmethod
     def create(cls, mesh: Mesh, zero_stage: int = 3, reshard_after_forward: bool = True,

@@ -186,10 +186,9 @@ def _ragged(x, experts, gates, keep, weights, expert_fn, axes, groups: int, exch
     # between devices like the rows, or JAX takes what each device received for the same on all of
     # them, and the transpose of its implicit broadcast sums the devices' gradients together.
     buffer = lambda shape: varying(jnp.zeros(shape, rows.dtype), varying_axes(rows))  # noqa: E731
-    kept = (lambda a: checkpoint_name(a, EXPERT_MATMUL)) if KEEP_EXCHANGED else (lambda a: a)  # noqa: E731
-    received = kept(exchange(rows, buffer((most, d)), *plan["there"], axis_name=axes))
+    received = _kept(exchange(rows, buffer((most, d)), *plan["there"], axis_name=axes))
     computed = expert_fn(weights, received, plan["group_sizes"], row_buckets=RECEIVE_BUCKETS)
-    out_sorted = kept(exchange(computed, buffer(rows.shape), *plan["back"], axis_name=axes))
+    out_sorted = _kept(exchange(computed, buffer(rows.shape), *plan["back"], axis_name=axes))
     y = local_dispatch.unsort_and_combine(out_sorted, order, inverse, gates, x)
     return jnp.where(over, jnp.asarray(jnp.nan, y.dtype), y), over.astype(jnp.float32)
 
@@ -203,9 +202,8 @@ def _gathered(x, experts, gates, keep, weights, expert_fn, axes, groups: int, he
     pass's exchanges. Where a device's rows exceed its buffer, its outputs are NaN with overflow 1,
     as in `_ragged`. Returns (y, overflow)."""
     local_experts, k = local_dispatch.experts_held(weights), experts.shape[-1]
-    kept = (lambda a: checkpoint_name(a, EXPERT_MATMUL)) if KEEP_EXCHANGED else (lambda a: a)  # noqa: E731
     gather = lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True)  # noqa: E731
-    every = kept(gather(x))  # [groups * batch, length, d]
+    every = _kept(gather(x))  # [groups * batch, length, d]
     local = gather(experts) - jax.lax.axis_index(axes) * local_experts
     mine = gather(keep) & (local >= 0) & (local < local_experts)
     tokens, key, gates = local_dispatch.flat(every, local, gather(gates), mine, local_experts)
@@ -217,9 +215,14 @@ def _gathered(x, experts, gates, keep, weights, expert_fn, axes, groups: int, he
     computed = expert_fn(weights, rows, jnp.where(over, 0, sizes), row_buckets=RECEIVE_BUCKETS)
     computed = jnp.pad(computed, ((0, key.shape[0] - most), (0, 0)))  # the assignments routed elsewhere: zero
     partial = local_dispatch.unsort_and_combine(computed, order, inverse, gates, every)
-    y = kept(jax.lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True))
+    y = _kept(jax.lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True))
     over = jax.lax.pmax(varying(over, axes), axes)  # a NaN anywhere in the group reaches every device's sums
     return jnp.where(over, jnp.asarray(jnp.nan, y.dtype), y), over.astype(jnp.float32)
+
+
+def _kept(exchanged):
+    """Exchanged rows tagged as the "dots" remat policies keep them, where `KEEP_EXCHANGED` says so."""
+    return checkpoint_name(exchanged, EXPERT_MATMUL) if KEEP_EXCHANGED else exchanged
 
 
 def pair_rows(assignments: int, groups: int, headroom: float) -> int:
