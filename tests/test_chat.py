@@ -338,7 +338,7 @@ def test_masked_batches_exercise_the_mask(chat_batches):
 # The default tier runs the layout whose mask path is the most involved (microbatches through the
 # pipeline's ticks); the others' mask handling is the same loss_mask that tests/test_parallel_parity.py
 # checks on every layout with document boundaries masked.
-SLOW_LAYOUTS = ("fsdp8_accum2", "tensor2_fsdp4", "expert4_fsdp2_moe")
+SLOW_LAYOUTS = ("fsdp8_accum2", "tensor2_fsdp4", "expert4_fsdp2_moe", "pipeline2_1f1b_fsdp2")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n

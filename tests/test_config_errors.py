@@ -350,7 +350,7 @@ def test_broken_config_file(tmp_path, body, match):
         (["parallel.collective_combine_mib=-1"], r"parallel\.collective_combine_mib=-1 is negative"),
         (["parallel.context_parallel=ulysses"],
          r"parallel\.context_parallel='ulysses' is not valid; choose one of: ring, all_gather"),
-        (["model.attention_impl=flash"], r"model\.attention_impl='flash' is not valid"),
+        (["model.attention_impl=flash2"], r"model\.attention_impl='flash2' is not valid"),
         (["model.compute_dtype=fp8"], r"model\.compute_dtype='fp8' is not valid"),
         (["model.param_dtype=int8"], r"model\.param_dtype='int8' is not valid"),
         (["data.source=csv"], r"data\.source='csv' is not valid; choose one of: stdlib, text, jsonl, parquet, tokens"),

@@ -19,6 +19,7 @@ TENSOR = {"mesh.tensor": 2, "mesh.fsdp": 4}
 SEQUENCE = {"mesh.sequence": 2, "mesh.fsdp": 4}
 ONE_F_ONE_B = {"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_schedule": "1f1b",
                "parallel.pipeline_microbatches": 4}
+GPIPE = {**ONE_F_ONE_B, "parallel.pipeline_schedule": "gpipe"}
 MOE = ("tiny_moe", {"mesh.expert": 8})  # configs/tiny_moe.py at BASE's sizes: capacity factor 1.25
 slow = pytest.mark.slow
 GRID = {
@@ -37,6 +38,7 @@ GRID = {
     "sequence2_fsdp4_ring": ("tiny", SEQUENCE),
     "sequence2_fsdp4_all_gather": ("tiny", {**SEQUENCE, "parallel.context_parallel": "all_gather"}),
     "pipeline2_fsdp4_1f1b": ("tiny", ONE_F_ONE_B),
+    "pipeline2_fsdp4_gpipe": ("tiny", GPIPE),
     "expert8_padded": MOE,
     "expert8_ragged": (MOE[0], {**MOE[1], "model.moe.dispatch": "ragged"}),
     # the slow tier
@@ -49,6 +51,14 @@ GRID = {
     "pipeline2_fsdp4_1f1b_2_microbatches": ("tiny", {**ONE_F_ONE_B, "parallel.pipeline_microbatches": 2}),
     "pipeline2_fsdp4_1f1b_remat_full": ("tiny", {**ONE_F_ONE_B, "model.remat": "full"}),
     "pipeline2_tensor2_fsdp2_1f1b": ("tiny", {**ONE_F_ONE_B, "mesh.tensor": 2, "mesh.fsdp": 2}),
+    "pipeline2_fsdp4_gpipe_remat_full": ("tiny", {**GPIPE, "model.remat": "full"}),
+    "pipeline4_fsdp2_gpipe": ("tiny", {**GPIPE, "mesh.pipeline": 4, "mesh.fsdp": 2}),
+    "pipeline2_tensor2_fsdp2_gpipe": ("tiny", {**GPIPE, "mesh.tensor": 2, "mesh.fsdp": 2}),
+    "pipeline2_fsdp4_circular": ("tiny", {**GPIPE, "parallel.pipeline_schedule": "circular",
+                                          "parallel.pipeline_repeats": 2}),
+    "pipeline2_fsdp4_circular_remat_dots": ("tiny", {**GPIPE, "parallel.pipeline_schedule": "circular",
+                                                     "parallel.pipeline_repeats": 2, "model.remat": "dots",
+                                                     "parallel.pipeline_microbatches": 2}),
     "expert4_fsdp2_dropless": (MOE[0], {"mesh.expert": 4, "mesh.fsdp": 2, "model.moe.capacity_factor": 0.0}),
     "expert1_fsdp8_zero3": (MOE[0], {"mesh.expert": 1, "mesh.fsdp": 8}),
     "expert8_padded_remat_dots": (MOE[0], {**MOE[1], "model.remat": "dots"}),
@@ -132,6 +142,7 @@ def test_the_estimate_matches_the_tpu_compiler(name):
 
 
 def test_layouts_it_does_not_model_are_refused():
-    setup = build(small_config("tiny", **{"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_microbatches": 4}))
-    with pytest.raises(NotImplementedError, match="gpipe pipeline schedule"):
+    setup = build(small_config("tiny_moe", **{"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_microbatches": 4,
+                                              "model.n_layers": 4, "model.moe.first_dense_layers": 2}))
+    with pytest.raises(NotImplementedError, match="two layer stacks"):
         estimate(setup)

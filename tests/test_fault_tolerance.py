@@ -182,6 +182,7 @@ def test_sigterm_while_loading_the_data_stops_at_once(tmp_path):
     WorkdirLock(str(tmp_path)).acquire().release()  # free again
 
 
+@pytest.mark.slow  # the suite's time
 def test_sigint_while_compiling_waits_for_the_compiler_then_stops(tmp_path, finished_run, uninterrupted):
     saved_dir, reference = finished_run, uninterrupted
     shutil.copytree(saved_dir / "checkpoints" / "6", tmp_path / "checkpoints" / "6")
@@ -274,6 +275,20 @@ def time_limit(seconds: int):
         signal.signal(signal.SIGALRM, previous)
 
 
+def join_once_started(thread: threading.Thread, timeout: float) -> None:
+    """Joins `thread`; one that was enumerated between its start() and its first instruction (a pool
+    worker the failed save's background work was still starting) cannot be joined yet, so wait."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            return
+        except RuntimeError:  # "cannot join thread before it is started"
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+
+
 def run_in_process(workdir, *extra) -> tuple[int, str, str]:
     """`ushard train` with the 12-step command of `finished_run`, in this process (so a fault can be
     injected and no interpreter start or import is paid): (exit status, stdout, stderr). Also asserts
@@ -286,7 +301,7 @@ def run_in_process(workdir, *extra) -> tuple[int, str, str]:
         status = main(train_cmd(workdir, "--config.train.steps=12", *extra)[3:])
     for thread in set(threading.enumerate()) - before:
         if not thread.daemon:
-            thread.join(timeout=10)
+            join_once_started(thread, timeout=10)
             assert not thread.is_alive(), f"thread {thread.name} still runs: exiting would wait for it"
     return status, out.getvalue(), err.getvalue()
 
@@ -318,7 +333,13 @@ DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("damage", DAMAGE)
+# Three kinds of damage by default (an array, the state's metadata, the whole directory), the rest in the
+# slow tier for the suite's time: each reads the same path through the restore's failure.
+SLOW_DAMAGE = ("manifest.ocdbt emptied", "data/metadata emptied", "data/metadata is {}", "config/metadata emptied")
+
+
+@pytest.mark.parametrize("damage", [pytest.param(d, marks=pytest.mark.slow) if d in SLOW_DAMAGE else d
+                                    for d in DAMAGE])
 def test_a_damaged_checkpoint_is_moved_aside_and_the_rerun_finishes_bitwise(tmp_path, finished_run, uninterrupted,
                                                                              damage):
     shutil.copytree(finished_run, tmp_path, dirs_exist_ok=True)
@@ -568,7 +589,7 @@ PIPELINED_SEQUENCE = {"mesh.pipeline": 2, "mesh.sequence": 2, "mesh.tensor": 2, 
 @pytest.mark.parametrize("layout,devices", [
     ({"mesh.data": 2, "mesh.fsdp": 4, "parallel.zero_stage": 1}, 8),
     ({"mesh.fsdp": 4}, 4),
-    (PIPELINED, 8),
+    pytest.param(PIPELINED, 8, marks=pytest.mark.slow),  # the suite's time: the next row pipelines too
     (PIPELINED_SEQUENCE, 8),
 ])
 def test_resume_on_another_mesh_and_device_count(tmp_path, zero3_run, stdlib_batches, layout, devices):

@@ -78,7 +78,8 @@ def test_causality():
 
 
 @pytest.mark.parametrize("policy, fused", [
-    ("full", False), ("dots", False), ("dots_no_batch", False), ("dots_attention", False),
+    ("full", False), ("dots", False), ("dots_no_batch", False),
+    pytest.param("dots_attention", False, marks=pytest.mark.slow),  # the suite's time: the fused row has it
     ("dots_attention_norms", False), ("full", True), ("dots_attention_norms", True)])
 def test_remat_policies_keep_gradients(policy, fused):
     tokens, positions = tokens_and_positions()

@@ -148,8 +148,11 @@ def resume_matches(workdir, uninterrupted, checkpointed: bool = True) -> None:
     assert losses(workdir) == uninterrupted
 
 
-@pytest.mark.parametrize("apart_s", [None, pytest.param(3.0, marks=pytest.mark.slow)],
-                         ids=["one_process", "both_3s_apart"])
+# Both cases in the slow tier (`-m slow`), as the rest of this file, for the default suite's time
+# (two processes trained twice: over a minute and a half on two cores). tests/test_fault_tolerance.py
+# has the one-process signals, tests/test_placement.py two processes training.
+@pytest.mark.slow
+@pytest.mark.parametrize("apart_s", [None, 3.0], ids=["one_process", "both_3s_apart"])
 def test_sigterm_stops_both_processes_at_one_step_with_a_checkpoint(tmp_path, uninterrupted, apart_s):
     procs = start(tmp_path)
     wait_for_step(tmp_path, 3, procs)

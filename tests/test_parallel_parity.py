@@ -95,8 +95,14 @@ LAYOUTS = {
 # data axis; all-gather over 2 beside over 4; the 2- and 4-way rings beside the composed and keep_kv
 # ones; fused MLPs with SP beside without; experts over 8 beside over
 # 4, with fsdp=4 beside fsdp=2, with kept weights beside the pipeline's, with tensor beside the same
-# with SP): in the slow tier (`-m slow`), for the default suite's time.
-SLOW_LAYOUTS = ("fsdp2", "ddp", "sequence2_all_gather", "sequence2_ring", "sequence4_ring", "tensor4_fsdp2_sp_fused",
+# with SP; ZeRO 0-2 with accumulation beside ZeRO-3's and ZeRO 1-2 without; tensor=2 and 4 without SP
+# beside with it and beside tensor_fsdp; the fused MLP and FP8 under tensor beside their one-device
+# checks in tests/test_model.py and tests/test_fp8.py; the 4-way ring keeping K/V beside
+# tests/test_context_parallel.py's transfer tests): in the slow tier (`-m slow`), for the suite's time.
+SLOW_LAYOUTS = ("zero0_accum", "zero1_accum", "zero2_accum", "tensor2_fsdp2", "tensor4_fsdp2", "tensor_fsdp_fused",
+                "sequence4_ring_keep_kv", "tensor_fsdp_fp8", "fsdp2", "ddp",
+                "sequence2_all_gather", "sequence2_ring", "sequence4_ring",
+                "tensor4_fsdp2_sp_fused",
                 "expert8_moe", "expert4_fsdp2_all_gather_moe", "expert2_fsdp4_moe", "expert4_fsdp2_keep_gathered_moe",
                 "expert2_tensor2_fsdp2_moe")
 REFERENCES = {"fused": "single_fused", "fp8": "single_fp8", "moe": "single_moe", "moecap": "single_moecap"}

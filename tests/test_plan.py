@@ -3,6 +3,7 @@ and `--recommend`'s textbook answers, on 8 simulated CPU devices."""
 
 import json
 import math
+import types
 
 import pytest
 
@@ -175,3 +176,28 @@ def test_the_state_check_counts_the_zero_stages_split():
     with pytest.raises(planner.UserError):
         planner.check_state_fits(zero0, limit=whole // 2)
 
+
+
+def test_where_no_layout_fits_the_whole_batch_recommend_accumulates_gradients(monkeypatch):
+    """The fallback's logic (the full search over a tiny HBM takes minutes, so the searches are
+    stand-ins here): nothing fits until the batch is cut into 4 parts, each part still gives every
+    device a row, and the layouts found say so in their overrides and reasons."""
+    tried = []
+
+    def search(config, target, forced, log=None):
+        tried.append((config.train.grad_accum, forced))
+        if config.train.grad_accum < 4:
+            return []
+        return [types.SimpleNamespace(overrides={"mesh.fsdp": 8}, reasons=[], time=types.SimpleNamespace(step_s=1.0))]
+
+    monkeypatch.setattr(planner, "_search", search)
+    monkeypatch.setattr(planner, "_leanest_fits", lambda config, target: config.train.grad_accum >= 2)
+    config = small_config("tiny", **{**BASE, "train.batch_size": 64})
+    found = planner.recommend(config, planner.target_for(devices=8))
+    assert tried == [(1, False), (1, True), (2, False), (4, False)]
+    assert found[0].overrides["train.grad_accum"] == 4 and "train.grad_accum=4" in found[0].reasons[0]
+    tried.clear()
+    leanest = []
+    monkeypatch.setattr(planner, "_leanest_fits", lambda config, target: leanest.append(config.train.grad_accum))
+    assert planner.recommend(config, planner.target_for(devices=8)) == []
+    assert tried == [(1, False), (1, True)] and leanest == [2, 4, 8]  # 64 rows: no part of fewer than 8

@@ -203,6 +203,7 @@ def test_bench_runs_a_variant_as_one_process_per_device():
     assert result["devices"].startswith("2 x ") and result["tokens_per_s"] > 0
 
 
+@pytest.mark.slow  # the suite's time
 def test_plan_check_times_the_layouts_the_planner_recommends():
     """tools/plan_check.py: the planner's first choice for two devices, timed by bench.py beside its prediction."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}

@@ -57,7 +57,9 @@ DESCRIPTIONS = {
     "model.tie_embeddings": "the LM head reuses the embedding table",
     "model.compute_dtype": "dtype of activations and matmuls: float32, bfloat16 or float16",
     "model.param_dtype": "dtype parameters and optimizer state are stored in",
-    "model.attention_impl": "`auto` (cuDNN flash attention on GPUs in 16-bit compute, else XLA), `xla` or `cudnn`",
+    "model.attention_impl": "`auto` (cuDNN flash attention on GPUs in 16-bit compute outside pipeline stages, "
+                            "splash on TPUs, else XLA), `xla`, `cudnn`, `splash` or `flash` (ushard's own GPU "
+                            "kernel: documents, GQA, pipeline stages; its GPU speed not yet measured)",
     "model.remat": "what the backward pass recomputes: none, full, dots, dots_no_batch, dots_attention, "
                    "dots_attention_norms",
     "model.document_mask": "packed documents never attend to each other (segment ids)",

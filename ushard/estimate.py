@@ -15,6 +15,9 @@ What is counted, per device:
   accumulation: the running sum and one microbatch's). A 1F1B pipeline adds its own buffers: the
   stage's weights prepared for compute, its float32 weight-gradient accumulator, the activations and
   gradients passed between stages.
+- GPipe and circular pipelines: autodiff of the tick loop stacks each tick's residuals (the stage's
+  for one microbatch through one chunk, and the chunk's weights the tick sliced out), and the backward
+  pass of a tick pulls back through a whole chunk (`layer_working_set`).
 
 How dimensions are attributed: model code names logical axes, but a residual is only a shape. The
 model is traced a second time with every dimension that tensor parallelism splits scaled by its own
@@ -48,12 +51,10 @@ The peak holds the kept weights and the largest of three phases: the backward pa
 gradients, pipeline buffers), the forward pass's start (vocabulary's buffers and kept state) and, on
 TPUs, the loss's (saved activations, the logits' gradient, the vocabulary's buffers, the gradients).
 
-Not counted: XLA's own scratch buffers, the
-transient buffers of collectives, and kernels' workspace beyond what JAX's residuals name. Not
-modelled (`estimate` refuses them): the GPipe and circular pipeline schedules (autodiff of their tick
-loop compiles to more than the ticks' residuals, by an amount not explained yet), pipelines over
-two layer stacks (leading dense MoE layers), and fused attention kernels (cuDNN, splash) under
-context parallelism, whose blocks the stand-in does not know. Known to fall short on CPU (not refused):
+Not counted: XLA's own scratch buffers, the transient buffers of collectives, and kernels' workspace
+beyond what JAX's residuals name. Not modelled (`estimate` refuses them): pipelines over two layer
+stacks (leading dense MoE layers), and fused attention kernels (cuDNN, splash) under context
+parallelism, whose blocks the stand-in does not know. Known to fall short on CPU (not refused):
 ZeRO-2 and data-only meshes with an unrolled stack, whose layers' gradients XLA:CPU keeps whole.
 Checked against XLA's memory analysis in tests/test_estimate.py (CPU; TPU through libtpu, slow tier).
 """
@@ -119,6 +120,22 @@ class MemoryEstimate:
         copied moments, which cannot go in the donated state buffers the copies free (`kept_state`)."""
         return self.vocabulary_buffers + self.kept_state
 
+    def phases(self) -> dict[str, dict[str, int]]:
+        """Each phase's terms (the fields they come from), whose sums are the phases above."""
+        backward = {"saved_activations": self.saved_activations, "layer_activations": self.layer_activations,
+                    "gradients": self.gradients, "pipeline_buffers": self.pipeline_buffers}
+        forward = {"vocabulary_buffers": self.vocabulary_buffers, "kept_state": self.kept_state}
+        loss = {"saved_activations": self.saved_activations, "logits_gradient": self.logits_gradient,
+                "vocabulary_buffers": self.vocabulary_buffers, "gradients": self.gradients}
+        return {"the backward pass": backward, "the forward pass's start": forward,
+                "the loss": loss if self.logits_gradient else {}}
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase whose terms make the peak (ties: the first of `phases`)."""
+        sums = {name: sum(terms.values()) for name, terms in self.phases().items()}
+        return max(sums, key=sums.get)
+
     @property
     def temporaries(self) -> int:
         # The phases peak at different times: the largest counts. Kept weights live through all.
@@ -180,8 +197,7 @@ def estimate(setup) -> MemoryEstimate:
         state=shard_bytes(state), batch=batch, saved_activations=saved_activations(setup, work),
         vocabulary_buffers=vocabulary_buffers(setup), kept_state=kept_state(setup, state),
         kept_weights=kept_weights(setup),
-        layer_activations=(stack_and_outer(setup, work, "none", layers=layer_period(setup))[0]
-                           + stream_gradients(setup, work)),
+        layer_activations=layer_working_set(setup, work),
         gradients=copies * gradient_bytes(setup, state),
         pipeline_buffers=one_f_one_b_buffers(setup, work) if one_f_one_b else 0,
         logits_gradient=logits_gradient(setup, work),
@@ -277,9 +293,6 @@ def stream_gradients(setup, work: DeviceWork) -> int:
 def refuse_unmodelled(setup) -> None:
     """Raises NotImplementedError for layouts whose memory this module does not model (module docstring)."""
     plan, moe = setup.plan, setup.model_config.moe
-    if plan.pipeline is not None and plan.pipeline.name != "1f1b":
-        raise NotImplementedError(f"the memory estimate does not model the {plan.pipeline.name} pipeline schedule "
-                                  f"yet (autodiff of its tick loop holds more than the ticks' residuals); only 1f1b")
     if plan.pipeline is not None and moe.num_experts and moe.first_dense_layers:
         raise NotImplementedError("the memory estimate does not model a pipeline over two layer stacks "
                                   "(model.moe.first_dense_layers > 0)")
@@ -313,14 +326,50 @@ def saved_activations(setup, work: DeviceWork) -> int:
     pipeline, remat = setup.layout.pipeline, setup.model_config.remat
     if pipeline is None:
         return device_residual_bytes(setup, work, remat, setup.model_config.n_layers)
-    # 1F1B (the only schedule modelled): its ring holds `ring_size` microbatches' residuals of the
+    stack, outer = stack_and_outer(setup, work, remat, work.layers)
+    if pipeline.name != "1f1b":
+        # GPipe and circular: autodiff of the tick loop stacks every tick's residuals, the stage's for
+        # one microbatch through one chunk and the chunk's weights, which the tick slices out of the
+        # stage's rounds (so they are not an argument). Embedding, head and loss run outside the
+        # pipeline, on every microbatch at once.
+        return ticks(pipeline, work.stages) * (stack + chunk_weights(setup, work)) + pipeline.microbatches * outer
+    # 1F1B: its ring holds `ring_size` microbatches' residuals of the
     # stage's layers whatever their number. The ring is a carry of the tick loop that each tick
     # rewrites in a conditional: the loop holds it twice (in and out), and the forward slot holds the
     # residuals it is writing, or while it computes them one layer's activations, as the backward slot
     # holds another layer's. Embedding, head and loss run on one microbatch at a time.
-    stack, outer = stack_and_outer(setup, work, remat, work.layers)
     layer = stack_and_outer(setup, work, "none", layers=layer_period(setup))[0]
     return 2 * ring_size(work.stages) * stack + max(stack, layer) + outer
+
+
+def ticks(pipeline, stages: int) -> int:
+    """Clock ticks of a GPipe or circular step (ushard.parallel.pipeline.forward_table)."""
+    rounds = pipeline.repeats if pipeline.name == "circular" else 1
+    return rounds * pipeline.microbatches + stages - 1
+
+
+def chunk_weights(setup, work: DeviceWork) -> int:
+    """One device's bytes of one chunk's layer weights (`work.layers` layers) in the held dtype, split
+    as the stack is stored: the tick slices its chunk out of the stored shard, before any gathering."""
+    model, dtype = setup.model, held_dtype(setup)
+    stack = model.split_stack(model.shapes)[0]
+    stored = model.split_stack(setup.steps.shardings.params)[0]
+    held = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, dtype, sharding=sharding),
+                        stack, stored)
+    return shard_bytes(held) * work.layers * work.stages // setup.model_config.n_layers
+
+
+def layer_working_set(setup, work: DeviceWork) -> int:
+    """The activations of the layers whose backward pass runs, beside the residual stream's gradients.
+    Without a pipeline or under 1F1B: one layer's (under remat, the one recomputed). Under GPipe or
+    circular the backward pass of a tick pulls back through a whole chunk: the tick's residuals, sliced
+    out of the stacked ones, and the chunk's activations (recomputed under remat)."""
+    pipeline, period = setup.layout.pipeline, layer_period(setup)
+    layer = stack_and_outer(setup, work, "none", layers=period)[0]
+    if pipeline is None or pipeline.name == "1f1b":
+        return layer + stream_gradients(setup, work)
+    stack = stack_and_outer(setup, work, setup.model_config.remat, work.layers)[0]
+    return stack + max(stack, layer * work.layers // period) + stream_gradients(setup, work)
 
 
 def layer_period(setup) -> int:

@@ -236,15 +236,29 @@ def compiled_figures(setup) -> dict:
 
 # --------------------------------------------------------------------------- the report
 
-MEMORY_ROWS = (  # (label, how to read it from an Assessment)
-    ("parameters", lambda a: a.parameters),
-    ("optimizer state", lambda a: a.optimizer_state),
-    ("batch", lambda a: a.memory.batch),
-    ("activations kept for the backward pass", lambda a: a.memory.saved_activations),
-    ("one layer's activations in its backward pass", lambda a: a.memory.layer_activations),
-    ("gradients (float32)", lambda a: a.memory.gradients),
-    ("pipeline buffers", lambda a: a.memory.pipeline_buffers),
-)
+# What each term of the estimate is, in the report's words (fields of estimate.MemoryEstimate).
+TERMS = {
+    "saved_activations": "activations kept for the backward pass",
+    "layer_activations": "working set of the layers being pulled back",
+    "gradients": "gradients (float32)",
+    "pipeline_buffers": "pipeline buffers (1F1B)",
+    "vocabulary_buffers": "vocabulary's buffers (outer weights, embedding gradient)",
+    "kept_state": "old optimizer moments kept (on_nonfinite=skip)",
+    "logits_gradient": "logits' gradient",
+}
+
+
+def lasting_parts(a: Assessment) -> list[tuple[str, int]]:
+    """(label, bytes) of what lives through the whole step: the state, the batch, kept weights."""
+    m = a.memory
+    return [("parameters", a.parameters), ("optimizer state", m.state - a.parameters), ("batch", m.batch),
+            ("gathered layer weights kept (ZeRO-3)", m.kept_weights)]
+
+
+def memory_parts(a: Assessment) -> list[tuple[str, int]]:
+    """(label, bytes) of the peak by part, summing to it: what lasts, then the peak phase's terms."""
+    peak_terms = a.memory.phases()[a.memory.peak_phase]
+    return lasting_parts(a) + [(TERMS[name], n) for name, n in peak_terms.items()]
 
 
 def _gib(n: int) -> str:
@@ -257,14 +271,21 @@ def memory_lines(a: Assessment, target: Target) -> list[str]:
     if a.memory is None:
         lines.append(f"  not estimated: {a.memory_note}")
     else:
-        lines += [f"  {label:<46}{_gib(read(a))}" for label, read in MEMORY_ROWS if read(a)]
+        m, phases = a.memory, a.memory.phases()
+        lines += [f"  {label:<60}{_gib(n)}" for label, n in lasting_parts(a) if n]
+        lines.append(f"  at its peak, {m.peak_phase}:")
+        lines += [f"    {TERMS[name]:<58}{_gib(n)}" for name, n in phases[m.peak_phase].items() if n]
+        others = [f"{name} {sum(terms.values()) / GIB:.2f} GiB" for name, terms in phases.items()
+                  if terms and name != m.peak_phase]
+        if others:
+            lines.append(f"  (the other phases: {', '.join(others)})")
         verdict = "fits" if a.fits else "does NOT fit"
         usable = f" ({target.usable_why})" if target.usable_why else ""
-        lines.append(f"  {'peak':<46}{_gib(a.memory.peak)}  of {a.hbm_bytes / GIB:.1f} GiB{usable}: {verdict}")
+        lines.append(f"  {'peak':<60}{_gib(a.memory.peak)}  of {a.hbm_bytes / GIB:.1f} GiB{usable}: {verdict}")
     if a.compiled is not None:
         peak, estimated = a.compiled["peak_bytes"], a.compiled["estimate_peak_bytes"]
         ratio = f"  (its estimate: {estimated / peak:.2f} of it)" if estimated and peak else ""
-        lines.append(f"  {'compiled peak (XLA memory analysis)':<46}{_gib(peak)}{ratio}")
+        lines.append(f"  {'compiled peak (XLA memory analysis)':<60}{_gib(peak)}{ratio}")
         if a.compiled["platform"] != a.setup.plan.platform:
             lines.append(f"  (compiled for the {a.compiled['platform'].upper()} devices here, with their kernels)")
     return lines
@@ -528,13 +549,16 @@ def chart(found: list[Assessment], target: Target, path: str) -> None:
         raise UserError("--chart needs matplotlib; pip install 'ushard[plot]'.") from None
     names = [f"{i + 1}" if a.overrides else "this layout" for i, a in enumerate(found)]
     figure, (memory_axes, time_axes) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.9 * len(found)))
+    labels = ["parameters", "optimizer state", "batch", "gathered layer weights kept (ZeRO-3)", *TERMS.values()]
+    colours, labelled = dict(zip(labels, plt.cm.tab20.colors)), set()
     for row, a in enumerate(found):
         left = 0.0
         if a.memory is not None:
-            for (label, read), colour in zip(MEMORY_ROWS, plt.cm.tab10.colors):
-                width = read(a) / GIB
-                memory_axes.barh(row, width, left=left, color=colour, label=label if row == 0 else None)
-                left += width
+            for label, n in memory_parts(a):
+                memory_axes.barh(row, n / GIB, left=left, color=colours[label],
+                                 label=label if label not in labelled else None)
+                labelled.add(label)
+                left += n / GIB
         left = 0.0
         for (label, seconds), colour in zip(time_parts(a.time), plt.cm.Set2.colors):
             time_axes.barh(row, seconds * 1e3, left=left, color=colour, label=label if row == 0 else None)

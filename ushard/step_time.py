@@ -2,7 +2,7 @@
 
 `predict(setup, hardware)` turns a built `Setup` (or a config and a mesh shape) into a `StepTime`:
 - **compute**: the step's FLOPs as ushard/metrics.py counts them, plus what the remat policy
-  recomputes, at an achieved matmul rate and an attention rate per kernel (cuDNN, XLA, splash);
+  recomputes, at an achieved matmul rate and an attention rate per kernel (cuDNN, XLA, splash, flash);
   the elementwise work (norms, rotary, SwiGLU, loss, AdamW) at memory bandwidth; the copy a scanned
   layer loop makes of its saved activations;
 - **collectives**: per mesh axis and kind (all-gather, reduce-scatter, all-reduce, all-to-all,
@@ -96,9 +96,9 @@ class Efficiency:
     # kernel's per-row costs (the causal diagonal's masked tiles, loading queries, writing outputs and
     # statistics) amortise over longer rows. cuDNN: tools/ceilings.py's one-layer forward + backward at
     # 2,048 tokens (0.32 of the peak) and the long-context rows; XLA (materialised float32 scores):
-    # fitted; splash: a guess until TPU rows exist.
+    # fitted; splash and flash (ushard's kernel): guesses until TPU rows and GPU rows exist.
     attention: dict = field(default_factory=lambda: {"cudnn": (0.50, 1500), "xla": (0.08, 3000),
-                                                     "splash": (0.45, 1150)})
+                                                     "splash": (0.45, 1150), "flash": (0.40, 1500)})
     # Elementwise work runs at this share of `Hardware.hbm_bw` (the ceilings' floor against the
     # profile's "other" time, docs/benchmarks.md "Third round").
     elementwise: float = 0.6
@@ -320,7 +320,7 @@ def _attention_kernel(s: Shape, platform: str) -> str:
 
     dtype = {2: "bfloat16", 4: "float32"}[s.compute_bytes]
     name = kernels.resolve(s.attention_impl, platform, dtype, s.seq, in_stage=s.pipeline is not None)
-    if s.context_mode and name in ("cudnn", "splash"):
+    if s.context_mode and name in ("cudnn", "splash", "flash"):
         blocks, _ = kernels.block_kernel(name, dtype, s.seq, s.size("sequence"), s.document_mask)
         name = name if blocks is not None else "xla"
     return name

@@ -9,8 +9,11 @@ are); with segment ids [B, T] a token sees only keys of its own document. Two fo
 
 `model.attention_impl`: "auto" picks cuDNN flash attention on GPUs in 16-bit compute (XLA inside
 pipeline stages, where XLA's GPU compiler crashes on cuDNN), splash attention on TPUs (sequences a
-multiple of 128 tokens), XLA elsewhere. `resolve` decides, `why` says why, `check` refuses a kernel
-the platform lacks; the `ParallelPlan` records the choice once per run.
+multiple of 128 tokens), XLA elsewhere. "flash" is ushard's own kernel for GPUs (ushard/kernels/
+flash.py: documents, GQA, an exact log-sum-exp for the ring's blocks; it runs inside pipeline
+stages too); "auto" does not pick it before its speed is measured on a GPU. `resolve` decides,
+`why` says why, `check` refuses a kernel the platform lacks; the `ParallelPlan` records the choice
+once per run.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from jax.sharding import PartitionSpec
 from ushard.errors import UserError
 from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout, varying, varying_axes
 
-IMPLS = ("auto", "xla", "cudnn", "splash")
+IMPLS = ("auto", "xla", "cudnn", "splash", "flash")
 # The kernels that exist on one platform only.
-PLATFORMS = {"cudnn": ("gpu", "cuDNN flash attention"), "splash": ("tpu", "Pallas splash attention")}
-LANES = 128  # splash's key blocks are multiples of the TPU's 128 lanes
-NAMES = {"xla": "XLA attention", "cudnn": "cuDNN flash attention", "splash": "splash attention"}
+PLATFORMS = {"cudnn": ("gpu", "cuDNN flash attention"), "splash": ("tpu", "Pallas splash attention"),
+             "flash": ("gpu", "ushard's flash attention (Pallas Triton)")}
+LANES = 128  # splash's key blocks are multiples of the TPU's 128 lanes; flash's forward blocks too
+NAMES = {"xla": "XLA attention", "cudnn": "cuDNN flash attention", "splash": "splash attention",
+         "flash": "ushard's flash attention (Pallas Triton)"}
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,9 @@ def check(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1) -> N
     """UserError for a kernel asked for on a platform that lacks it, or a layout it cannot take."""
     if impl not in PLATFORMS:
         return
+    if impl == "flash" and seq_len % LANES:
+        raise UserError(f"model.attention_impl='flash' needs train.seq_len to be a multiple of {LANES} (its "
+                        f"forward blocks' size); it is {seq_len}.")
     if impl == "cudnn" and pipeline_stages > 1:  # whatever the platform: the config cannot run anywhere
         raise UserError(f"model.attention_impl='cudnn' cannot run inside pipeline stages "
                         f"(mesh.pipeline={pipeline_stages}): XLA's GPU compiler crashes on it there; use "
@@ -110,6 +118,13 @@ def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool) -> t
         from ushard.kernels.cudnn import CUDNN_BLOCKS
 
         return CUDNN_BLOCKS, "cuDNN flash attention"
+    if impl == "flash":
+        if (length // (2 * ways)) % LANES:
+            return None, (f"XLA attention (flash needs each device's two chunks, train.seq_len / {2 * ways}, "
+                          f"to be a multiple of {LANES} tokens)")
+        from ushard.kernels.flash import FLASH_BLOCKS
+
+        return FLASH_BLOCKS, NAMES["flash"]
     if impl == "splash":
         if (length // (2 * ways)) % LANES:
             return None, (f"XLA attention (splash needs each device's two chunks, train.seq_len / {2 * ways}, "
@@ -121,13 +136,17 @@ def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool) -> t
 
 
 def whole_sequence(q, k, v, segment_ids, impl: str):
-    """Causal attention over whole sequences by the resolved kernel `impl` ("xla", "cudnn", "splash")."""
+    """Causal attention over whole sequences by the resolved kernel `impl` ("xla", "cudnn", "splash", "flash")."""
     if impl == "cudnn" and _traced_off_the_chip:
         return by_halves(FLASH_SHAPES, q, k, v, segment_ids)
     if impl == "splash":
         from ushard.kernels.splash import splash_attention
 
         return splash_attention(q, k, v, segment_ids)
+    if impl == "flash":
+        from ushard.kernels.flash import FLASH_BLOCKS
+
+        return by_halves(FLASH_BLOCKS, q, k, v, segment_ids)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]

@@ -1,0 +1,259 @@
+"""Causal attention on one GPU: our Pallas Triton flash kernel (ushard/kernels/flash.py) against cuDNN
+and XLA (`jax.nn.dot_product_attention`), forward and forward + backward, in one process.
+
+    python3 tools/attention_bench.py [--shapes hd128,hd128_gqa,hd64] [--documents none,4] [--block-sweep]
+
+Shapes: bench_1b's attention (B 16, T 2048, 16 heads, head dim 128), the same with 8 kv heads
+(grouped-query), and head dim 64 (32 heads); bf16, causal. Documents: none, or 4 equal documents a
+row (segment ids for ours; cuDNN and XLA get the equivalent [B, 1, T, T] mask, and cuDNN also runs
+the documents as rows of their own, B*4 rows of T/4, the least work any kernel can do).
+
+FLOPs: 4·B·heads·T²·hd for a full forward, half of it causal, and the backward 2.5 times the forward
+(fwd+bwd 3.5 times). With documents only the FLOPs of the visible pairs count (a quarter of the
+causal ones for 4 documents), so a kernel that computes the masked blocks shows it in its rate.
+Backward passes take a random cotangent through `jax.vjp` (never the gradient of a sum). Each
+timing is the median over repetitions of a loop of calls dispatched back to back, each loop
+synchronised at its end (inputs are larger than the L2 cache, so repeated calls do not run from it).
+Before timing, ours is checked on the device against float32 attention on upcast inputs (two rows
+of the batch): max abs error and relative error of out, lse and the three gradients.
+`--block-sweep` also times block-size/warps/stages combinations of each of our kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ushard.kernels import flash
+from ushard.kernels.attention import xla_block
+
+SHAPES = {  # batch, length, heads, kv heads, head dim
+    "hd128": (16, 2048, 16, 16, 128),
+    "hd128_gqa": (16, 2048, 16, 8, 128),
+    "hd64": (16, 2048, 32, 32, 64),
+}
+IMPLS = ("cudnn", "xla", "ours")
+
+
+def timed(fn, *args, calls: int = 10, repeats: int = 7) -> float:
+    """Median seconds per call of `fn(*args)`: compiled and warmed up first, then `repeats` loops of
+    `calls` calls dispatched back to back, each loop closed by block_until_ready."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            result = fn(*args)
+        jax.block_until_ready(result)
+        times.append((time.perf_counter() - start) / calls)
+    return float(np.median(times))
+
+
+def segment_ids(batch: int, length: int, documents: int):
+    """[batch, length] int32: `documents` equal documents a row (None for 0)."""
+    if not documents:
+        return None
+    return jnp.broadcast_to(jnp.repeat(jnp.arange(documents, dtype=jnp.int32), length // documents), (batch, length))
+
+
+def attention_fns(impl: str, segments, documents: int, tuning=None):
+    """impl -> (forward(q, k, v) -> out, forward_backward(q, k, v, d_out) -> (out, dq, dk, dv)), or
+    a string saying why it does not run here."""
+    if impl == "ours":
+        def forward(q, k, v):
+            return flash.attention(q, k, v, segments, True, tuning=tuning)[0]
+    elif impl == "cudnn_rows":
+        if not documents:
+            return "only with documents"
+
+        def forward(q, k, v):
+            b, t = q.shape[:2]
+            as_rows = [x.reshape(b * documents, t // documents, *x.shape[2:]) for x in (q, k, v)]
+            out = jax.nn.dot_product_attention(*as_rows, is_causal=True, implementation="cudnn")
+            return out.reshape(q.shape)
+    else:
+        mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+
+        def forward(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+
+    def forward_backward(q, k, v, d_out):
+        out, pullback = jax.vjp(forward, q, k, v)
+        return (out, *pullback(d_out))
+
+    return jax.jit(forward), jax.jit(forward_backward)
+
+
+def inputs(shape, seed: int = 0):
+    b, t, heads, kv_heads, hd = shape
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (b, t, heads, hd), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, t, kv_heads, hd), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, t, kv_heads, hd), jnp.bfloat16)
+    d_out = jax.random.normal(keys[3], (b, t, heads, hd), jnp.bfloat16)
+    d_lse = jax.random.normal(keys[4], (b, t, heads), jnp.float32)
+    return q, k, v, d_out, d_lse
+
+
+def check_ours(name: str, shape, segments, rows: int = 2) -> str:
+    """Ours against float32 `xla_block` on upcast inputs, on the first `rows` rows (fresh inputs,
+    random cotangents of out and lse): 'max abs / relative' error of out, lse, dq, dk, dv."""
+    q, k, v, d_out, d_lse = (x[:rows] for x in inputs(shape, seed=1))
+    seg = None if segments is None else segments[:rows]
+
+    @jax.jit
+    def ours(q, k, v, d_out, d_lse):
+        outputs, pullback = jax.vjp(lambda *a: flash.attention(*a, seg, True), q, k, v)
+        return (*outputs, *pullback((d_out, d_lse)))
+
+    @jax.jit
+    def reference(q, k, v, d_out, d_lse):
+        index = jnp.arange(q.shape[1])[None]
+        outputs, pullback = jax.vjp(lambda *a: xla_block(*a, index, index, seg, seg), q, k, v)
+        return (*outputs, *pullback((d_out, d_lse)))
+
+    got = ours(q, k, v, d_out, d_lse)
+    want = reference(*(x.astype(jnp.float32) for x in (q, k, v, d_out)), d_lse)
+    parts, worst = [], 0.0
+    for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        finite = np.isfinite(w)
+        if not np.array_equal(finite, np.isfinite(g)):
+            parts.append(f"{what} NON-FINITE MISMATCH")
+            worst = np.inf
+            continue
+        g, w = g[finite], w[finite]
+        rel = float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+        worst = max(worst, rel)
+        parts.append(f"{what} {np.abs(g - w).max():.2e}/{rel:.1e}")
+    verdict = "ok" if worst <= 1e-2 else "CHECK: above bf16 rounding"
+    print(f"  check {name}: max abs/relative error vs float32: {', '.join(parts)} -> {verdict}")
+    return verdict
+
+
+def flops(shape, documents: int) -> float:
+    """Forward FLOPs of causal attention (over the documents' visible pairs if any)."""
+    b, t, heads, _, hd = shape
+    full = 4 * b * heads * t * t * hd
+    return full / 2 / max(documents, 1)
+
+
+def bench(name: str, documents: int, impls, sweep: bool) -> list[tuple]:
+    shape = SHAPES[name]
+    b, t = shape[:2]
+    segments = segment_ids(b, t, documents)
+    label = f"{name} docs={documents or 'none'}"
+    print(f"{label}: B {b}, T {t}, heads {shape[2]}, kv heads {shape[3]}, hd {shape[4]}, bf16, causal")
+    check_ours(label, shape, segments)
+    q, k, v, d_out, _ = inputs(shape)
+    forward_flops = flops(shape, documents)
+    table = []
+    for impl in impls:
+        fns = attention_fns(impl, segments, documents)
+        if isinstance(fns, str):
+            continue
+        try:
+            t_fwd = timed(fns[0], q, k, v)
+            t_both = timed(fns[1], q, k, v, d_out)
+        except Exception as e:  # noqa: BLE001 (a kernel that refuses these inputs is reported, not fatal)
+            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            print(f"  skip {impl}: {reason}")
+            continue
+        table.append((label, impl, t_fwd * 1e3, forward_flops / t_fwd / 1e12, t_both * 1e3,
+                      3.5 * forward_flops / t_both / 1e12))
+    if sweep:
+        table += block_sweep(label, shape, segments, q, k, v, d_out, forward_flops)
+    return table
+
+
+# Candidates around the table's starting points: (block_q, block_k, num_warps, num_stages).
+SWEEP = {
+    "forward": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3),
+                (64, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)],
+    "dkdv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2),
+             (16, 64, 4, 3), (64, 64, 8, 2)],
+    "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (128, 64, 4, 2),
+           (64, 128, 8, 2), (32, 64, 4, 3)],
+}
+
+
+def block_sweep(label, shape, segments, q, k, v, d_out, forward_flops) -> list[tuple]:
+    """Each of our kernels over SWEEP's candidates, the others at the table's values: the forward
+    alone, the backward (both kernels, from a saved out and lse) for dkdv's and dq's. Prints each
+    kernel's best and returns table rows for the best."""
+    base = flash.TUNING[shape[4]]
+    out, lse = jax.jit(lambda q, k, v: flash.forward(q, k, v, True, segments, segments))(q, k, v)
+    rows = []
+    for kernel, candidates in SWEEP.items():
+        results = []
+        for candidate in candidates:
+            tuning = base._replace(**{kernel: flash.Blocks(*candidate)})
+            if kernel == "forward":
+                fn = jax.jit(lambda q, k, v, tuning=tuning: flash.forward(q, k, v, True, segments, segments,
+                                                                        tuning=tuning)[0])
+                args, work = (q, k, v), forward_flops
+            else:
+                fn = jax.jit(lambda *a, tuning=tuning: flash.backward(*a, True, segments, segments,
+                                                                      tuning=tuning))
+                args, work = (q, k, v, out, lse, d_out), 2.5 * forward_flops
+            try:
+                seconds = timed(fn, *args, calls=5, repeats=5)
+            except Exception as e:  # noqa: BLE001 (shared memory exceeded, a block the length refuses)
+                print(f"  sweep {kernel} {candidate}: failed: {str(e).strip().splitlines()[0][:120]}")
+                continue
+            results.append((seconds, candidate))
+            print(f"  sweep {kernel} {candidate}: {seconds * 1e3:.3f} ms, {work / seconds / 1e12:.0f} TFLOP/s")
+        if not results:
+            continue
+        seconds, best = min(results)
+        table_value = tuple(getattr(base, kernel))
+        print(f"  best {kernel}: {best} ({seconds * 1e3:.3f} ms); table has {table_value}")
+        what = "forward alone" if kernel == "forward" else "backward alone"
+        work = forward_flops if kernel == "forward" else 2.5 * forward_flops
+        rows.append((label, f"ours, best {kernel} {best} ({what})", seconds * 1e3, work / seconds / 1e12,
+                     float("nan"), float("nan")))
+    return rows
+
+
+def matmul_ceiling() -> float:
+    """bf16 8192³ matrix product through XLA, TFLOP/s on random data: the rate to compare with."""
+    a = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(3), (8192, 8192), jnp.bfloat16)
+    return 2 * 8192**3 / timed(jax.jit(jnp.matmul), a, b) / 1e12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--documents", default="none,4", help="comma-separated: none, or documents per row")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
+    parser.add_argument("--block-sweep", action="store_true", help="time block/warps/stages candidates of ours")
+    args = parser.parse_args()
+    if jax.default_backend() != "gpu":
+        parser.exit(1, f"needs a GPU (JAX's backend here is {jax.default_backend()}): ours would run in Pallas's "
+                       f"interpreter and cuDNN not at all.\n")
+    print(f"device: {jax.devices()[0].device_kind}, JAX {jax.__version__}")
+    print(f"bf16 matmul 8192^3 through XLA: {matmul_ceiling():.0f} TFLOP/s (the ceiling to compare with)")
+    impls = args.impls.split(",")
+    if "cudnn" in impls:
+        impls.insert(impls.index("cudnn") + 1, "cudnn_rows")
+    table = []
+    for name, documents in itertools.product(args.shapes.split(","), args.documents.split(",")):
+        table += bench(name, 0 if documents == "none" else int(documents), impls, args.block_sweep)
+    print("\nTFLOP/s: causal FLOPs (half of 4·B·H·T²·hd), of the visible pairs only with documents; "
+          "fwd+bwd 3.5x the forward")
+    print("| shape | kernel | forward ms | forward TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for label, impl, fwd_ms, fwd_rate, both_ms, both_rate in table:
+        print(f"| {label} | {impl} | {fwd_ms:.3f} | {fwd_rate:.0f} | {both_ms:.3f} | {both_rate:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
