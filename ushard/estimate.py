@@ -225,18 +225,24 @@ def vocabulary_buffers(setup) -> int:
     gradient is a float32 sum of rows scattered into zeros of the whole table (ushard.models.layers.
     embed_lookup), which the compiler allocates ahead of the forward pass and keeps to the backward's
     end; it is whole on every device before gradients are reduced to their ZeRO layout."""
+    model, layout = setup.model, setup.layout
+    table = model.shapes["embedding"]
+    table_names = model.logical["embedding"]
+    gradient = shard_bytes(jax.ShapeDtypeStruct(table.shape, jnp.float32, sharding=layout.sharding(table_names)))
+    return vocabulary_weights(setup) + gradient
+
+
+def vocabulary_weights(setup) -> int:
+    """The outer weights of the vocabulary (embedding table, LM head) as computed, where that makes a
+    copy: gathered whole for compute (ZeRO-3) or cast to the held dtype."""
     model, layout, dtype = setup.model, setup.layout, held_dtype(setup)
     outer_names, outer_shapes = model.split_stack(model.logical)[1], model.split_stack(model.shapes)[1]
     gathered = setup.plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1
     total = 0
     for shape, names in zip(jax.tree.leaves(outer_shapes), jax.tree.leaves(outer_names, is_leaf=_is_names)):
-        if "vocab" not in names:
-            continue
-        if gathered or dtype != shape.dtype:
+        if "vocab" in names and (gathered or dtype != shape.dtype):
             total += shard_bytes(jax.ShapeDtypeStruct(shape.shape, dtype, sharding=layout.sharding(names)))
-    table = model.shapes["embedding"]
-    table_names = model.logical["embedding"]
-    return total + shard_bytes(jax.ShapeDtypeStruct(table.shape, jnp.float32, sharding=layout.sharding(table_names)))
+    return total
 
 
 def logits_gradient(setup, work: DeviceWork) -> int:
@@ -267,12 +273,14 @@ def kept_weights(setup) -> int:
     """ZeRO-3's gathered layer weights (matmul weights in the held dtype, tensor splits kept) where they
     live from the forward pass to the backward: with parallel.reshard_after_forward false by design;
     without remat in a fully unrolled stack because the backward pass's all-gather of a weight is then
-    the forward's, which XLA merges (CSE). A rolled scan gathers again in its backward loop. A pipeline
-    prepares its stage's weights itself (`one_f_one_b_buffers`)."""
+    the forward's, which XLA merges (CSE). A rolled scan gathers again in its backward loop. A
+    1F1B pipeline prepares its stage's weights itself (`one_f_one_b_buffers`); GPipe and circular keep
+    the stage's gathered layers like a stack without stages."""
     layout, cfg, model = setup.layout, setup.model_config, setup.model
     gathered = setup.plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1
     merged = cfg.remat == "none" and cfg.scan_unroll >= cfg.n_layers
-    if not gathered or layout.pipeline is not None or not (layout.zero.keep_gathered or merged):
+    one_f_one_b = layout.pipeline is not None and layout.pipeline.name == "1f1b"
+    if not gathered or one_f_one_b or not (layout.zero.keep_gathered or merged):
         return 0
     stack_names, stack_shapes = model.split_stack(model.logical)[0], model.split_stack(model.shapes)[0]
     dtype = held_dtype(setup)
@@ -349,13 +357,18 @@ def ticks(pipeline, stages: int) -> int:
 
 
 def chunk_weights(setup, work: DeviceWork) -> int:
-    """One device's bytes of one chunk's layer weights (`work.layers` layers) in the held dtype, split
-    as the stack is stored: the tick slices its chunk out of the stored shard, before any gathering."""
-    model, dtype = setup.model, held_dtype(setup)
+    """One device's bytes of one chunk's layer weights (`work.layers` layers) in the held dtype, as the
+    tick slices them: out of the stored shard, or, where ZeRO-3 keeps the gathered weights
+    (reshard_after_forward false), out of the gathered ones."""
+    model, layout, dtype = setup.model, setup.layout, held_dtype(setup)
     stack = model.split_stack(model.shapes)[0]
-    stored = model.split_stack(setup.steps.shardings.params)[0]
+    if setup.plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1 and layout.zero.keep_gathered:
+        names = model.split_stack(model.logical)[0]
+        sliced = jax.tree.map(layout.sharding, names, is_leaf=_is_names)
+    else:
+        sliced = model.split_stack(setup.steps.shardings.params)[0]
     held = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, dtype, sharding=sharding),
-                        stack, stored)
+                        stack, sliced)
     return shard_bytes(held) * work.layers * work.stages // setup.model_config.n_layers
 
 
@@ -390,7 +403,10 @@ def one_f_one_b_buffers(setup, work: DeviceWork) -> int:
     """A 1F1B stage's own buffers (ushard/parallel/pipeline.py, one_f_one_b): its weights prepared for
     compute where that makes a copy (ZeRO-3 gathers them; another dtype casts them), the float32
     accumulators of its weights' and the outer parameters' gradients (per group of rows: whole over
-    fsdp), and the activation and its gradient passed between stages."""
+    fsdp), and the activation and its gradient passed between stages. Every tick embeds one
+    microbatch and finishes another, so the vocabulary's weights as computed live through the tick
+    loop, beside a tick's two gradients of the outer parameters (the head's and loss's, the
+    embedding's) before they join the accumulator."""
     layout, cfg, model = setup.layout, setup.model_config, setup.model
     stack_names, outer_names = model.split_stack(model.logical)
     stack_shapes, outer_shapes = model.split_stack(model.shapes)
@@ -407,7 +423,8 @@ def one_f_one_b_buffers(setup, work: DeviceWork) -> int:
     accumulators = (compute_bytes(stack_shapes, stack_names, jnp.float32)
                     + compute_bytes(outer_shapes, outer_names, jnp.float32))
     passed = 2 * work.rows * work.length * cfg.d_model * compute_dtype.itemsize
-    return prepared + accumulators + passed
+    tick_gradients = 2 * compute_bytes(outer_shapes, outer_names, jnp.promote_types(cfg.param_dtype, held_dtype(setup)))
+    return prepared + accumulators + passed + vocabulary_weights(setup) + tick_gradients
 
 
 # --------------------------------------------------------------------------- traces
