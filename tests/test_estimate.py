@@ -127,12 +127,20 @@ def test_the_estimate_matches_the_compiler_on_the_shipped_configs(name):
 # llama3_8b at 4 sequences of 8192 a chip on v5p:4x4x4 (fsdp=64, 90 s to compile) reads 31.67 GiB
 # estimated against 31.56 GiB compiled (75.1 GiB before splash attention's residuals and the logits'
 # gradient were modelled).
+SPLASH_CP = {"model.d_model": 256, "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 1024, "model.n_layers": 4,
+             "train.seq_len": 4096, "train.batch_size": 8, "mesh.fsdp": 4, "mesh.sequence": 2,
+             "model.compute_dtype": "bfloat16", "model.vocab_size": 32768}
 TPU = {
     "tiny_v5p8_vocab32k": ("tiny", {"model.d_model": 256, "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 1024,
                                     "model.n_layers": 4, "train.seq_len": 1024, "train.batch_size": 16,
                                     "mesh.fsdp": 8, "model.compute_dtype": "bfloat16", "model.vocab_size": 32768}),
     "llama3_8b_v5p8": ("llama3_8b", {"model.n_layers": 2, "train.seq_len": 2048, "train.batch_size": 8,
                                      "mesh.fsdp": 8}),
+    # Context parallelism on splash blocks (each device's half-chunks 1,024 tokens): the ring and
+    # all-gather modes as custom VJPs that keep flash attention's residuals, never [T, T] scores.
+    "tiny_v5p8_sequence2_ring": ("tiny", {**SPLASH_CP, "model.document_mask": True}),
+    "tiny_v5p8_sequence2_all_gather": ("tiny", {**SPLASH_CP, "parallel.context_parallel": "all_gather"}),
+    "tiny_v5p8_sequence2_ring_keep_kv": ("tiny", {**SPLASH_CP, "parallel.context_keep_kv": True}),
 }
 
 

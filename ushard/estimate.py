@@ -53,8 +53,9 @@ TPUs, the loss's (saved activations, the logits' gradient, the vocabulary's buff
 
 Not counted: XLA's own scratch buffers, the transient buffers of collectives, and kernels' workspace
 beyond what JAX's residuals name. Not modelled (`estimate` refuses them): pipelines over two layer
-stacks (leading dense MoE layers), and fused attention kernels (cuDNN, splash) under context
-parallelism, whose blocks the stand-in does not know. Known to fall short on CPU (not refused):
+stacks (leading dense MoE layers). Context parallelism on fused blocks (cuDNN, splash, flash) is
+traced as a custom VJP that keeps what the ring's does, in both modes (checked against libtpu's
+compile of splash blocks, slow tier). Known to fall short on CPU (not refused):
 ZeRO-2 and data-only meshes with an unrolled stack, whose layers' gradients XLA:CPU keeps whole.
 Checked against XLA's memory analysis in tests/test_estimate.py (CPU; TPU through libtpu, slow tier).
 """
@@ -165,6 +166,7 @@ class DeviceWork:
     context: str | None  # "ring" / "all_gather" where the sequence is split
     context_ways: int
     keep_kv: bool
+    fused_blocks: bool  # the split sequence's blocks run on a fused kernel (cuDNN, splash), not XLA's
     expert_groups: int  # devices the experts are split over
     dispatch: str | None  # "padded" / "ragged" for an MoE model
     experts_gathered: bool  # expert weights stored split over axes they are gathered from (ZeRO-3)
@@ -304,9 +306,6 @@ def refuse_unmodelled(setup) -> None:
     if plan.pipeline is not None and moe.num_experts and moe.first_dense_layers:
         raise NotImplementedError("the memory estimate does not model a pipeline over two layer stacks "
                                   "(model.moe.first_dense_layers > 0)")
-    if plan.context_blocks is not None and plan.context_blocks.name != "xla":
-        raise NotImplementedError(f"the memory estimate does not model context parallelism on "
-                                  f"{plan.context_blocks.name} blocks, only on XLA's")
 
 
 def device_work(setup) -> DeviceWork:
@@ -323,7 +322,9 @@ def device_work(setup) -> DeviceWork:
         rows=rows, length=t.seq_len // layout.size("act_length"), layers=cfg.n_layers // chunks, stages=stages,
         tensor_ways=tensor, kv_ways=kv, vocab_ways=layout.size("act_vocab"),
         residual_ways=layout.size("act_residual_length") // layout.size("act_length"), context=plan.context_mode,
-        context_ways=layout.size("act_length"), keep_kv=plan.context_keep_kv, expert_groups=layout.size("experts"),
+        context_ways=layout.size("act_length"), keep_kv=plan.context_keep_kv,
+        fused_blocks=plan.context_blocks is not None and plan.context_blocks.name != "xla",
+        expert_groups=layout.size("experts"),
         dispatch=plan.expert_dispatch,
         experts_gathered=plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1 and not layout.zero.keep_gathered,
     )
@@ -564,17 +565,27 @@ def trace_layout(work: DeviceWork) -> Layout:
 def _context_stand_in(work: DeviceWork):
     """Context-parallel attention (ushard/parallel/context.py) as one device computes it, no transfers:
     the ring's custom VJP keeps the local queries, keys, values, output and log-sum-exp (and, with
-    keep_kv, the blocks that arrived); the all-gather mode attends to gathered keys and values under
-    autodiff."""
+    keep_kv, the blocks that arrived); the all-gather mode on XLA blocks attends to gathered keys and
+    values under autodiff. On fused blocks (`_fused_attention`) both modes are a custom VJP keeping
+    what the ring's does, never [T, T] scores; with keep_kv the ring keeps the n - 1 blocks that
+    arrived, the all-gather mode the gathered keys and values (segment ids with them)."""
     ways = work.context_ways
 
     def attention(q, k, v, segment_ids, xla_block, _fused):
         t = q.shape[1]
         index = jnp.arange(t)[None]
-        if work.context == "all_gather":
+        if work.context == "all_gather" and not work.fused_blocks:
             gathered = [jnp.concatenate([a] * ways, axis=1) if a is not None else None for a in (k, v, segment_ids)]
             all_index = jnp.arange(t * ways)[None]
             return xla_block(q, gathered[0], gathered[1], index, all_index, segment_ids, gathered[2])[0].astype(q.dtype)
+
+        def received(k, v):
+            """The blocks kept for the backward pass: (n - 1) arrived ones (ring), or all n (gathered)."""
+            if not work.keep_kv:
+                return None
+            copies = ways if work.context == "all_gather" else ways - 1
+            kept = (k, v) if not work.fused_blocks or segment_ids is None else (k, v, segment_ids)
+            return tuple(jnp.concatenate([a] * copies, axis=1) for a in kept)
 
         @jax.custom_vjp
         def ring(q, k, v):
@@ -583,8 +594,7 @@ def _context_stand_in(work: DeviceWork):
         def forward(q, k, v):
             out, lse = xla_block(q, k, v, index, index, segment_ids, segment_ids)
             out = out.astype(q.dtype)
-            received = (jnp.concatenate([k] * (ways - 1), axis=1), jnp.concatenate([v] * (ways - 1), axis=1))
-            return out, (q, k, v, out, lse, received if work.keep_kv else None)
+            return out, (q, k, v, out, lse, received(k, v))
 
         def backward(residuals, d_out):
             q, k, v = residuals[:3]
