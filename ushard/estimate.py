@@ -192,14 +192,18 @@ def estimate(setup) -> MemoryEstimate:
     read = [k for k in setup.steps.batch_shardings if k != "segment_ids" or setup.model_config.document_mask]
     batch = shard_bytes(dict.fromkeys(read, token_ids))
     work, pipeline = device_work(setup), setup.layout.pipeline
+    # The traces, each run once: one layer's (or MoE period's) activations without remat, and under a
+    # pipeline one chunk's residuals under the model's remat and everything outside the stack.
+    layer = stack_and_outer(setup, work, "none", layers=layer_period(setup))[0]
+    chunk = stack_and_outer(setup, work, setup.model_config.remat, work.layers) if pipeline is not None else None
     # With gradient accumulation the running sum and one microbatch's gradients exist together.
     copies = 2 if t.grad_accum > 1 else 1
     one_f_one_b = pipeline is not None and pipeline.name == "1f1b"
     return MemoryEstimate(
-        state=shard_bytes(state), batch=batch, saved_activations=saved_activations(setup, work),
+        state=shard_bytes(state), batch=batch, saved_activations=saved_activations(setup, work, layer, chunk),
         vocabulary_buffers=vocabulary_buffers(setup), kept_state=kept_state(setup, state),
         kept_weights=kept_weights(setup),
-        layer_activations=layer_working_set(setup, work),
+        layer_activations=layer_working_set(setup, work, layer, chunk),
         gradients=copies * gradient_bytes(setup, state),
         pipeline_buffers=one_f_one_b_buffers(setup, work) if one_f_one_b else 0,
         logits_gradient=logits_gradient(setup, work),
@@ -211,6 +215,11 @@ def gradient_bytes(setup, state) -> int:
     gradients = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=s), state.params,
                              setup.steps.shardings.grads)
     return shard_bytes(gradients)
+
+
+def gathers_weights(setup) -> bool:
+    """Whether ZeRO-3 splits the weights over fsdp and gathers them for compute."""
+    return setup.plan.zero_stage == 3 and setup.layout.mesh.shape["fsdp"] > 1
 
 
 def held_dtype(setup):
@@ -239,7 +248,7 @@ def vocabulary_weights(setup) -> int:
     copy: gathered whole for compute (ZeRO-3) or cast to the held dtype."""
     model, layout, dtype = setup.model, setup.layout, held_dtype(setup)
     outer_names, outer_shapes = model.split_stack(model.logical)[1], model.split_stack(model.shapes)[1]
-    gathered = setup.plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1
+    gathered = gathers_weights(setup)
     total = 0
     for shape, names in zip(jax.tree.leaves(outer_shapes), jax.tree.leaves(outer_names, is_leaf=_is_names)):
         if "vocab" in names and (gathered or dtype != shape.dtype):
@@ -279,7 +288,7 @@ def kept_weights(setup) -> int:
     1F1B pipeline prepares its stage's weights itself (`one_f_one_b_buffers`); GPipe and circular keep
     the stage's gathered layers like a stack without stages."""
     layout, cfg, model = setup.layout, setup.model_config, setup.model
-    gathered = setup.plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1
+    gathered = gathers_weights(setup)
     merged = cfg.remat == "none" and cfg.scan_unroll >= cfg.n_layers
     one_f_one_b = layout.pipeline is not None and layout.pipeline.name == "1f1b"
     if not gathered or one_f_one_b or not (layout.zero.keep_gathered or merged):
@@ -326,16 +335,17 @@ def device_work(setup) -> DeviceWork:
         fused_blocks=plan.context_blocks is not None and plan.context_blocks.name != "xla",
         expert_groups=layout.size("experts"),
         dispatch=plan.expert_dispatch,
-        experts_gathered=plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1 and not layout.zero.keep_gathered,
+        experts_gathered=gathers_weights(setup) and not layout.zero.keep_gathered,
     )
 
 
-def saved_activations(setup, work: DeviceWork) -> int:
-    """The residuals every microbatch in flight keeps at once (module docstring)."""
+def saved_activations(setup, work: DeviceWork, layer: int, chunk: tuple[int, int] | None) -> int:
+    """The residuals every microbatch in flight keeps at once (module docstring), given one layer's
+    activations without remat and, under a pipeline, a chunk's (stack, outer) residuals."""
     pipeline, remat = setup.layout.pipeline, setup.model_config.remat
     if pipeline is None:
         return device_residual_bytes(setup, work, remat, setup.model_config.n_layers)
-    stack, outer = stack_and_outer(setup, work, remat, work.layers)
+    stack, outer = chunk
     if pipeline.name != "1f1b":
         # GPipe and circular: autodiff of the tick loop stacks every tick's residuals, the stage's for
         # one microbatch through one chunk and the chunk's weights, which the tick slices out of the
@@ -347,7 +357,6 @@ def saved_activations(setup, work: DeviceWork) -> int:
     # rewrites in a conditional: the loop holds it twice (in and out), and the forward slot holds the
     # residuals it is writing, or while it computes them one layer's activations, as the backward slot
     # holds another layer's. Embedding, head and loss run on one microbatch at a time.
-    layer = stack_and_outer(setup, work, "none", layers=layer_period(setup))[0]
     return 2 * ring_size(work.stages) * stack + max(stack, layer) + outer
 
 
@@ -363,7 +372,7 @@ def chunk_weights(setup, work: DeviceWork) -> int:
     (reshard_after_forward false), out of the gathered ones."""
     model, layout, dtype = setup.model, setup.layout, held_dtype(setup)
     stack = model.split_stack(model.shapes)[0]
-    if setup.plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1 and layout.zero.keep_gathered:
+    if layout.zero.keep_gathered:  # ZeRO-3 over fsdp, reshard_after_forward false
         names = model.split_stack(model.logical)[0]
         sliced = jax.tree.map(layout.sharding, names, is_leaf=_is_names)
     else:
@@ -373,17 +382,17 @@ def chunk_weights(setup, work: DeviceWork) -> int:
     return shard_bytes(held) * work.layers * work.stages // setup.model_config.n_layers
 
 
-def layer_working_set(setup, work: DeviceWork) -> int:
+def layer_working_set(setup, work: DeviceWork, layer: int, chunk: tuple[int, int] | None) -> int:
     """The activations of the layers whose backward pass runs, beside the residual stream's gradients.
     Without a pipeline or under 1F1B: one layer's (under remat, the one recomputed). Under GPipe or
     circular the backward pass of a tick pulls back through a whole chunk: the tick's residuals, sliced
-    out of the stacked ones, and the chunk's activations (recomputed under remat)."""
-    pipeline, period = setup.layout.pipeline, layer_period(setup)
-    layer = stack_and_outer(setup, work, "none", layers=period)[0]
+    out of the stacked ones, and the chunk's activations (recomputed under remat). `layer`, `chunk`:
+    as for `saved_activations`."""
+    pipeline = setup.layout.pipeline
     if pipeline is None or pipeline.name == "1f1b":
         return layer + stream_gradients(setup, work)
-    stack = stack_and_outer(setup, work, setup.model_config.remat, work.layers)[0]
-    return stack + max(stack, layer * work.layers // period) + stream_gradients(setup, work)
+    stack = chunk[0]
+    return stack + max(stack, layer * work.layers // layer_period(setup)) + stream_gradients(setup, work)
 
 
 def layer_period(setup) -> int:
@@ -419,7 +428,7 @@ def one_f_one_b_buffers(setup, work: DeviceWork) -> int:
         return shard_bytes(placed)
 
     compute_dtype = jnp.dtype(cfg.compute_dtype)
-    copied = (setup.plan.zero_stage == 3 and layout.mesh.shape["fsdp"] > 1) or compute_dtype != cfg.param_dtype
+    copied = gathers_weights(setup) or compute_dtype != cfg.param_dtype
     prepared = compute_bytes(stack_shapes, stack_names, compute_dtype) if copied else 0
     accumulators = (compute_bytes(stack_shapes, stack_names, jnp.float32)
                     + compute_bytes(outer_shapes, outer_names, jnp.float32))
@@ -566,7 +575,7 @@ def _context_stand_in(work: DeviceWork):
     """Context-parallel attention (ushard/parallel/context.py) as one device computes it, no transfers:
     the ring's custom VJP keeps the local queries, keys, values, output and log-sum-exp (and, with
     keep_kv, the blocks that arrived); the all-gather mode on XLA blocks attends to gathered keys and
-    values under autodiff. On fused blocks (`_fused_attention`) both modes are a custom VJP keeping
+    values under autodiff. On fused blocks (`work.fused_blocks`) both modes are a custom VJP keeping
     what the ring's does, never [T, T] scores; with keep_kv the ring keeps the n - 1 blocks that
     arrived, the all-gather mode the gathered keys and values (segment ids with them)."""
     ways = work.context_ways

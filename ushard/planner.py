@@ -549,15 +549,14 @@ def chart(found: list[Assessment], target: Target, path: str) -> None:
         raise UserError("--chart needs matplotlib; pip install 'ushard[plot]'.") from None
     names = [f"{i + 1}" if a.overrides else "this layout" for i, a in enumerate(found)]
     figure, (memory_axes, time_axes) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.9 * len(found)))
-    labels = ["parameters", "optimizer state", "batch", "gathered layer weights kept (ZeRO-3)", *TERMS.values()]
-    colours, labelled = dict(zip(labels, plt.cm.tab20.colors)), set()
+    colours = {}  # one colour a part, the same in every layout's bar; labelled once
     for row, a in enumerate(found):
         left = 0.0
         if a.memory is not None:
             for label, n in memory_parts(a):
-                memory_axes.barh(row, n / GIB, left=left, color=colours[label],
-                                 label=label if label not in labelled else None)
-                labelled.add(label)
+                new = label not in colours
+                colour = colours.setdefault(label, plt.cm.tab20.colors[len(colours)])
+                memory_axes.barh(row, n / GIB, left=left, color=colour, label=label if new else None)
                 left += n / GIB
         left = 0.0
         for (label, seconds), colour in zip(time_parts(a.time), plt.cm.Set2.colors):

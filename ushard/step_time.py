@@ -320,7 +320,7 @@ def _attention_kernel(s: Shape, platform: str) -> str:
 
     dtype = {2: "bfloat16", 4: "float32"}[s.compute_bytes]
     name = kernels.resolve(s.attention_impl, platform, dtype, s.seq, in_stage=s.pipeline is not None)
-    if s.context_mode and name in ("cudnn", "splash", "flash"):
+    if s.context_mode and name != "xla":
         blocks, _ = kernels.block_kernel(name, dtype, s.seq, s.size("sequence"), s.document_mask)
         name = name if blocks is not None else "xla"
     return name

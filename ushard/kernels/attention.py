@@ -90,9 +90,6 @@ def check(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1) -> N
     """UserError for a kernel asked for on a platform that lacks it, or a layout it cannot take."""
     if impl not in PLATFORMS:
         return
-    if impl == "flash" and seq_len % LANES:
-        raise UserError(f"model.attention_impl='flash' needs train.seq_len to be a multiple of {LANES} (its "
-                        f"forward blocks' size); it is {seq_len}.")
     if impl == "cudnn" and pipeline_stages > 1:  # whatever the platform: the config cannot run anywhere
         raise UserError(f"model.attention_impl='cudnn' cannot run inside pipeline stages "
                         f"(mesh.pipeline={pipeline_stages}): XLA's GPU compiler crashes on it there; use "
@@ -101,8 +98,8 @@ def check(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1) -> N
     if platform != needs:
         raise UserError(f"model.attention_impl={impl!r} is {name}, which runs on {needs.upper()}s only, and these "
                         f"devices are {platform}; use 'auto' (the best kernel of each platform) or 'xla'.")
-    if impl == "splash" and seq_len % LANES:
-        raise UserError(f"model.attention_impl='splash' needs train.seq_len to be a multiple of {LANES} (its "
+    if impl in ("splash", "flash") and seq_len % LANES:
+        raise UserError(f"model.attention_impl={impl!r} needs train.seq_len to be a multiple of {LANES} (its "
                         f"blocks' size); it is {seq_len}.")
 
 
@@ -118,17 +115,14 @@ def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool) -> t
         from ushard.kernels.cudnn import CUDNN_BLOCKS
 
         return CUDNN_BLOCKS, "cuDNN flash attention"
+    if impl in ("splash", "flash") and (length // (2 * ways)) % LANES:
+        return None, (f"XLA attention ({impl} needs each device's two chunks, train.seq_len / {2 * ways}, "
+                      f"to be a multiple of {LANES} tokens)")
     if impl == "flash":
-        if (length // (2 * ways)) % LANES:
-            return None, (f"XLA attention (flash needs each device's two chunks, train.seq_len / {2 * ways}, "
-                          f"to be a multiple of {LANES} tokens)")
         from ushard.kernels.flash import FLASH_BLOCKS
 
         return FLASH_BLOCKS, NAMES["flash"]
     if impl == "splash":
-        if (length // (2 * ways)) % LANES:
-            return None, (f"XLA attention (splash needs each device's two chunks, train.seq_len / {2 * ways}, "
-                          f"to be a multiple of {LANES} tokens)")
         from ushard.kernels.splash import splash_blocks
 
         return splash_blocks(), "splash attention"
