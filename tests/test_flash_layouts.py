@@ -112,3 +112,26 @@ def test_flash_is_refused_off_a_gpu_with_a_sentence():
         attention.check("flash", "cpu", 128)
     with pytest.raises(UserError, match="multiple of 128"):
         attention.check("flash", "gpu", 200)
+
+
+def test_a_gpu_plan_runs_flash_where_cudnn_cannot():
+    """On GPUs "auto" means cuDNN, and ushard's flash kernel where cuDNN cannot run: inside pipeline
+    stages, and for the blocks of a sequence split with documents; the start-up report says why."""
+    from ushard.config import validate
+    from ushard.models.config import ModelConfig
+    from ushard.plan import ParallelPlan
+
+    def plan(**settings):
+        config = small_config(**{**FLASH_MODEL, "model.document_mask": False, "model.compute_dtype": "bfloat16",
+                                 "train.seq_len": 512, **settings})  # head dim 64
+        shape = validate(config, 8)
+        return ParallelPlan.create(config, shape, "gpu", ModelConfig.from_config(config.model), "NVIDIA H200")
+
+    staged = plan(**{"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_microbatches": 2})
+    assert (staged.attention.name, staged.stage_attention.name) == ("cudnn", "flash")
+    assert "cannot run inside pipeline stages" in staged.stage_attention.why
+    split = {"mesh.sequence": 2, "mesh.fsdp": 4}
+    assert plan(**split).context_blocks.name == "cudnn"
+    with_documents = plan(**split, **{"model.document_mask": True})
+    assert (with_documents.attention.name, with_documents.context_blocks.name) == ("flash", "flash")
+    assert "take no document mask" in with_documents.attention.why

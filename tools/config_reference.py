@@ -57,9 +57,10 @@ DESCRIPTIONS = {
     "model.tie_embeddings": "the LM head reuses the embedding table",
     "model.compute_dtype": "dtype of activations and matmuls: float32, bfloat16 or float16",
     "model.param_dtype": "dtype parameters and optimizer state are stored in",
-    "model.attention_impl": "`auto` (cuDNN flash attention on GPUs in 16-bit compute outside pipeline stages, "
-                            "splash on TPUs, else XLA), `xla`, `cudnn`, `splash` or `flash` (ushard's own GPU "
-                            "kernel: documents, GQA, pipeline stages; its GPU speed not yet measured)",
+    "model.attention_impl": "`auto` (cuDNN flash attention on GPUs in 16-bit compute, ushard's `flash` where cuDNN "
+                            "cannot run: pipeline stages, a split sequence's blocks with documents; splash on TPUs; "
+                            "else XLA), `xla`, `cudnn`, `splash` or `flash` (ushard's own GPU kernel: documents, "
+                            "GQA, pipeline stages)",
     "model.remat": "what the backward pass recomputes: none, full, dots, dots_no_batch, dots_attention, "
                    "dots_attention_norms",
     "model.document_mask": "packed documents never attend to each other (segment ids)",
@@ -87,11 +88,11 @@ DESCRIPTIONS = {
     "model.moe.dispatch_headroom": "with `ragged`: each device's receive buffer in multiples of an even load (its "
                                    "memory; the Pallas grouped matmuls compute only the rows in use, to an eighth "
                                    "of the buffer); a step that needs more stops the run",
-    "model.moe.exchange": "with `ragged`: how routed rows move between devices: `auto` (`all_to_all` on GPUs and "
-                          "CPUs, `ragged_all_to_all` on TPUs), `all_to_all` (a dense all-to-all of a buffer per "
-                          "pair of devices, `dispatch_headroom` times an even share), `ragged_all_to_all` (XLA's), "
-                          "`all_gather` (tokens gathered to every device of the expert group, outputs "
-                          "reduce-scattered back; not measured on GPUs yet)",
+    "model.moe.exchange": "with `ragged`: how routed rows move between devices: `auto` (`all_gather` on GPUs, "
+                          "`ragged_all_to_all` on TPUs, `all_to_all` on CPUs), `all_to_all` (a dense all-to-all of "
+                          "a buffer per pair of devices, `dispatch_headroom` times an even share), "
+                          "`ragged_all_to_all` (XLA's), `all_gather` (tokens gathered to every device of the "
+                          "expert group, outputs reduce-scattered back; only a device's total rows can overflow)",
     "model.moe.grouped_matmul_impl": "the dropless experts' grouped matmul: `auto` (JAX's Pallas Mosaic-GPU kernel "
                                      "on Hopper GPUs in 16-bit compute, megablox on TPUs, else XLA), `xla` "
                                      "(ragged_dot), `mosaic_gpu`, `megablox`",

@@ -11,6 +11,7 @@ records what was chosen.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ushard.kernels import attention as attention_kernels
@@ -60,10 +61,11 @@ class ParallelPlan:
         pipeline = None
         if stages > 1:
             pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats)
-        attention = _choice(m.attention_impl, platform, m.compute_dtype, t.seq_len, in_stage=False)
-        stage_attention = None
-        if pipeline is not None:
-            stage_attention = _choice(m.attention_impl, platform, m.compute_dtype, t.seq_len, in_stage=True)
+        split_documents = ways > 1 and bool(m.document_mask)
+        choose = functools.partial(_choice, m.attention_impl, platform, m.compute_dtype, t.seq_len,
+                                   split_documents=split_documents, head_dim=model.head_dim)
+        attention = choose(in_stage=False)
+        stage_attention = choose(in_stage=True) if pipeline is not None else None
         blocks = None
         if ways > 1:
             # Inside stages attention resolves as `stage_attention` does; the blocks follow it.
@@ -132,6 +134,7 @@ class ParallelPlan:
         return "\n".join(lines) + "\n"
 
 
-def _choice(impl: str, platform: str, dtype, length: int, in_stage: bool) -> KernelChoice:
-    name = attention_kernels.resolve(impl, platform, dtype, length, in_stage)
-    return KernelChoice(name, attention_kernels.why(impl, name, platform, in_stage))
+def _choice(impl: str, platform: str, dtype, length: int, in_stage: bool, split_documents: bool,
+            head_dim: int) -> KernelChoice:
+    name = attention_kernels.resolve(impl, platform, dtype, length, in_stage, split_documents, head_dim)
+    return KernelChoice(name, attention_kernels.why(impl, name, platform, in_stage, split_documents))

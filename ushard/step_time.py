@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ushard.parallel.expert import resolved_exchange
 from ushard.parallel.pipeline import bubble_fraction
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -96,9 +97,10 @@ class Efficiency:
     # kernel's per-row costs (the causal diagonal's masked tiles, loading queries, writing outputs and
     # statistics) amortise over longer rows. cuDNN: tools/ceilings.py's one-layer forward + backward at
     # 2,048 tokens (0.32 of the peak) and the long-context rows; XLA (materialised float32 scores):
-    # fitted; splash and flash (ushard's kernel): guesses until TPU rows and GPU rows exist.
+    # fitted; flash (ushard's kernel): cuDNN's curve times the 0.71 its forward + backward ran at against
+    # cuDNN's in one call (tools/attention_bench.py, bench_1b's shape); splash: a guess until TPU rows exist.
     attention: dict = field(default_factory=lambda: {"cudnn": (0.50, 1500), "xla": (0.08, 3000),
-                                                     "splash": (0.45, 1150), "flash": (0.40, 1500)})
+                                                     "splash": (0.45, 1150), "flash": (0.355, 1500)})
     # Elementwise work runs at this share of `Hardware.hbm_bw` (the ceilings' floor against the
     # profile's "other" time, docs/benchmarks.md "Third round").
     elementwise: float = 0.6
@@ -314,12 +316,13 @@ def _routed_params(model) -> int:
 
 
 def _attention_kernel(s: Shape, platform: str) -> str:
-    """The kernel attention runs on `platform` (ushard/kernels/attention.py's rules): inside pipeline
-    stages XLA's on GPUs, and the blocks of a split sequence XLA's where the fused kernel cannot."""
+    """The kernel attention runs on `platform` (ushard/kernels/attention.py's rules), and the blocks of
+    a split sequence XLA's where the fused kernel cannot run them."""
     from ushard.kernels import attention as kernels
 
     dtype = {2: "bfloat16", 4: "float32"}[s.compute_bytes]
-    name = kernels.resolve(s.attention_impl, platform, dtype, s.seq, in_stage=s.pipeline is not None)
+    name = kernels.resolve(s.attention_impl, platform, dtype, s.seq, in_stage=s.pipeline is not None,
+                           split_documents=bool(s.context_mode) and s.document_mask, head_dim=s.head_dim)
     if s.context_mode and name != "xla":
         blocks, _ = kernels.block_kernel(name, dtype, s.seq, s.size("sequence"), s.document_mask)
         name = name if blocks is not None else "xla"
@@ -636,6 +639,7 @@ def predict(setup_or_config, hw: Hardware | str = "h100", *, mesh_shape: dict | 
     layer_compute = compute / layers
     hosts = hosts_of(s, hw.devices_per_host, hosts_of_axes)
     collectives = []
+    s = dataclasses.replace(s, exchange=resolved_exchange(s.exchange, hw.platform))
     for item in collective_items(s):
         result, wire, seconds, link = _link_seconds(item, s.size(item.axis), hosts[item.axis], hw)
         exposed, why = _exposed(item, seconds, layer_compute, layers, eff)

@@ -7,11 +7,12 @@ are); with segment ids [B, T] a token sees only keys of its own document. Two fo
   sequence, with the log-sum-exp of each query's visible scores, so that context parallelism
   (ushard/parallel/context.py) can combine blocks held by different devices.
 
-`model.attention_impl`: "auto" picks cuDNN flash attention on GPUs in 16-bit compute (XLA inside
-pipeline stages, where XLA's GPU compiler crashes on cuDNN), splash attention on TPUs (sequences a
-multiple of 128 tokens), XLA elsewhere. "flash" is ushard's own kernel for GPUs (ushard/kernels/
-flash.py: documents, GQA, an exact log-sum-exp for the ring's blocks; it runs inside pipeline
-stages too); "auto" does not pick it before its speed is measured on a GPU. `resolve` decides,
+`model.attention_impl`: "auto" picks cuDNN flash attention on GPUs in 16-bit compute, splash
+attention on TPUs (sequences a multiple of 128 tokens), XLA elsewhere. "flash" is ushard's own kernel
+for GPUs (ushard/kernels/flash.py: documents, GQA, an exact log-sum-exp for the ring's blocks); "auto"
+picks it where cuDNN cannot run: inside pipeline stages (XLA's GPU compiler crashes on cuDNN there)
+and for the blocks of a sequence split with a document mask (cuDNN's blocks take none). Measured
+slower than cuDNN where both run, and far faster than XLA's attention (docs/benchmarks.md). `resolve` decides,
 `why` says why, `check` refuses a kernel the platform lacks; the `ParallelPlan` records the choice
 once per run.
 """
@@ -62,24 +63,43 @@ class BlockKernel:
     typed: bool = True
 
 
-def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False) -> str:
-    """The kernel `impl` means on `platform` for `dtype` and sequences of `length` tokens, inside a
-    pipeline stage or not (module docstring)."""
+def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False, split_documents: bool = False,
+            head_dim: int = 128) -> str:
+    """The kernel `impl` means on `platform` for `dtype`, sequences of `length` tokens and heads of
+    `head_dim`, inside a pipeline stage or not, split by context parallelism with a document mask or
+    not (module docstring)."""
     if impl != "auto":
         return impl
-    if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not in_stage:
-        return "cudnn"
+    if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        if not (in_stage or split_documents):
+            return "cudnn"
+        # Where cuDNN cannot run, ours if it can: far faster than XLA's (docs/benchmarks.md).
+        return "flash" if flash_fits(length, head_dim) else "xla"
     return "splash" if platform == "tpu" and length % LANES == 0 else "xla"
 
 
-def why(impl: str, resolved: str, platform: str, in_stage: bool = False) -> str:
+def flash_fits(length: int, head_dim: int) -> bool:
+    """Whether ushard's flash kernel has blocks for this sequence length and head dim."""
+    from ushard.kernels.flash import TUNING
+
+    return length % LANES == 0 and head_dim in TUNING
+
+
+def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split_documents: bool = False) -> str:
     """`resolved` in words, with the reason it runs (the start-up report prints it)."""
     name = NAMES[resolved]
     if impl != "auto":
         return f"{name} (model.attention_impl={impl!r})"
-    if resolved == "xla" and platform == "gpu":
-        reason = ("inside pipeline stages XLA's GPU compiler crashes on cuDNN" if in_stage
-                  else "cuDNN takes 16-bit compute only")
+    if platform == "gpu" and resolved in ("xla", "flash"):
+        if in_stage:
+            reason = "cuDNN cannot run inside pipeline stages: XLA's GPU compiler crashes on it"
+        elif split_documents:
+            reason = "cuDNN's blocks of a split sequence take no document mask"
+        else:
+            reason = "cuDNN takes 16-bit compute only"
+        if resolved == "xla" and (in_stage or split_documents):
+            reason += (f"; ushard's flash needs 16-bit compute, sequences a multiple of {LANES} tokens and head "
+                       f"dims of 64 or 128")
         return f"{name} ({reason})"
     if resolved == "xla" and platform == "tpu":
         return f"{name} (splash needs sequences a multiple of {LANES} tokens)"
@@ -93,7 +113,7 @@ def check(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1) -> N
     if impl == "cudnn" and pipeline_stages > 1:  # whatever the platform: the config cannot run anywhere
         raise UserError(f"model.attention_impl='cudnn' cannot run inside pipeline stages "
                         f"(mesh.pipeline={pipeline_stages}): XLA's GPU compiler crashes on it there; use "
-                        f"attention_impl='auto', which runs XLA attention in the stages.")
+                        f"attention_impl='auto', which runs ushard's flash attention there (XLA's where it cannot).")
     needs, name = PLATFORMS[impl]
     if platform != needs:
         raise UserError(f"model.attention_impl={impl!r} is {name}, which runs on {needs.upper()}s only, and these "

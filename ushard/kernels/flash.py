@@ -64,13 +64,13 @@ class Tuning(NamedTuple):
     dq: Blocks
 
 
-# Per head dim. Starting points for Hopper, to be tuned on the GPU (tools/attention_bench.py
-# --block-sweep); measured numbers go to docs/benchmarks.md, not here. Hopper's matrix instructions
+# Per head dim, for Hopper: head dim 128 as the block sweep on an H200 chose them (tools/attention_bench.py
+# --block-sweep, docs/benchmarks.md); 64 starting points, not yet swept. Hopper's matrix instructions
 # run on warpgroups of 4 warps, 64 rows each: the forward's 128 query rows take two warpgroups at
 # head dim 128 and one (fewer registers for a smaller tile) at 64; the 64-row backward blocks one.
 TUNING = {
     64: Tuning(forward=Blocks(128, 64, 4, 3), dkdv=Blocks(64, 64, 4, 3), dq=Blocks(64, 64, 4, 3)),
-    128: Tuning(forward=Blocks(128, 64, 8, 2), dkdv=Blocks(64, 64, 4, 2), dq=Blocks(64, 64, 4, 2)),
+    128: Tuning(forward=Blocks(128, 128, 8, 3), dkdv=Blocks(32, 64, 4, 3), dq=Blocks(64, 64, 4, 2)),
 }
 
 

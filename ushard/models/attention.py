@@ -26,12 +26,13 @@ def causal_attention(q, k, v, segment_ids, impl: str):
     """
     layout = current_layout()
     in_stage = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside a pipeline stage's shard_map
+    ways = 1 if layout is None else layout.size("act_length")
     if layout is not None and layout.plan is not None:
         impl = layout.plan.attention_for(in_stage)
     else:
         platform = layout.platform if layout is not None else jax.default_backend()
-        impl = kernels.resolve(impl, platform, q.dtype, q.shape[1], in_stage)
-    ways = 1 if layout is None else layout.size("act_length")
+        impl = kernels.resolve(impl, platform, q.dtype, q.shape[1], in_stage,
+                               split_documents=ways > 1 and segment_ids is not None, head_dim=q.shape[-1])
     if ways > 1:
         block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None)
         return layout.seams.context_attention(q, k, v, segment_ids, kernels.xla_block, block)

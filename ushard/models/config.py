@@ -69,10 +69,10 @@ class MoEConfig:
     # The ragged dispatch's receive buffer, in multiples of the rows a device gets when the load is
     # even: the grouped matmul runs over all of it; a step whose load needs more stops the run.
     dispatch_headroom: float = 2.0
-    # How the ragged dispatch moves rows between devices (ushard/parallel/expert.py): "auto" (a dense
-    # all_to_all of a buffer per pair of devices; XLA's ragged_all_to_all on TPUs), "all_to_all",
-    # "ragged_all_to_all", or "all_gather" (tokens gathered to every device of the expert group,
-    # outputs reduce-scattered back).
+    # How the ragged dispatch moves rows between devices (ushard/parallel/expert.py): "auto" ("all_gather"
+    # on GPUs, XLA's ragged_all_to_all on TPUs, "all_to_all" elsewhere), "all_to_all" (a dense all_to_all
+    # of a buffer per pair of devices), "ragged_all_to_all", or "all_gather" (tokens gathered to every
+    # device of the expert group, outputs reduce-scattered back).
     exchange: str = "auto"
     # The dropless experts' grouped matmul (ushard/kernels/grouped_matmul.py): "auto" runs JAX's Pallas
     # Mosaic-GPU kernel on Hopper GPUs in 16-bit compute, else "xla" (ragged_dot).
@@ -159,7 +159,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     compute_dtype: str = "bfloat16"
     param_dtype: str = "float32"
-    attention_impl: str = "auto"  # auto: cuDNN flash attention where available, else XLA
+    attention_impl: str = "auto"  # auto: the platform's fused kernel (ushard/kernels/attention.py), else XLA
     remat: str = "none"  # none | full | dots | dots_no_batch | dots_attention | dots_attention_norms
     document_mask: bool = True  # packed documents never attend to each other
     # Layers per iteration of the layer scan. 1 keeps compile time flat in depth; n_layers unrolls

@@ -25,12 +25,14 @@ so every device holds tokens of its own; per device (and the same with no layout
   `dispatch_headroom` times an even load. How they travel is `exchange` (`model.moe.exchange`):
   - "all_to_all" (`_ragged` with `_padded_exchange`): each device sends every expert the rows routed
     to it, by one dense `all_to_all` of a buffer per pair of devices, also `dispatch_headroom` times
-    an even share; the default on GPUs and CPUs (`AUTO_EXCHANGE`).
+    an even share; the default on CPUs (`AUTO_EXCHANGE`).
   - "ragged_all_to_all" (`_ragged` with XLA's collective, sized by the counts; measured 19 times
     slower on 4 x H200; on CPUs a stand-in built from all-gathers): the default on TPUs.
   - "all_gather" (`_gathered`): every device of an expert group gathers the group's tokens, runs its
     experts on those routed to them, and a reduce-scatter sums the outputs back; no buffer per pair,
-    and more bytes moved than the routed rows when few experts share a device.
+    and more bytes moved than the routed rows when few experts share a device. The default on GPUs:
+    on 4 x H200 it ran `bench_moe` `expert=4` faster than "all_to_all" at the same headroom, and only a
+    device's total rows can overflow, not a pair's (docs/benchmarks.md).
 
 The expert weights enter the map as they are stored (ZeRO-3: split over fsdp too) and are gathered
 inside it, in the compute dtype. `expert_fn`'s outputs are partial sums where `expert_mlp` is split
@@ -85,7 +87,7 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     compute = {name: layout.spec(weight_names[name]) for name in weights}
 
     ragged = dispatch == "ragged" and groups > 1
-    how = AUTO_EXCHANGE.get(layout.platform, "all_to_all") if exchange == "auto" else exchange
+    how = resolved_exchange(exchange, layout.platform)
     # CPUs have no `ragged_all_to_all`: its stand-in there, when it is asked for.
     moves = _ragged_all_to_all_by_gather if layout.platform == "cpu" and how == "ragged_all_to_all" else MOVES.get(how)
 
@@ -148,7 +150,12 @@ KEEP_EXCHANGED = True
 # (JAX 0.11.2) against the dense all_to_all's 133 (docs/benchmarks.md), so GPUs use the dense one;
 # TPUs keep `ragged_all_to_all`: their compiles were checked with it, and the dense exchange was
 # measured on GPUs only. "all_gather" (`_gathered`) is chosen only by name: not measured on GPUs yet.
-AUTO_EXCHANGE = {"tpu": "ragged_all_to_all"}
+AUTO_EXCHANGE = {"tpu": "ragged_all_to_all", "gpu": "all_gather"}
+
+
+def resolved_exchange(exchange: str, platform: str) -> str:
+    """The exchange `model.moe.exchange` names on `platform`: "auto" as `AUTO_EXCHANGE` says."""
+    return AUTO_EXCHANGE.get(platform, "all_to_all") if exchange == "auto" else exchange
 
 
 def receive_rows(assignments: int, groups: int, local_experts: int, k: int, headroom: float) -> int:
