@@ -98,11 +98,10 @@ def test_auto_picks_each_platforms_kernel():
     assert resolve_impl("auto", "tpu", jnp.bfloat16, 8192, in_stage=True) == "splash"
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192) == "cudnn"
     assert resolve_impl("auto", "gpu", jnp.float32, 8192) == "xla"
-    # Where cuDNN cannot run (pipeline stages; a split sequence's blocks with documents), ushard's flash
-    # kernel where it has blocks for the shape, else XLA's.
+    # Inside pipeline stages, where cuDNN cannot run: ushard's flash kernel where it has blocks for the
+    # shape, else XLA's.
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True) == "flash"
-    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, split_documents=True) == "flash"
-    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, split_documents=True, head_dim=96) == "xla"
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True, head_dim=96) == "xla"
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 1000, in_stage=True) == "xla"
     assert resolve_impl("auto", "gpu", jnp.float32, 8192, in_stage=True) == "xla"
     assert resolve_impl("auto", "cpu", jnp.bfloat16, 8192) == "xla"

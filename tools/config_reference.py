@@ -57,10 +57,9 @@ DESCRIPTIONS = {
     "model.tie_embeddings": "the LM head reuses the embedding table",
     "model.compute_dtype": "dtype of activations and matmuls: float32, bfloat16 or float16",
     "model.param_dtype": "dtype parameters and optimizer state are stored in",
-    "model.attention_impl": "`auto` (cuDNN flash attention on GPUs in 16-bit compute, ushard's `flash` where cuDNN "
-                            "cannot run: pipeline stages, a split sequence's blocks with documents; splash on TPUs; "
-                            "else XLA), `xla`, `cudnn`, `splash` or `flash` (ushard's own GPU kernel: documents, "
-                            "GQA, pipeline stages)",
+    "model.attention_impl": "`auto` (cuDNN flash attention on GPUs in 16-bit compute, ushard's `flash` inside "
+                            "pipeline stages, where cuDNN cannot run; splash on TPUs; else XLA), `xla`, `cudnn`, "
+                            "`splash` or `flash` (ushard's own GPU kernel: documents, GQA, pipeline stages)",
     "model.remat": "what the backward pass recomputes: none, full, dots, dots_no_batch, dots_attention, "
                    "dots_attention_norms",
     "model.document_mask": "packed documents never attend to each other (segment ids)",

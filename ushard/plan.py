@@ -61,9 +61,8 @@ class ParallelPlan:
         pipeline = None
         if stages > 1:
             pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats)
-        split_documents = ways > 1 and bool(m.document_mask)
         choose = functools.partial(_choice, m.attention_impl, platform, m.compute_dtype, t.seq_len,
-                                   split_documents=split_documents, head_dim=model.head_dim)
+                                   head_dim=model.head_dim)
         attention = choose(in_stage=False)
         stage_attention = choose(in_stage=True) if pipeline is not None else None
         blocks = None
@@ -134,7 +133,6 @@ class ParallelPlan:
         return "\n".join(lines) + "\n"
 
 
-def _choice(impl: str, platform: str, dtype, length: int, in_stage: bool, split_documents: bool,
-            head_dim: int) -> KernelChoice:
-    name = attention_kernels.resolve(impl, platform, dtype, length, in_stage, split_documents, head_dim)
-    return KernelChoice(name, attention_kernels.why(impl, name, platform, in_stage, split_documents))
+def _choice(impl: str, platform: str, dtype, length: int, in_stage: bool, head_dim: int) -> KernelChoice:
+    name = attention_kernels.resolve(impl, platform, dtype, length, in_stage, head_dim)
+    return KernelChoice(name, attention_kernels.why(impl, name, platform, in_stage))

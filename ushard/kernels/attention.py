@@ -10,9 +10,10 @@ are); with segment ids [B, T] a token sees only keys of its own document. Two fo
 `model.attention_impl`: "auto" picks cuDNN flash attention on GPUs in 16-bit compute, splash
 attention on TPUs (sequences a multiple of 128 tokens), XLA elsewhere. "flash" is ushard's own kernel
 for GPUs (ushard/kernels/flash.py: documents, GQA, an exact log-sum-exp for the ring's blocks); "auto"
-picks it where cuDNN cannot run: inside pipeline stages (XLA's GPU compiler crashes on cuDNN there)
-and for the blocks of a sequence split with a document mask (cuDNN's blocks take none). Measured
-slower than cuDNN where both run, and far faster than XLA's attention (docs/benchmarks.md). `resolve` decides,
+picks it inside pipeline stages, where cuDNN cannot run (XLA's GPU compiler crashes on it there):
+measured slower than cuDNN where both run, and far faster than XLA's attention (docs/benchmarks.md).
+A sequence split with a document mask runs XLA's blocks under "auto" (cuDNN's take no mask) until the
+ring on ours has run on a GPU. `resolve` decides,
 `why` says why, `check` refuses a kernel the platform lacks; the `ParallelPlan` records the choice
 once per run.
 """
@@ -63,15 +64,13 @@ class BlockKernel:
     typed: bool = True
 
 
-def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False, split_documents: bool = False,
-            head_dim: int = 128) -> str:
+def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False, head_dim: int = 128) -> str:
     """The kernel `impl` means on `platform` for `dtype`, sequences of `length` tokens and heads of
-    `head_dim`, inside a pipeline stage or not, split by context parallelism with a document mask or
-    not (module docstring)."""
+    `head_dim`, inside a pipeline stage or not (module docstring)."""
     if impl != "auto":
         return impl
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-        if not (in_stage or split_documents):
+        if not in_stage:
             return "cudnn"
         # Where cuDNN cannot run, ours if it can: far faster than XLA's (docs/benchmarks.md).
         return "flash" if flash_fits(length, head_dim) else "xla"
@@ -85,19 +84,16 @@ def flash_fits(length: int, head_dim: int) -> bool:
     return length % LANES == 0 and head_dim in TUNING
 
 
-def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split_documents: bool = False) -> str:
+def why(impl: str, resolved: str, platform: str, in_stage: bool = False) -> str:
     """`resolved` in words, with the reason it runs (the start-up report prints it)."""
     name = NAMES[resolved]
     if impl != "auto":
         return f"{name} (model.attention_impl={impl!r})"
     if platform == "gpu" and resolved in ("xla", "flash"):
-        if in_stage:
-            reason = "cuDNN cannot run inside pipeline stages: XLA's GPU compiler crashes on it"
-        elif split_documents:
-            reason = "cuDNN's blocks of a split sequence take no document mask"
-        else:
-            reason = "cuDNN takes 16-bit compute only"
-        if resolved == "xla" and (in_stage or split_documents):
+        if not in_stage:
+            return f"{name} (cuDNN takes 16-bit compute only)"
+        reason = "cuDNN cannot run inside pipeline stages: XLA's GPU compiler crashes on it"
+        if resolved == "xla":
             reason += (f"; ushard's flash needs 16-bit compute, sequences a multiple of {LANES} tokens and head "
                        f"dims of 64 or 128")
         return f"{name} ({reason})"
