@@ -47,9 +47,33 @@ Beside these, named terms for what the compiler holds around the weights and the
 - Kept state (`kept_state`): with train.on_nonfinite "skip", copies of the old optimizer moments.
 - Kept weights (`kept_weights`): ZeRO-3's gathered layer weights where they live from the forward pass
   to the backward (reshard_after_forward false, or no remat in a fully unrolled stack).
-The peak holds the kept weights and the largest of three phases: the backward pass's (activations,
-gradients, pipeline buffers), the forward pass's start (vocabulary's buffers and kept state) and, on
-TPUs, the loss's (saved activations, the logits' gradient, the vocabulary's buffers, the gradients).
+The peak holds the kept weights and the largest of the phases: the backward pass's (activations,
+gradients, pipeline buffers), the forward pass's start (vocabulary's buffers and kept state), on
+TPUs the loss's (saved activations, the logits' gradient, the vocabulary's buffers, the gradients)
+and, on GPUs without remat, the backward pass's end (below).
+
+GPU rules, where XLA:GPU holds other buffers than the trace saves (platform "gpu" only; fitted to and
+checked against measured peaks, jax's peak_bytes_in_use from tools/bench.py on H100s and H200s, not
+against a compile; CPU and TPU estimates are unchanged):
+- RMSNorm's float32 residuals (`gpu_stream_bytes`): with a 16-bit compute dtype the trace saves each
+  norm's input upcast to float32 and that times rsqrt of its mean square, two float32 [tokens, width]
+  arrays. Both are elementwise of the 16-bit residual stream, and XLA:GPU fuses them into the backward
+  pass's fusions, keeping the 16-bit input instead: one 16-bit array for the pair, a quarter of the
+  bytes. (The trace's weight casts, by contrast, are real: ZeRO-0 rows need every layer's.)
+- Sequence parallelism (`gpu_stream_bytes`): the 16-bit residuals of the residual stream's shape (the
+  norms' outputs; under remat also the layers' inputs and the attention projection's outputs) are held
+  whole along the sequence, as the all-gather made them for the column-parallel matmuls and as the
+  row-parallel matmul left them before its reduce-scatter, not split as the trace splits the stream.
+- No remat, no pipeline (`gpu_without_remat`): the backward pass frees each layer's activations as it
+  writes that layer's gradients, so the peak is every saved activation and no gradient, and the layer
+  pulled back holds nothing beyond its saved activations and the stream's gradient
+  (`MemoryEstimate.gradients_apart`: the gradients count in a phase of their own, the pass's end). The
+  trace's weight casts are then ZeRO-3's kept weights, not a second copy (`kept_weights`).
+- cuDNN attention under a policy that keeps fused attention (dots_attention; `cudnn_kept`): every
+  layer's output and softmax statistics, which the trace's stand-in, being no cuDNN primitive, does
+  not show.
+The rows they were fitted to, and the two kinds of row they do not match (ring attention on cuDNN
+blocks; remat "full" over long sequences), are in docs/benchmarks.md ("The planner's memory on GPUs").
 
 Not counted: XLA's own scratch buffers, the transient buffers of collectives, and kernels' workspace
 beyond what JAX's residuals name. Not modelled (`estimate` refuses them): pipelines over two layer
@@ -57,7 +81,8 @@ stacks (leading dense MoE layers). Context parallelism on fused blocks (cuDNN, s
 traced as a custom VJP that keeps what the ring's does, in both modes (checked against libtpu's
 compile of splash blocks, slow tier). Known to fall short on CPU (not refused):
 ZeRO-2 and data-only meshes with an unrolled stack, whose layers' gradients XLA:CPU keeps whole.
-Checked against XLA's memory analysis in tests/test_estimate.py (CPU; TPU through libtpu, slow tier).
+Checked against XLA's memory analysis in tests/test_estimate.py (CPU; TPU through libtpu, slow tier);
+the GPU rules against measured GPU peaks (above).
 """
 
 from __future__ import annotations
@@ -70,12 +95,14 @@ import jax
 import jax.numpy as jnp
 from jax._src import ad_checkpoint
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Primitive
 
 from ushard.config import MESH_AXES
 from ushard.kernels.attention import traced_off_the_chip
 from ushard.mesh import build_mesh
 from ushard.models import dispatch
 from ushard.models.definition import model_definition
+from ushard.models.stack import REMAT_POLICIES
 from ushard.parallel.expert import EXPERT_MATMUL, receive_rows
 from ushard.parallel.pipeline import ring_size
 from ushard.sharding import Layout, Seams, use_layout
@@ -100,6 +127,9 @@ class MemoryEstimate:
     kept_state: int = 0  # the old optimizer moments, copied to keep them for a step found non-finite
     kept_weights: int = 0  # ZeRO-3: every layer's gathered weights, kept from the forward pass to the backward
     logits_gradient: int = 0  # the loss's gradient of the logits [tokens, vocabulary], as the backward pass starts
+    # GPUs without remat (`gradients_apart`): the backward pass frees each layer's saved activations as it
+    # writes that layer's gradients, so the two peak apart, at the pass's start and at its end.
+    gradients_apart: bool = False
 
     @property
     def loss_phase(self) -> int:
@@ -112,8 +142,18 @@ class MemoryEstimate:
 
     @property
     def backward_phase(self) -> int:
-        """What the backward pass holds beside the state: saved and one layer's activations, gradients."""
-        return self.saved_activations + self.layer_activations + self.gradients + self.pipeline_buffers
+        """What the backward pass holds beside the state: saved and one layer's activations, gradients
+        (with `gradients_apart`, as it starts: no gradient yet)."""
+        gradients = 0 if self.gradients_apart else self.gradients
+        return self.saved_activations + self.layer_activations + gradients + self.pipeline_buffers
+
+    @property
+    def backward_end(self) -> int:
+        """With `gradients_apart`, what the backward pass holds as it ends: every gradient, the residual
+        stream's gradient and the vocabulary's buffers (the embedding's gradient among them)."""
+        if not self.gradients_apart:
+            return 0
+        return self.gradients + self.layer_activations + self.vocabulary_buffers
 
     @property
     def forward_start(self) -> int:
@@ -128,8 +168,14 @@ class MemoryEstimate:
         forward = {"vocabulary_buffers": self.vocabulary_buffers, "kept_state": self.kept_state}
         loss = {"saved_activations": self.saved_activations, "logits_gradient": self.logits_gradient,
                 "vocabulary_buffers": self.vocabulary_buffers, "gradients": self.gradients}
-        return {"the backward pass": backward, "the forward pass's start": forward,
-                "the loss": loss if self.logits_gradient else {}}
+        phases = {"the backward pass": backward, "the forward pass's start": forward,
+                  "the loss": loss if self.logits_gradient else {}}
+        if self.gradients_apart:
+            backward["gradients"] = 0
+            phases["the backward pass's end"] = {
+                "gradients": self.gradients, "layer_activations": self.layer_activations,
+                "vocabulary_buffers": self.vocabulary_buffers}
+        return phases
 
     @property
     def peak_phase(self) -> str:
@@ -140,7 +186,7 @@ class MemoryEstimate:
     @property
     def temporaries(self) -> int:
         # The phases peak at different times: the largest counts. Kept weights live through all.
-        return self.kept_weights + max(self.backward_phase, self.forward_start, self.loss_phase)
+        return self.kept_weights + max(self.backward_phase, self.forward_start, self.loss_phase, self.backward_end)
 
     @property
     def peak(self) -> int:
@@ -148,7 +194,7 @@ class MemoryEstimate:
 
     @property
     def breakdown(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type == "int"}
 
 
 @dataclass(frozen=True)
@@ -207,6 +253,7 @@ def estimate(setup) -> MemoryEstimate:
         gradients=copies * gradient_bytes(setup, state),
         pipeline_buffers=one_f_one_b_buffers(setup, work) if one_f_one_b else 0,
         logits_gradient=logits_gradient(setup, work),
+        gradients_apart=gpu_without_remat(setup),
     )
 
 
@@ -256,6 +303,16 @@ def vocabulary_weights(setup) -> int:
     return total
 
 
+def gpu_without_remat(setup) -> bool:
+    """A GPU step without remat and without a pipeline, where XLA:GPU's backward pass trades each
+    layer's saved activations for its gradients (measured: the peak is every saved activation and no
+    gradient, `MemoryEstimate.gradients_apart`), and the layer it pulls back holds no activations
+    beyond its saved ones (`layer_working_set`). Not so on CPU (the grid of tests/test_estimate.py
+    matches only with gradients and working set counted together), nor checked on TPUs."""
+    return (setup.plan.platform == "gpu" and setup.model_config.remat == "none"
+            and setup.layout.pipeline is None)
+
+
 def logits_gradient(setup, work: DeviceWork) -> int:
     """The gradient of the logits [rows, length, vocabulary] in the compute dtype, which the TPU
     compiler materialises as the backward pass starts, while the saved logits and the vocabulary's
@@ -292,6 +349,11 @@ def kept_weights(setup) -> int:
     merged = cfg.remat == "none" and cfg.scan_unroll >= cfg.n_layers
     one_f_one_b = layout.pipeline is not None and layout.pipeline.name == "1f1b"
     if not gathered or one_f_one_b or not (layout.zero.keep_gathered or merged):
+        return 0
+    if gpu_without_remat(setup):
+        # Without remat the trace's saved residuals already hold each layer's weights as computed (the
+        # cast the layer makes of them, kept for its backward pass): on GPUs those are the kept weights
+        # (measured), not a second copy. (On CPU the trace holds float32 weights as they are, no cast.)
         return 0
     stack_names, stack_shapes = model.split_stack(model.logical)[0], model.split_stack(model.shapes)[0]
     dtype = held_dtype(setup)
@@ -344,7 +406,7 @@ def saved_activations(setup, work: DeviceWork, layer: int, chunk: tuple[int, int
     activations without remat and, under a pipeline, a chunk's (stack, outer) residuals."""
     pipeline, remat = setup.layout.pipeline, setup.model_config.remat
     if pipeline is None:
-        return device_residual_bytes(setup, work, remat, setup.model_config.n_layers)
+        return device_residual_bytes(setup, work, remat, setup.model_config.n_layers) + cudnn_kept(setup, work)
     stack, outer = chunk
     if pipeline.name != "1f1b":
         # GPipe and circular: autodiff of the tick loop stacks every tick's residuals, the stage's for
@@ -358,6 +420,24 @@ def saved_activations(setup, work: DeviceWork, layer: int, chunk: tuple[int, int
     # residuals it is writing, or while it computes them one layer's activations, as the backward slot
     # holds another layer's. Embedding, head and loss run on one microbatch at a time.
     return 2 * ring_size(work.stages) * stack + max(stack, layer) + outer
+
+
+def cudnn_kept(setup, work: DeviceWork) -> int:
+    """What a remat policy that keeps fused attention's forward (`models.stack._is_fused_attention`:
+    dots_attention and its kin) keeps of cuDNN's on GPUs: every layer's output [rows, length, heads,
+    head_dim] and softmax statistics [rows, heads, length] (float32), the outputs of JAX's
+    `dot_product_attention_fwd` primitive. The trace's stand-in (`traced_attention`) is no such
+    primitive, so the policy recomputes it there and saves neither. Whole sequences without a pipeline
+    only (the stand-in of the ring's blocks is its own custom VJP)."""
+    cfg = setup.model_config
+    policy = REMAT_POLICIES[cfg.remat]
+    if (setup.plan.platform != "gpu" or traced_attention(setup) != "cudnn" or setup.layout.pipeline is not None
+            or work.context is not None or policy is None or not policy(Primitive("dot_product_attention_fwd"))):
+        return 0
+    heads = cfg.n_heads // work.tensor_ways
+    output = work.rows * work.length * heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+    statistics = work.rows * heads * work.length * 4
+    return cfg.n_layers * (output + statistics)
 
 
 def ticks(pipeline, stages: int) -> int:
@@ -389,6 +469,9 @@ def layer_working_set(setup, work: DeviceWork, layer: int, chunk: tuple[int, int
     out of the stacked ones, and the chunk's activations (recomputed under remat). `layer`, `chunk`:
     as for `saved_activations`."""
     pipeline = setup.layout.pipeline
+    if gpu_without_remat(setup):
+        # The layer's activations are among the saved ones, which its backward pass frees as it goes.
+        return stream_gradients(setup, work)
     if pipeline is None or pipeline.name == "1f1b":
         return layer + stream_gradients(setup, work)
     stack = chunk[0]
@@ -446,19 +529,47 @@ def device_residual_bytes(setup, work: DeviceWork, remat: str, n_layers: int) ->
     tensor parallelism splits the residuals, traced again with its dimensions scaled (`SCALES`) to see
     which dimensions each residual holds."""
     reference = residual_shapes(setup, work, remat, n_layers, scaled=False)
-    if not work.split_by_tensor:
+    gpu = gpu_fusions(setup)
+    if not work.split_by_tensor and not gpu:
         return sum(math.prod(shape) * size for shape, size in reference)
     scaled = residual_shapes(setup, work, remat, n_layers, scaled=True)
     if [len(s) for s, _ in reference] != [len(s) for s, _ in scaled]:
         raise NotImplementedError("the memory estimate could not match this model's residuals between its "
                                   "two traces (the model's structure changed with its sizes)")
-    return sum(math.ceil(device_elements(shape, grown, work)) * size
-               for (shape, size), (grown, _) in zip(reference, scaled))
+    total = 0
+    for (shape, size), (grown, _) in zip(reference, scaled):
+        elements, stream = device_elements(shape, grown, work, with_stream=True)
+        total += gpu_stream_bytes(setup, work, elements, size) if gpu and stream else math.ceil(elements) * size
+    return total
 
 
-def device_elements(shape, grown, work: DeviceWork) -> float:
+def gpu_fusions(setup) -> bool:
+    """Whether the residual stream's residuals are counted as XLA:GPU holds them (`gpu_stream_bytes`):
+    on GPUs, with a 16-bit compute dtype held as it is."""
+    return setup.plan.platform == "gpu" and held_dtype(setup).itemsize < 4
+
+
+def gpu_stream_bytes(setup, work: DeviceWork, elements: float, itemsize: int) -> int:
+    """One device's bytes of a residual of the residual stream's shape ([tokens, model width]) of
+    `elements` (as `device_elements` splits it) as XLA:GPU holds it, against what the trace saves
+    (measured peaks of bench_1b on H200s, the module docstring):
+    - float32 ones are RMSNorm's statistics input and normalised input (x in float32, and x times
+      rsqrt of its mean square; ushard/models/layers.py), elementwise of the 16-bit stream. XLA:GPU
+      fuses both into the backward pass's fusions and keeps the 16-bit x instead: one x in the held
+      dtype for each pair.
+    - 16-bit ones (a norm's output; under remat the layer's input and the attention projection's
+      output) are held whole along the sequence where sequence parallelism splits the stream: the norm's
+      output as the all-gather made it for the column-parallel matmuls, the row-parallel matmul's output
+      before its reduce-scatter."""
+    if itemsize == 4:
+        return math.ceil(elements * held_dtype(setup).itemsize / 2)
+    return math.ceil(elements * work.residual_ways) * itemsize
+
+
+def device_elements(shape, grown, work: DeviceWork, with_stream: bool = False):
     """One device's elements of a residual of `shape` (a whole-model trace's), given its shape `grown`
-    in the scaled trace: each dimension divided by the ways its logical dimensions are split."""
+    in the scaled trace: each dimension divided by the ways its logical dimensions are split. With
+    `with_stream`, (elements, whether the residual holds the residual stream's tokens and width)."""
     elements, width, tokens = 1.0, False, False
     for size, scaled_size in zip(shape, grown):
         held = dimensions_held(size, scaled_size)
@@ -479,7 +590,7 @@ def device_elements(shape, grown, work: DeviceWork) -> float:
         elements *= size / ways
     if width and tokens:  # the residual stream: split along its length by sequence parallelism
         elements /= work.residual_ways
-    return elements
+    return (elements, width and tokens) if with_stream else elements
 
 
 def dimensions_held(size: int, scaled_size: int) -> set[str]:
