@@ -79,8 +79,11 @@ Not counted: XLA's own scratch buffers, the transient buffers of collectives, an
 beyond what JAX's residuals name. Not modelled (`estimate` refuses them): pipelines over two layer
 stacks (leading dense MoE layers). Context parallelism on fused blocks (cuDNN, splash, flash) is
 traced as a custom VJP that keeps what the ring's does, in both modes (checked against libtpu's
-compile of splash blocks, slow tier). Known to fall short on CPU (not refused):
-ZeRO-2 and data-only meshes with an unrolled stack, whose layers' gradients XLA:CPU keeps whole.
+compile of splash blocks, slow tier). The gradients are held as the ZeRO stage lays them out but for
+two compilers' own choices (`gradient_bytes`: TPUs hold ZeRO-1's split, XLA:CPU some of ZeRO-2's
+whole). Known to fall short (not refused): data-only meshes with an unrolled stack on CPU (0.87 of
+the compiled peak for bench_1b), and ZeRO-0 on TPUs (1.33 for bench_1b on v5p:2x2x2: the peak holds
+the gradients without the saved activations and the vocabulary's buffers beside them).
 Checked against XLA's memory analysis in tests/test_estimate.py (CPU; TPU through libtpu, slow tier);
 the GPU rules against measured GPU peaks (above).
 """
@@ -258,9 +261,25 @@ def estimate(setup) -> MemoryEstimate:
 
 
 def gradient_bytes(setup, state) -> int:
-    """One device's bytes of one set of float32 gradients, laid out as the ZeRO stage lays them out."""
+    """One device's bytes of one set of float32 gradients, laid out as the ZeRO stage lays them out,
+    but for two compilers' own choices, found against their memory analyses (tests/test_estimate.py):
+    - On TPUs under ZeRO-1 the optimizer reads only its shard of each gradient, and the TPU compiler
+      turns the gradients' all-reduce into a reduce-scatter: they are held split as the optimizer state
+      is (as ZeRO-2 lays them out).
+    - On CPUs under ZeRO-2, XLA:CPU all-reduces whole the gradients that no scan carries (the
+      embedding's and head's, and the layers' of an unrolled stack) and keeps them so before slicing
+      them: those are held as ZeRO-1 lays them out."""
+    layout, model, platform, stage = setup.layout, setup.model, setup.plan.platform, setup.plan.zero_stage
+    if platform == "tpu" and stage == 1:
+        shardings = layout.shardings(model.logical, "opt_state")
+    elif platform == "cpu" and stage == 2:
+        stack, others = model.split_stack(model.logical)
+        stack_kind = "grads" if setup.model_config.scan_unroll == 1 else "compute"
+        shardings = model.join_stack(layout.shardings(stack, stack_kind), layout.shardings(others, "compute"))
+    else:
+        shardings = setup.steps.shardings.grads
     gradients = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=s), state.params,
-                             setup.steps.shardings.grads)
+                             shardings)
     return shard_bytes(gradients)
 
 

@@ -601,9 +601,10 @@ def estimate_state_bytes(setup) -> tuple[int, int, int]:
 
 def check_state_fits(setup, limit: int | None = None) -> None:
     """Refuses, before anything is allocated, a layout whose training state alone (parameters,
-    optimizer state and float32 gradients, laid out as the ZeRO stage lays them: exact, from the
-    shardings) exceeds the device's memory, with the numbers. Nothing is traced: the activations'
-    estimate stays with `ushard plan`, which says how much more a step needs."""
+    optimizer state and float32 gradients, laid out as the ZeRO stage lays them, the gradients as the
+    compiler holds them: `estimate.gradient_bytes`) exceeds the device's memory, with the numbers.
+    Nothing is traced: the activations' estimate stays with `ushard plan`, which says how much more a
+    step needs."""
     limit = device_memory(setup) if limit is None else limit
     if not limit:
         return
