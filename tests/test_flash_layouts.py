@@ -116,8 +116,8 @@ def test_flash_is_refused_off_a_gpu_with_a_sentence():
 
 def test_a_gpu_plan_runs_flash_where_cudnn_cannot():
     """On GPUs "auto" means cuDNN, and ushard's flash kernel inside pipeline stages, where cuDNN cannot
-    run; the start-up report says why. A sequence split with documents keeps XLA's blocks (cuDNN's
-    take no mask; the ring on ours has not yet run on a GPU)."""
+    run; the start-up report says why. A sequence split with documents, or inside stages, keeps XLA's
+    blocks (cuDNN's take no mask and cannot run in stages; the ring on ours has not yet run on a GPU)."""
     from ushard.config import validate
     from ushard.models.config import ModelConfig
     from ushard.plan import ParallelPlan
@@ -131,6 +131,9 @@ def test_a_gpu_plan_runs_flash_where_cudnn_cannot():
     staged = plan(**{"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_microbatches": 2})
     assert (staged.attention.name, staged.stage_attention.name) == ("cudnn", "flash")
     assert "cannot run inside pipeline stages" in staged.stage_attention.why
+    split_in_stages = plan(**{"mesh.pipeline": 2, "mesh.sequence": 2, "mesh.fsdp": 2,
+                              "parallel.pipeline_microbatches": 2})
+    assert (split_in_stages.stage_attention.name, split_in_stages.context_blocks.name) == ("xla", "xla")
     split = {"mesh.sequence": 2, "mesh.fsdp": 4}
     assert plan(**split).context_blocks.name == "cudnn"
     with_documents = plan(**split, **{"model.document_mask": True})

@@ -102,6 +102,7 @@ def test_auto_picks_each_platforms_kernel():
     # shape, else XLA's.
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True) == "flash"
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True, head_dim=96) == "xla"
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True, split=True) == "xla"  # not yet run
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 1000, in_stage=True) == "xla"
     assert resolve_impl("auto", "gpu", jnp.float32, 8192, in_stage=True) == "xla"
     assert resolve_impl("auto", "cpu", jnp.bfloat16, 8192) == "xla"

@@ -322,7 +322,7 @@ def _attention_kernel(s: Shape, platform: str) -> str:
 
     dtype = {2: "bfloat16", 4: "float32"}[s.compute_bytes]
     name = kernels.resolve(s.attention_impl, platform, dtype, s.seq, in_stage=s.pipeline is not None,
-                           head_dim=s.head_dim)
+                           head_dim=s.head_dim, split=bool(s.context_mode))
     if s.context_mode and name != "xla":
         blocks, _ = kernels.block_kernel(name, dtype, s.seq, s.size("sequence"), s.document_mask)
         name = name if blocks is not None else "xla"
