@@ -115,10 +115,10 @@ def per_device_bytes(memory) -> int:
 # --------------------------------------------------------------------------- layouts
 
 
-def layout_for(zero_stage=3, **sizes) -> Layout:
+def layout_for(zero_stage=3, expert_width=False, **sizes) -> Layout:
     shape = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
     n = int(np.prod(list(shape.values())))
-    return Layout.create(build_mesh(shape, devices=jax.devices()[:n]), zero_stage)
+    return Layout.create(build_mesh(shape, devices=jax.devices()[:n]), zero_stage, expert_width=expert_width)
 
 
 def sequence_layout(n: int, mode: str = "ring", keep_kv: bool = False, zigzag: bool = False,

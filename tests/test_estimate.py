@@ -45,6 +45,7 @@ GRID = {
     "pipeline2_fsdp4_gpipe": ("tiny", GPIPE),
     "expert8_padded": MOE,
     "expert8_ragged": (MOE[0], {**MOE[1], "model.moe.dispatch": "ragged"}),
+    "expert4_fsdp2_width": (MOE[0], {"mesh.expert": 4, "mesh.fsdp": 2, "parallel.expert_split": "width"}),
     # the slow tier
     "tensor4_fsdp2_kv_repeated": ("tiny", {"mesh.tensor": 4, "mesh.fsdp": 2}),
     "tensor4_fsdp2_sp": ("tiny", {"mesh.tensor": 4, "mesh.fsdp": 2, "parallel.sequence_parallel": True}),
@@ -66,6 +67,7 @@ GRID = {
     "expert4_fsdp2_dropless": (MOE[0], {"mesh.expert": 4, "mesh.fsdp": 2, "model.moe.capacity_factor": 0.0}),
     "expert1_fsdp8_zero3": (MOE[0], {"mesh.expert": 1, "mesh.fsdp": 8}),
     "expert8_padded_remat_dots": (MOE[0], {**MOE[1], "model.remat": "dots"}),
+    "expert8_width": (MOE[0], {**MOE[1], "parallel.expert_split": "width"}),
 }
 DEFAULT_TIER = list(GRID)[:list(GRID).index("tensor4_fsdp2_kv_repeated")]
 
@@ -99,7 +101,10 @@ SHIPPED = {
 }
 # Not yet within 10% on the shipped configs, so not here: data-only meshes (bench_1b's reads 0.87 of
 # XLA:CPU's peak), sequence over a large vocabulary, the MoE configs (bench_moe, mixtral_8x7b);
-# deepseek_v3_like needs more than two layers.
+# deepseek_v3_like needs more than two layers. Nor in the grid: dropless experts on the grouped matmul,
+# `lax.ragged_dot` as XLA:CPU compiles it (tiny_moe at BASE's sizes reads 0.74 of XLA:CPU's peak with
+# the experts whole over fsdp=8, 0.52 with their width split over expert=4; bench_moe's one-GPU row,
+# on the GPU kernels, is within 15%: tests/data/estimate/gpu_rows.json).
 SHIPPED_DEFAULT_TIER = list(SHIPPED)[:1]  # one in the default tier, for the suite's time
 SHRUNK = {"model.n_layers": 2, "train.seq_len": 256, "train.batch_size": 8, "train.grad_accum": 1, "mesh.fsdp": 1,
           "mesh.tensor": 1, "mesh.sequence": 1, "mesh.pipeline": 1, "mesh.data": 1}

@@ -78,6 +78,11 @@ LAYOUTS = {
     "expert=8 ragged": ({"expert": 8}, "ragged"),
     "expert=4 fsdp=2 ragged": ({"expert": 4, "fsdp": 2}, "ragged"),
     "expert=2 tensor=2 fsdp=2 ragged": ({"expert": 2, "tensor": 2, "fsdp": 2}, "ragged"),
+    # parallel.expert_split="width": the expert axis splits every expert's hidden width (F = 8 over 8 and
+    # over 2 x 2), tokens gathered and outputs reduce-scattered; the dispatch setting does not apply
+    "expert=8 width": ({"expert": 8, "expert_width": True}, "ragged"),
+    "expert=4 fsdp=2 width": ({"expert": 4, "fsdp": 2, "expert_width": True}, "padded"),
+    "expert=2 tensor=2 fsdp=2 width": ({"expert": 2, "tensor": 2, "fsdp": 2, "expert_width": True}, "ragged"),
 }
 
 

@@ -87,24 +87,32 @@ LAYOUTS = {
     "expert2_tensor2_fsdp2_sp_moe": ({**SMALL_MOE, "mesh.expert": 2, "mesh.tensor": 2, "mesh.fsdp": 2, **SP}, 8),
     "expert2_sequence2_fsdp2_ring_moe": (
         {**SMALL_MOE, "mesh.expert": 2, "mesh.sequence": 2, "mesh.fsdp": 2, "parallel.context_parallel": "ring"}, 8),
+    # The expert axis splitting every expert's width instead of the experts (parallel.expert_split).
+    "expert4_fsdp2_width_moe": ({**SMALL_MOE, "mesh.expert": 4, "mesh.fsdp": 2, "parallel.expert_split": "width"}, 8),
+    "expert8_width_moe": ({**SMALL_MOE, "mesh.expert": 8, "parallel.expert_split": "width"}, 8),
+    "expert2_tensor2_fsdp2_width_moe": (
+        {**SMALL_MOE, "mesh.expert": 2, "mesh.tensor": 2, "mesh.fsdp": 2, "parallel.expert_split": "width"}, 8),
     # ...and with a capacity: the same tokens are dropped on every layout.
     "single_moecap": (MOE_CAPACITY, 1),
     "expert4_fsdp2_moecap": ({**MOE_CAPACITY, "mesh.expert": 4, "mesh.fsdp": 2}, 8),
+    "expert4_fsdp2_width_moecap": (
+        {**MOE_CAPACITY, "mesh.expert": 4, "mesh.fsdp": 2, "parallel.expert_split": "width"}, 8),
 }
 # Rows another row covers, and that no other test reads (fsdp on 2 devices beside 8; DDP beside HSDP's
 # data axis; all-gather over 2 beside over 4; the 2- and 4-way rings beside the composed and keep_kv
 # ones; fused MLPs with SP beside without; experts over 8 beside over
 # 4, with fsdp=4 beside fsdp=2, with kept weights beside the pipeline's, with tensor beside the same
-# with SP; ZeRO 0-2 with accumulation beside ZeRO-3's and ZeRO 1-2 without; tensor=2 and 4 without SP
-# beside with it and beside tensor_fsdp; the fused MLP and FP8 under tensor beside their one-device
-# checks in tests/test_model.py and tests/test_fp8.py; the 4-way ring keeping K/V beside
-# tests/test_context_parallel.py's transfer tests): in the slow tier (`-m slow`), for the suite's time.
+# with SP; the width split over 8 and with tensor beside over 4 with fsdp; ZeRO 0-2 with accumulation
+# beside ZeRO-3's and ZeRO 1-2 without; tensor=2 and 4 without SP beside with it and beside tensor_fsdp;
+# the fused MLP and FP8 under tensor beside their one-device checks in tests/test_model.py and
+# tests/test_fp8.py; the 4-way ring keeping K/V beside tests/test_context_parallel.py's transfer
+# tests): in the slow tier (`-m slow`), for the suite's time.
 SLOW_LAYOUTS = ("zero0_accum", "zero1_accum", "zero2_accum", "tensor2_fsdp2", "tensor4_fsdp2", "tensor_fsdp_fused",
                 "sequence4_ring_keep_kv", "tensor_fsdp_fp8", "fsdp2", "ddp",
                 "sequence2_all_gather", "sequence2_ring", "sequence4_ring",
                 "tensor4_fsdp2_sp_fused",
                 "expert8_moe", "expert4_fsdp2_all_gather_moe", "expert2_fsdp4_moe", "expert4_fsdp2_keep_gathered_moe",
-                "expert2_tensor2_fsdp2_moe")
+                "expert2_tensor2_fsdp2_moe", "expert8_width_moe", "expert2_tensor2_fsdp2_width_moe")
 REFERENCES = {"fused": "single_fused", "fp8": "single_fp8", "moe": "single_moe", "moecap": "single_moecap"}
 MOE_LAYOUTS = [n for n in LAYOUTS if n.endswith(("_moe", "_moecap"))]
 # The dense tensor layouts, whose collectives the tests below read.
@@ -190,13 +198,16 @@ def test_moe_runs_exercise_routing_drops_and_balancing(results):
 
 @pytest.mark.parametrize("name", layout_params(n for n in MOE_LAYOUTS if not n.startswith("single")))
 def test_moe_layouts_send_tokens_to_their_experts_without_replicating(results, name):
-    """Split experts are reached by all-to-all (or, with `model.moe.exchange="all_gather"`, by the
-    all-gather and reduce-scatter it asks for), and XLA never falls back to replicating a tensor to
-    reshard it."""
+    """Split experts are reached by all-to-all (or, with `model.moe.exchange="all_gather"` or the
+    experts' width split, by all-gathers and reduce-scatters, and then no all-to-all), and XLA never
+    falls back to replicating a tensor to reshard it."""
     got = results[name]
     assert not [line for line in got["compiler_log"] if "Involuntary full rematerialization" in line]
     kinds = {kind for _, kind, _ in collectives(got["hlo"])}
-    assert ({"all-gather", "reduce-scatter"} <= kinds) if "all_gather" in name else ("all-to-all" in kinds)
+    if "all_gather" in name or "width" in name:
+        assert {"all-gather", "reduce-scatter"} <= kinds and ("all-to-all" not in kinds or "all_gather" in name)
+    else:
+        assert "all-to-all" in kinds
 
 
 def spec_of(sharding_tree, *path):
@@ -346,3 +357,12 @@ def test_sequence_parallelism_shrinks_activation_memory_with_the_tensor_size(res
     assert fsdp > t2 > t4, (fsdp, t2, t4)
     for tensor in (2, 4):
         assert temp_bytes(f"tensor{tensor}_fsdp2_sp", results) < temp_bytes(f"tensor{tensor}_fsdp2", results)
+
+
+def test_the_width_split_gives_each_device_a_slice_of_every_expert(results):
+    """parallel.expert_split="width": the expert weights' hidden width is split over `expert` (and
+    `tensor`), their expert dimension over nothing; the default splits the experts themselves."""
+    width = spec_of(results["expert4_fsdp2_width_moe"]["init_shardings"].params, "blocks", "mlp", "experts", "w_up")
+    experts = spec_of(results["expert4_fsdp2_moecap"]["init_shardings"].params, "blocks", "mlp", "experts", "w_up")
+    assert width == P(None, None, "fsdp", ("expert", "tensor")), width  # [layers, experts, embed, expert_mlp]
+    assert experts[1] == "expert" and experts[3] in ("tensor", None), experts

@@ -208,12 +208,15 @@ def test_analytic_bytes_match_the_compiled_step(name):
         assert analytic[kind] == pytest.approx(size, rel=0.2), (kind, analytic, compiled)
 
 
-@pytest.mark.parametrize("hardware,kinds", [("h200", {"all-gather", "reduce-scatter"}), ("v5p", {"all-to-all"})])
-def test_the_ragged_dispatchs_auto_exchange_is_each_platforms(hardware, kinds):
+@pytest.mark.parametrize("hardware,split,kinds", [("h200", "experts", {"all-gather", "reduce-scatter"}),
+                                                  ("v5p", "experts", {"all-to-all"}),
+                                                  ("v5p", "width", {"all-gather", "reduce-scatter"})])
+def test_the_ragged_dispatchs_auto_exchange_is_each_platforms(hardware, split, kinds):
     """`model.moe.exchange=auto` is costed as what it runs on each platform (parallel/expert.py's
-    AUTO_EXCHANGE): the all-gather exchange on GPUs, XLA's ragged all-to-all on TPUs."""
+    AUTO_EXCHANGE): the all-gather exchange on GPUs, XLA's ragged all-to-all on TPUs; the experts'
+    width split (parallel.expert_split="width") gathers and reduce-scatters on any platform."""
     config = load_config("bench_moe")
-    apply_overrides(config, ["model.moe.dispatch=ragged", "train.batch_size=32"])
+    apply_overrides(config, ["model.moe.dispatch=ragged", "train.batch_size=32", f"parallel.expert_split={split}"])
     predicted = step_time.predict(config, step_time.hardware(hardware, devices_per_host=4),
                                   mesh_shape={"expert": 4})
     exchanges = {"all-gather", "reduce-scatter", "all-to-all"}  # the expert axis also sums the dense weights' gradients

@@ -347,6 +347,9 @@ BENCH_MOE_DROPLESS = {"model.moe.capacity_factor": 0, "model.n_layers": 1, "trai
     # kernels are compiled for each of its four cuts (`_row_cuts`), one picked per call.
     pytest.param({"mesh.expert": 4, "mesh.fsdp": 2, "model.moe.dispatch": "ragged"}, 4, id="expert4_fsdp2_ragged",
                  marks=pytest.mark.slow),  # the same kernels; the map over the expert axes differs
+    # Every expert's width split over expert=2 (1,408 columns a device, a multiple of megablox's 128).
+    pytest.param({"mesh.expert": 2, "mesh.fsdp": 4, "parallel.expert_split": "width"}, 1, id="expert2_fsdp4_width",
+                 marks=pytest.mark.slow),
 ])
 def test_dropless_experts_run_the_megablox_kernels_on_tpu(layout, cuts):
     """`auto` picks megablox on TPUs: its gmm (the forward product and the rows' gradient) and tgmm (the

@@ -143,6 +143,11 @@ DESCRIPTIONS = {
                                   "sequence over tensor",
     "parallel.context_parallel": "attention with mesh.sequence > 1: `ring` (K/V passed around) or `all_gather`",
     "parallel.pipeline_schedule": "with mesh.pipeline > 1: gpipe, circular or 1f1b",
+    "parallel.expert_split": "what `mesh.expert` splits in MoE layers: `experts` (each device holds "
+                             "`num_experts / mesh.expert` whole experts; rows reach them as `model.moe.dispatch` "
+                             "says) or `width` (each device holds a slice of every expert's hidden width, gathers "
+                             "its expert group's tokens and reduce-scatters the outputs back: the same work on every "
+                             "device however the router spreads the tokens, and no buffer to overflow)",
     "parallel.pipeline_head": "with mesh.pipeline > 1, where the embedding and LM head run: `split` (the "
                               "vocabulary over the stages; hidden-size all-reduces over the stage axis each 1F1B "
                               "tick), `whole` (every stage holds the whole vocabulary; under 1F1B only the stages' "

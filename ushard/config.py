@@ -116,6 +116,12 @@ def default_config() -> ml_collections.ConfigDict:
     # only the stages' own transfers cross the stage axis), "auto" (whole where the stages span the
     # data-centre network, mesh.dcn.pipeline > 1; split otherwise).
     c.parallel.pipeline_head = "auto"
+    # What mesh.expert splits in an MoE layer (ushard/parallel/expert.py): "experts" (each device holds
+    # num_experts / mesh.expert whole experts and runs the rows routed to them), or "width" (each device
+    # holds a 1 / mesh.expert slice of every expert's hidden width, gathers its expert group's tokens,
+    # runs all of them through its slices and reduce-scatters the sums back: every device does the same
+    # work however unevenly the router spreads the tokens, and no buffer can overflow).
+    c.parallel.expert_split = "experts"
 
     c.data = ml_collections.ConfigDict()
     # stdlib | text | jsonl | parquet | tokens (.npy files of token ids) | chat (JSONL conversations)
@@ -366,6 +372,7 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
 
 
 PIPELINE_HEADS = ("auto", "split", "whole")
+EXPERT_SPLITS = ("experts", "width")
 
 
 def pipeline_head_split(config) -> bool:
@@ -390,7 +397,8 @@ def check_settings(config) -> ModelConfig:
     for key, valid in (("train.schedule", SCHEDULES), ("train.on_nonfinite", NONFINITE_POLICIES),
                        ("data.source", DATA_SOURCES), ("data.train_on", TRAIN_ON),
                        ("parallel.zero_stage", (0, 1, 2, 3)), ("parallel.context_parallel", context.MODES),
-                       ("parallel.pipeline_schedule", PIPELINE_SCHEDULES), ("parallel.pipeline_head", PIPELINE_HEADS)):
+                       ("parallel.pipeline_schedule", PIPELINE_SCHEDULES), ("parallel.pipeline_head", PIPELINE_HEADS),
+                       ("parallel.expert_split", EXPERT_SPLITS)):
         group, name = key.split(".")
         _choice(config[group][name], valid, key)
     if config.parallel.collective_combine_mib < 0:
@@ -495,7 +503,8 @@ def validate(config, num_devices: int) -> dict[str, int]:
     check_pipeline(config, mesh)
     split_kv = check_kv_heads(model_cfg.n_kv_heads, mesh["tensor"])
     zero = ZeroRules.for_stage(p.zero_stage, sequence_parallel=p.sequence_parallel, split_kv_heads=split_kv,
-                               pipeline_size=mesh["pipeline"], split_head=pipeline_head_split(config))
+                               pipeline_size=mesh["pipeline"], split_head=pipeline_head_split(config),
+                               expert_width=config.parallel.expert_split == "width")
     parameters = model_definition(model_cfg).named_shapes()
     for rules in (zero.params, zero.grads, zero.opt_state):
         check_divisible(parameters, rules, mesh)

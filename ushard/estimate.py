@@ -219,6 +219,7 @@ class DeviceWork:
     expert_groups: int  # devices the experts are split over
     dispatch: str | None  # "padded" / "ragged" for an MoE model
     experts_gathered: bool  # expert weights stored split over axes they are gathered from (ZeRO-3)
+    expert_width: int = 1  # devices every expert's hidden width is split over (parallel.expert_split="width")
 
     @property
     def split_by_tensor(self) -> bool:
@@ -417,6 +418,7 @@ def device_work(setup) -> DeviceWork:
         expert_groups=layout.size("experts"),
         dispatch=plan.expert_dispatch,
         experts_gathered=gathers_weights(setup) and not layout.zero.keep_gathered,
+        expert_width=plan.size("expert") if plan.expert_split == "width" else 1,
     )
 
 
@@ -642,7 +644,8 @@ def residual_shapes(setup, work: DeviceWork, remat: str, n_layers: int, scaled: 
             moe=dataclasses.replace(cfg.moe, expert_d_ff=cfg.expert_d_ff * s["mlp"]))
         length *= s["length"]
     model = model_definition(cfg)
-    params = local_experts(jax.eval_shape(lambda: model.init(0)), model.logical, work.expert_groups)
+    params = local_experts(jax.eval_shape(lambda: model.init(0)), model.logical, work.expert_groups,
+                           work.expert_width)
     token_ids = jax.ShapeDtypeStruct((work.rows, length), jnp.int32)
     batch = dict.fromkeys(setup.steps.batch_shardings, token_ids)
 
@@ -668,14 +671,15 @@ def traced_attention(setup) -> str:
     return "cudnn" if fused else "xla"
 
 
-def local_experts(params, logical, groups: int):
-    """`params` with every routed expert weight cut to one device's block of experts: what the expert
-    map receives as its argument."""
+def local_experts(params, logical, groups: int, width: int = 1):
+    """`params` with every routed expert weight cut to one device's block of experts (`groups`) and its
+    slice of their hidden width (`width`, parallel.expert_split="width"): what the expert map
+    receives as its argument."""
     def block(p, names):
         if "experts" not in names:
             return p
-        return jax.ShapeDtypeStruct((p.shape[0] // groups, *p.shape[1:]), p.dtype) if names[0] == "experts" else \
-            jax.ShapeDtypeStruct((p.shape[0], p.shape[1] // groups, *p.shape[2:]), p.dtype)
+        ways = {"experts": groups, "expert_mlp": width}
+        return jax.ShapeDtypeStruct(tuple(n // ways.get(name, 1) for n, name in zip(p.shape, names)), p.dtype)
 
     return jax.tree.map(block, params, logical, is_leaf=lambda x: isinstance(x, tuple))
 
@@ -755,6 +759,9 @@ def _experts_stand_in(work: DeviceWork):
     def routed(x, experts, gates, keep, weights, _names, expert_fn, row_capacity, how, headroom, _chunks=1):
         if work.experts_gathered:  # gathered inside the map: a copy that is not the map's argument
             weights = {name: w * jnp.ones((), w.dtype) for name, w in weights.items()}
+        if work.expert_width > 1:
+            return _width_stand_in(x, experts, gates, keep, weights, expert_fn, row_capacity,
+                                   work.expert_width), jnp.float32(0)
         if groups == 1:
             return dispatch.on_device(x, experts, gates, keep, weights, expert_fn, row_capacity), jnp.float32(0)
         if how != "ragged":
@@ -763,6 +770,16 @@ def _experts_stand_in(work: DeviceWork):
         return _ragged_stand_in(x, experts, gates, keep, weights, expert_fn, groups, headroom), jnp.float32(0)
 
     return routed
+
+
+def _width_stand_in(x, experts, gates, keep, weights, expert_fn, row_capacity: int, ways: int):
+    """`parallel.expert._width_split` on one device: the group's tokens (this device's `ways` times,
+    as the all-gather delivers as many) through its slices of the experts, the partial outputs
+    summed down to its own tokens (the reduce-scatter's result); both exchanged arrays kept."""
+    tile = lambda a: jnp.concatenate([a] * ways, axis=0)  # noqa: E731
+    every = checkpoint_name(tile(x), EXPERT_MATMUL)
+    partial = dispatch.on_device(every, tile(experts), tile(gates), tile(keep), weights, expert_fn, row_capacity)
+    return checkpoint_name(jnp.sum(partial.reshape(ways, *x.shape), axis=0), EXPERT_MATMUL)
 
 
 def _ragged_stand_in(x, experts, gates, keep, weights, expert_fn, groups: int, headroom: float):

@@ -43,6 +43,7 @@ class ParallelPlan:
     context_mode: str | None  # "ring" or "all_gather" where the sequence is split; None otherwise
     context_keep_kv: bool  # the backward pass reuses the forward's K/V blocks
     expert_dispatch: str | None  # "padded" or "ragged" for an MoE model; None for a dense one
+    expert_split: str | None  # what mesh.expert splits: "experts" or "width" (MoE); None for a dense model
     attention: KernelChoice  # attention over whole sequences (and, in a pipeline, outside the stages)
     stage_attention: KernelChoice | None  # attention inside pipeline stages; None without a pipeline
     context_blocks: KernelChoice | None  # what runs the blocks of a split sequence; None: not split
@@ -73,7 +74,9 @@ class ParallelPlan:
             blocks = KernelChoice(resolved if kernel is not None else "xla", what)
         grouped = None
         if model.moe.num_experts:
-            impl, features = model.moe.grouped_matmul_impl, (model.d_model, model.expert_d_ff)
+            # The kernel runs on a device's slice of the experts' hidden width (`expert_mlp`'s axes).
+            width_ways = mesh_shape["tensor"] * (mesh_shape["expert"] if p.expert_split == "width" else 1)
+            impl, features = model.moe.grouped_matmul_impl, (model.d_model, model.expert_d_ff // width_ways)
             name = grouped_kernels.resolve(impl, platform, model.compute_dtype, features, device_kind)
             grouped = KernelChoice(name, grouped_kernels.why(impl, name, platform, features))
         return cls(
@@ -90,6 +93,7 @@ class ParallelPlan:
             context_mode=p.context_parallel if ways > 1 else None,
             context_keep_kv=p.context_keep_kv and ways > 1,
             expert_dispatch=m.moe.dispatch if m.moe.num_experts else None,
+            expert_split=p.expert_split if m.moe.num_experts else None,
             attention=attention,
             stage_attention=stage_attention,
             context_blocks=blocks,
@@ -127,7 +131,10 @@ class ParallelPlan:
         lines.append(f"attention: {self.attention.why}")
         if self.stage_attention is not None and self.stage_attention != self.attention:
             lines.append(f"attention in the pipeline's stages: {self.stage_attention.why}")
-        if self.expert_dispatch is not None:
+        if self.expert_split == "width" and self.size("expert") > 1:
+            lines.append(f"experts: every expert's width split over {self.size('expert')} devices, each running "
+                         f"its expert group's tokens; dropless grouped matmul: {self.grouped_matmul.why}")
+        elif self.expert_dispatch is not None:
             lines.append(f"experts: {self.expert_dispatch} dispatch where mesh.expert splits them; "
                          f"dropless grouped matmul: {self.grouped_matmul.why}")
         return "\n".join(lines) + "\n"

@@ -62,12 +62,13 @@ Rules = tuple  # tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 
 def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, split_kv_heads: bool = True,
-                  pipeline_stages: bool = False, split_head: bool = True) -> Rules:
+                  pipeline_stages: bool = False, split_head: bool = True, expert_width: bool = False) -> Rules:
     """The full table. `shard_state_over_fsdp` is the ZeRO switch for one kind of training state;
     `sequence_parallel` splits the residual stream's length over `tensor` too; `split_kv_heads` is false
     when there are fewer KV heads than tensor ranks (see `kv_heads_split`); `pipeline_stages` splits the
     stacked layers into contiguous stages over the `pipeline` axis, and with `split_head` the
-    vocabulary over it too (parallel.pipeline_head)."""
+    vocabulary over it too (parallel.pipeline_head); `expert_width` (parallel.expert_split="width"):
+    the `expert` axis splits every expert's hidden width instead of the experts."""
     vocab = ("pipeline", "tensor") if pipeline_stages and split_head else "tensor"
     return (
         # weights
@@ -80,8 +81,8 @@ def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, 
         # share of the embedding lookup, head and loss (ushard/parallel/pipeline.py).
         ("vocab", vocab),
         ("layers", "pipeline" if pipeline_stages else None),
-        ("experts", "expert"),
-        ("expert_mlp", "tensor"),
+        ("experts", None if expert_width else "expert"),
+        ("expert_mlp", ("expert", "tensor") if expert_width else "tensor"),
         ("norm", None),
         # activations; `expert` acts as a batch axis outside the MoE layers
         ("act_batch", ("data", "fsdp", "expert")),
@@ -114,10 +115,10 @@ class ZeroRules:
     @classmethod
     def for_stage(cls, stage: int, reshard_after_forward: bool = True, fsdp_size: int = 1,
                   sequence_parallel: bool = False, split_kv_heads: bool = True,
-                  pipeline_size: int = 1, split_head: bool = True) -> "ZeroRules":
+                  pipeline_size: int = 1, split_head: bool = True, expert_width: bool = False) -> "ZeroRules":
         def rules(shard_state_over_fsdp):
             return logical_rules(shard_state_over_fsdp, sequence_parallel, split_kv_heads, pipeline_size > 1,
-                                 split_head)
+                                 split_head, expert_width)
 
         return cls(
             params=rules(stage >= 3),
@@ -223,7 +224,8 @@ class Layout:
     def from_plan(cls, mesh: Mesh, plan: ParallelPlan, seams: Seams | None = None) -> "Layout":
         """The layout a `ParallelPlan` decides, reaching the parallel code through `seams`."""
         layout = cls.create(mesh, plan.zero_stage, plan.reshard_after_forward, plan.sequence_parallel,
-                            split_kv=plan.split_kv_heads, pipeline=plan.pipeline, split_head=plan.pipeline_head_split)
+                            split_kv=plan.split_kv_heads, pipeline=plan.pipeline, split_head=plan.pipeline_head_split,
+                            expert_width=plan.expert_split == "width")
         # The plan's platform, not the devices': the planner traces another platform's kernels on stand-ins.
         return dataclasses.replace(layout, plan=plan, seams=seams, platform=plan.platform)
 
@@ -231,15 +233,16 @@ class Layout:
     def create(cls, mesh: Mesh, zero_stage: int = 3, reshard_after_forward: bool = True,
                sequence_parallel: bool = False, n_kv_heads: int | None = None,
                pipeline: PipelineSchedule | None = None, split_head: bool = True,
-               split_kv: bool | None = None) -> "Layout":
+               split_kv: bool | None = None, expert_width: bool = False) -> "Layout":
         """`n_kv_heads`: the model's, to decide whether its K/V weights split over `tensor` (None: they do)
         unless `split_kv` says; `split_head`: whether a pipeline's stages split the vocabulary
-        (parallel.pipeline_head)."""
+        (parallel.pipeline_head); `expert_width`: whether `expert` splits the experts' width
+        (parallel.expert_split)."""
         if split_kv is None:
             split_kv = n_kv_heads is None or kv_heads_split(n_kv_heads, mesh.shape["tensor"])
         stages = mesh.shape["pipeline"]
         zero = ZeroRules.for_stage(zero_stage, reshard_after_forward, mesh.shape["fsdp"], sequence_parallel, split_kv,
-                                   stages, split_head)
+                                   stages, split_head, expert_width)
         return cls(mesh, zero, pipeline if stages > 1 else None, mesh.devices.flat[0].platform)
 
     def inside_stage(self, weights_prepared: bool = False) -> "Layout":

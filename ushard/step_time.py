@@ -240,6 +240,7 @@ class Shape:
     dispatch: str = "padded"
     exchange: str = "auto"
     headroom: float = 2.0
+    expert_split: str = "experts"  # parallel.expert_split: what the expert axis splits
 
     @property
     def devices(self) -> int:
@@ -304,6 +305,7 @@ def shape_of(config, mesh_shape: dict | None = None, model=None) -> Shape:
         experts=m.moe.num_experts, top_k=m.moe.top_k, moe_layers=m.moe_layers if m.moe.num_experts else 0,
         routed_params=routed, routed_active_params=routed // max(1, m.moe.num_experts) * m.moe.top_k,
         dispatch=m.moe.dispatch, exchange=m.moe.exchange, headroom=m.moe.dispatch_headroom,
+        expert_split=p.expert_split,
     )
 
 
@@ -466,8 +468,9 @@ def collective_items(s: Shape) -> list[_Item]:
 def _expert_items(s: Shape) -> list[_Item]:
     """Routed rows to the devices holding their experts and back (ushard/parallel/expert.py), in the
     forward pass and again transposed in the backward pass (the exchanged rows are kept under remat):
-    per MoE layer four all-to-alls of buffers, or with `exchange="all_gather"` the expert group's
-    tokens gathered and the outputs reduce-scattered (and their transposes)."""
+    per MoE layer four all-to-alls of buffers, or with `exchange="all_gather"` or the experts' width
+    split (parallel.expert_split) the expert group's tokens gathered and the outputs reduce-scattered
+    (and their transposes). The busiest device's extra rows (an uneven router) are not modelled."""
     ways = s.size("expert")
     if not s.experts or ways == 1:
         return []
@@ -475,7 +478,7 @@ def _expert_items(s: Shape) -> list[_Item]:
     tokens = _rows_per_device(s) * s.seq / s.size("sequence")
     row = s.d_model * s.compute_bytes
     why = "the experts wait for their rows, and the layer's output for the experts: nothing to hide behind"
-    if s.dispatch == "ragged" and s.exchange == "all_gather":
+    if s.expert_split == "width" or (s.dispatch == "ragged" and s.exchange == "all_gather"):
         size = tokens * ways * row
         return [_Item("expert", "all-gather", "the expert group's tokens (and output gradients)", 2 * layers, size,
                       "exposed", why),

@@ -34,6 +34,11 @@ so every device holds tokens of its own; per device (and the same with no layout
     on 4 x H200 it ran `bench_moe` `expert=4` faster than "all_to_all" at the same headroom, and only a
     device's total rows can overflow, not a pair's (docs/benchmarks.md).
 
+With `parallel.expert_split="width"` the expert axes split every expert's hidden width instead
+(`expert_mlp` over them, `experts` over none): each device gathers its group's tokens, runs all of
+their assignments through its slices, and a reduce-scatter sums the slices' outputs back
+(`_width_split`); `dispatch`, `exchange` and `headroom` do not apply.
+
 The expert weights enter the map as they are stored (ZeRO-3: split over fsdp too) and are gathered
 inside it, in the compute dtype. `expert_fn`'s outputs are partial sums where `expert_mlp` is split
 (tensor parallel experts: each device holds a slice of every hidden layer), so the tokens' outputs
@@ -75,10 +80,12 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
 
     token_axes = tuple(a for name in TOKEN_NAMES for a in layout.axes(name))
     expert_axes, hidden_axes = layout.axes("experts"), layout.axes("expert_mlp")
-    if not set(expert_axes) <= set(token_axes) or set(hidden_axes) & set(token_axes):
+    # Hidden-width axes that also split the tokens: parallel.expert_split="width" (`_width_split`).
+    width_axes = tuple(a for a in hidden_axes if a in token_axes)
+    if not set(expert_axes) <= set(token_axes) or (width_axes and expert_axes):
         raise NotImplementedError(
-            f"expert parallelism needs the expert axes {expert_axes} among the token axes {token_axes} and "
-            f"the expert_mlp axes {hidden_axes} outside them"
+            f"expert parallelism needs the expert axes {expert_axes} among the token axes {token_axes}, and "
+            f"no expert axes where the experts' width is split over token axes {width_axes}"
         )
     groups = layout.size("experts")
 
@@ -93,6 +100,10 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
 
     def per_device(x, experts, gates, keep, weights):
         weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
+        if width_axes:
+            y = _width_split(x, experts, gates, keep, weights, expert_fn, row_capacity, width_axes)
+            rest = tuple(a for a in hidden_axes if a not in width_axes)
+            return (jax.lax.psum(y, rest) if rest else y), jnp.float32(0)
         if ragged:
             if how == "all_gather":
                 y, overflow = _gathered(x, experts, gates, keep, weights, expert_fn, expert_axes, groups, headroom)
@@ -149,7 +160,8 @@ KEEP_EXCHANGED = True
 # ("all_to_all" where not named): XLA's `ragged_all_to_all` moved 7 GB/s a device on 4 x H200
 # (JAX 0.11.2) against the dense all_to_all's 133 (docs/benchmarks.md), so GPUs use the dense one;
 # TPUs keep `ragged_all_to_all`: their compiles were checked with it, and the dense exchange was
-# measured on GPUs only. "all_gather" (`_gathered`) is chosen only by name: not measured on GPUs yet.
+# measured on GPUs only. GPUs take "all_gather" (`_gathered`): it ran `bench_moe` `expert=4` faster
+# than the dense exchange at the same headroom on 4 x H200 (docs/benchmarks.md).
 AUTO_EXCHANGE = {"tpu": "ragged_all_to_all", "gpu": "all_gather"}
 
 
@@ -225,6 +237,20 @@ def _gathered(x, experts, gates, keep, weights, expert_fn, axes, groups: int, he
     y = _kept(jax.lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True))
     over = jax.lax.pmax(varying(over, axes), axes)  # a NaN anywhere in the group reaches every device's sums
     return jnp.where(over, jnp.asarray(jnp.nan, y.dtype), y), over.astype(jnp.float32)
+
+
+def _width_split(x, experts, gates, keep, weights, expert_fn, row_capacity: int, axes):
+    """Every expert's hidden width split over `axes` (parallel.expert_split="width"): each device
+    gathers the tokens and routing of the devices that share its experts, runs every assignment
+    through its slice of every expert (as one device would, `models.dispatch.on_device`: grouped
+    when dropless, the drop rule per sequence otherwise), and a reduce-scatter sums the slices'
+    partial outputs on the device that holds each token. The work per device does not depend on
+    where the router sends the tokens, and nothing is sized by a headroom."""
+    gather = lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True)  # noqa: E731
+    every = _kept(gather(x))  # [devices * batch, length, d]
+    partial = local_dispatch.on_device(every, gather(experts), gather(gates), gather(keep), weights, expert_fn,
+                                       row_capacity)
+    return _kept(jax.lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True))
 
 
 def _kept(exchanged):
