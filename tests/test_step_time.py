@@ -221,3 +221,21 @@ def test_the_ragged_dispatchs_auto_exchange_is_each_platforms(hardware, split, k
                                   mesh_shape={"expert": 4})
     exchanges = {"all-gather", "reduce-scatter", "all-to-all"}  # the expert axis also sums the dense weights' gradients
     assert {c.kind for c in predicted.collectives if c.axis == "expert"} & exchanges == kinds
+
+
+def test_split_experts_wait_for_the_busiest_device_and_split_widths_do_not():
+    """With `mesh.expert` splitting the experts the step pays the busiest device's extra rows
+    (`Efficiency.expert_imbalance`); with their width split (or on one device) every device's share
+    is even. The two exchanges move the same bytes, so the difference is that term alone."""
+    config = load_config("bench_moe")
+    apply_overrides(config, ["model.moe.dispatch=ragged", "model.moe.exchange=all_gather", "train.batch_size=32"])
+    hw = step_time.hardware("h200", devices_per_host=4)
+    split = step_time.predict(config, hw, mesh_shape={"expert": 4})
+    apply_overrides(config, ["parallel.expert_split=width"])
+    width = step_time.predict(config, hw, mesh_shape={"expert": 4})
+    one = step_time.predict(config, hw, mesh_shape={"fsdp": 4})
+    extra = split.compute_parts.pop("busiest expert device")
+    assert extra > 0.1 * split.step_s
+    assert "busiest expert device" not in width.compute_parts and "busiest expert device" not in one.compute_parts
+    assert split.compute_parts == width.compute_parts
+    assert split.step_s - width.step_s == pytest.approx(extra, rel=0.01)

@@ -120,6 +120,10 @@ class Efficiency:
     # Pipeline stages run microbatches of few rows at lower matmul efficiency: the tick's work grows
     # by this over a stage of the same work in one piece (docs/benchmarks.md, pipeline third round).
     tick_work_factor: float = 1.08
+    # The busiest device's routed rows over an even share where `mesh.expert` splits the experts: the
+    # step waits for it. bench_moe's 300-step trainings measured 1.35-1.47 on 4 GPUs (docs/benchmarks.md);
+    # a router's balance depends on its training, so this is a typical value, not a property of the model.
+    expert_imbalance: float = 1.4
 
     def replace(self, **changes) -> "Efficiency":
         return dataclasses.replace(self, **changes)
@@ -267,7 +271,8 @@ class Shape:
 
 def shape_of(config, mesh_shape: dict | None = None, model=None) -> Shape:
     """The `Shape` of a config on `mesh_shape` ({axis: size}, absent axes 1). `model` is a ModelDef, to
-    count its parameters from its own shapes; without one they are counted from the config (a dense Llama)."""
+    count its parameters from its own shapes; without one they are counted from the config (a Llama, with
+    SwiGLU experts where it has them)."""
     from ushard.config import pipeline_head_split
     from ushard.metrics import flops_per_token
     from ushard.models.config import ModelConfig
@@ -287,7 +292,10 @@ def shape_of(config, mesh_shape: dict | None = None, model=None) -> Shape:
         layer = (matmul - head) // m.n_layers if m.n_layers else 0
         other = max(0, total - m.n_layers * layer - embed - head)
     stages = mesh.get("pipeline", 1)
-    routed = _routed_params(model) if model is not None and m.moe.num_experts else 0
+    routed = 0
+    if m.moe.num_experts:  # from the model's own shapes, else as a SwiGLU of expert_d_ff per expert and MoE layer
+        routed = _routed_params(model) if model is not None else \
+            m.moe_layers * m.moe.num_experts * 3 * m.d_model * m.expert_d_ff
     return Shape(
         mesh=mesh, batch=t.batch_size, seq=t.seq_len, layers=m.n_layers, d_model=m.d_model, heads=m.n_heads,
         kv_heads=m.n_kv_heads, head_dim=head_dim, d_ff=m.d_ff, vocab=m.vocab_size, remat=m.remat,
@@ -381,6 +389,9 @@ def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
         "elementwise": (forward * (1 + elem_re) + backward) / (eff.elementwise * hw.hbm_bw),
         "optimizer": optimizer / (eff.elementwise * hw.hbm_bw),
     }
+    if s.experts and s.size("expert") > 1 and s.expert_split == "experts":
+        expert_flops = (6 + 2 * mm_re) * s.routed_active_params * tokens
+        parts["busiest expert device"] = (eff.expert_imbalance - 1) * expert_flops / (eff.matmul * hw.peak_flops)
     tensor = s.size("tensor")
     if tensor > 1:
         parts["tensor-parallel overhead"] = parts["matmul"] * eff.tensor_overhead * (1 - 1 / tensor)
