@@ -74,7 +74,7 @@ def build(config, devices=None, platform: str | None = None, device_kind: str | 
     platform = platform or devices[0].platform
     attention_kernels.check(model_cfg.attention_impl, platform, config.train.seq_len, mesh_shape["pipeline"])
     if model_cfg.moe.num_experts:
-        grouped_kernels.check(model_cfg.moe.grouped_matmul_impl, platform, (model_cfg.d_model, model_cfg.expert_d_ff))
+        grouped_kernels.check(model_cfg.moe.grouped_matmul_impl, platform)
     plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg, device_kind or devices[0].device_kind)
     layout = Layout.from_plan(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), plan, SEAMS)
     tx, schedule = make_optimizer(config.train, model.logical)

@@ -3,7 +3,8 @@
 Contract: `grouped_matmul(x, w, group_sizes, impl)` with x [rows, k] sorted by group, w [groups, k, n]
 and group_sizes int32 [groups] (group g owns the next group_sizes[g] rows; rows past the last group
 give zeros, and no gradient) returns [rows, n] in x's dtype, differentiable in x and w. Groups may be
-empty, and the rows need not fill a kernel's blocks (the padding happens here).
+empty, and neither the rows nor the feature sizes k and n need fill a kernel's blocks (the padding
+happens here: zero columns of x and zero rows and columns of w change no product).
 
 Implementations (`model.grouped_matmul_impl`; `resolve` picks for "auto", `why` says why):
 - "xla": `jax.lax.ragged_dot`, every platform, differentiated by JAX. On GPUs XLA lowers it to a loop
@@ -35,8 +36,11 @@ IMPLS = ("auto", "xla", "mosaic_gpu", "megablox")
 NAMES = {"xla": "XLA's ragged_dot", "mosaic_gpu": "Pallas Mosaic-GPU grouped matmul",
          "megablox": "Pallas megablox grouped matmul"}
 PLATFORMS = {"mosaic_gpu": "gpu", "megablox": "tpu"}
-# The feature sizes (k and n) the Pallas kernels take: multiples of their column blocks.
+# The feature sizes (k and n) the Pallas kernels take: multiples of their column blocks. Others are
+# padded with zeros up to one (`_padded_features`); `auto` picks a kernel only where that adds at most
+# `MAX_FEATURE_PADDING` of the work (a tenth for an expert 704 wide, as bench_moe's split four ways).
 FEATURE_MULTIPLE = 128
+MAX_FEATURE_PADDING = 0.25
 
 
 @dataclass(frozen=True)
@@ -93,26 +97,32 @@ def why(impl: str, resolved: str, platform: str, features: tuple[int, ...]) -> s
         return f"{name} (model.grouped_matmul_impl={impl!r})"
     if resolved == "xla" and platform in ("gpu", "tpu"):
         if not _fits(features):
-            return f"{name} (the Pallas kernels take feature sizes that are multiples of {FEATURE_MULTIPLE})"
+            return (f"{name} (the Pallas kernels take feature sizes that are multiples of {FEATURE_MULTIPLE}: "
+                    f"padding {features} to them would add more than {MAX_FEATURE_PADDING:.0%} of the work)")
         if platform == "gpu":
             return f"{name} (the Mosaic-GPU kernel runs on Hopper GPUs in 16-bit compute only)"
     return f"{name} (auto on {platform})"
 
 
-def check(impl: str, platform: str, features: tuple[int, ...]) -> None:
-    """UserError for a kernel asked for on a platform that lacks it, or sizes it cannot take."""
+def check(impl: str, platform: str) -> None:
+    """UserError for a kernel asked for on a platform that lacks it (any feature sizes are padded)."""
     if impl not in PLATFORMS:
         return
     if platform != PLATFORMS[impl]:
         raise UserError(f"model.grouped_matmul_impl={impl!r} is {NAMES[impl]}, which runs on "
                         f"{PLATFORMS[impl].upper()}s only, and these devices are {platform}; use 'auto' or 'xla'.")
-    if not _fits(features):
-        raise UserError(f"model.grouped_matmul_impl={impl!r} needs model.d_model and the experts' d_ff to be "
-                        f"multiples of {FEATURE_MULTIPLE} (its column blocks); they are {features}.")
 
 
 def _fits(features: tuple[int, ...]) -> bool:
-    return all(f % FEATURE_MULTIPLE == 0 for f in features)
+    """Whether padding `features` to the kernels' multiples adds at most MAX_FEATURE_PADDING of the work."""
+    grown = 1.0
+    for f in features:
+        grown *= _round_up(f, FEATURE_MULTIPLE) / f
+    return grown <= 1 + MAX_FEATURE_PADDING
+
+
+def _round_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
 
 
 def _hopper(device_kind: str) -> bool:
@@ -133,11 +143,26 @@ def grouped_matmul(x, w, group_sizes, impl: str = "xla", row_buckets: int = 1):
 
 
 def pallas_grouped_matmul(kernels: "GroupedKernels", x, w, group_sizes, row_buckets: int = 1):
-    """The contract on Pallas `kernels`, under the shared custom VJP."""
+    """The contract on Pallas `kernels`, under the shared custom VJP, on feature sizes padded to the
+    kernels' multiple (outside the VJP: autodiff slices the padding's gradients off)."""
     # Operands typed alike, as JAX's own ops broadcast them (inside a `shard_map`), so that each
     # gradient the VJP returns has its operand's type.
     x, w, group_sizes = varying_alike(x, w, group_sizes)
-    return _with_vjp(kernels, 1 if kernels.skips_idle_rows() else row_buckets, x, w, group_sizes)
+    n = w.shape[2]
+    x, w = _padded_features(x, w, kernels.feature_multiple)
+    y = _with_vjp(kernels, 1 if kernels.skips_idle_rows() else row_buckets, x, w, group_sizes)
+    return y[:, :n] if y.shape[1] != n else y
+
+
+def _padded_features(x, w, multiple: int):
+    """x [m, k] and w [g, k, n] with k and n padded with zeros to multiples of `multiple`."""
+    k, n = w.shape[1:]
+    more_k, more_n = _round_up(k, multiple) - k, _round_up(n, multiple) - n
+    if more_k:
+        x = jnp.pad(x, ((0, 0), (0, more_k)))
+    if more_k or more_n:
+        w = jnp.pad(w, ((0, 0), (0, more_k), (0, more_n)))
+    return x, w
 
 
 @dataclass(frozen=True)
@@ -151,6 +176,7 @@ class GroupedKernels:
     rows_grad: Callable
     weights_grad: Callable
     row_multiple: int = 1
+    feature_multiple: int = 1  # k and n reach the kernels padded to multiples of this
     # Whether `forward` and `rows_grad` cost nothing on row blocks past the groups (as
     # `weights_grad`'s kernels do): then the row buckets are not needed, and one compile serves.
     skips_idle_rows: Callable[[], bool] = lambda: False
@@ -308,6 +334,7 @@ _MOSAIC = GroupedKernels(
     forward=_mosaic_forward,
     rows_grad=functools.partial(_mosaic_forward, transpose_rhs=True),
     weights_grad=_mosaic_weights_grad,
+    feature_multiple=FEATURE_MULTIPLE,
     skips_idle_rows=lambda: _mosaic_ragged_dot()[1],
 )
 
@@ -334,8 +361,9 @@ def _largest_divisor_tile(size: int, cap: int) -> int:
     return max(t for t in range(FEATURE_MULTIPLE, min(cap, size) + 1, FEATURE_MULTIPLE) if size % t == 0)
 
 
-def megablox_kernels(interpret: bool = False) -> GroupedKernels:
-    """The megablox kernels under the contract; `interpret`: Pallas's interpreter (tests on CPU)."""
+def megablox_kernels(interpret: bool = False, feature_multiple: int = FEATURE_MULTIPLE) -> GroupedKernels:
+    """The megablox kernels under the contract; `interpret`: Pallas's interpreter (tests on CPU, which
+    may also run them on feature sizes of their own, `feature_multiple` 1)."""
 
     def forward(x, w, group_sizes, transpose_rhs=False):
         k, n = (w.shape[2], w.shape[1]) if transpose_rhs else w.shape[1:]
@@ -349,7 +377,7 @@ def megablox_kernels(interpret: bool = False) -> GroupedKernels:
                                        num_actual_groups=group_sizes.shape[0], interpret=interpret)
 
     return GroupedKernels(forward, functools.partial(forward, transpose_rhs=True), weights_grad,
-                          row_multiple=MEGABLOX_TILING[0])
+                          row_multiple=MEGABLOX_TILING[0], feature_multiple=feature_multiple)
 
 
 # The Pallas kernels by implementation name (tests swap in megablox under Pallas's interpreter).
