@@ -235,7 +235,8 @@ def test_split_experts_wait_for_the_busiest_device_and_split_widths_do_not():
     width = step_time.predict(config, hw, mesh_shape={"expert": 4})
     one = step_time.predict(config, hw, mesh_shape={"fsdp": 4})
     extra = split.compute_parts.pop("busiest expert device")
-    assert extra > 0.1 * split.step_s
+    padding = width.compute_parts.pop("expert width padding")  # bench_moe's 704 columns a device run as 768
+    assert extra > 0.1 * split.step_s and 0 < padding < extra
     assert "busiest expert device" not in width.compute_parts and "busiest expert device" not in one.compute_parts
     assert split.compute_parts == width.compute_parts
-    assert split.step_s - width.step_s == pytest.approx(extra, rel=0.01)
+    assert split.step_s - width.step_s == pytest.approx(extra - padding, rel=0.01)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ushard.kernels.grouped_matmul import FEATURE_MULTIPLE
 from ushard.parallel.expert import resolved_exchange
 from ushard.parallel.pipeline import bubble_fraction
 
@@ -245,6 +246,7 @@ class Shape:
     exchange: str = "auto"
     headroom: float = 2.0
     expert_split: str = "experts"  # parallel.expert_split: what the expert axis splits
+    expert_d_ff: int = 0
 
     @property
     def devices(self) -> int:
@@ -313,7 +315,7 @@ def shape_of(config, mesh_shape: dict | None = None, model=None) -> Shape:
         experts=m.moe.num_experts, top_k=m.moe.top_k, moe_layers=m.moe_layers if m.moe.num_experts else 0,
         routed_params=routed, routed_active_params=routed // max(1, m.moe.num_experts) * m.moe.top_k,
         dispatch=m.moe.dispatch, exchange=m.moe.exchange, headroom=m.moe.dispatch_headroom,
-        expert_split=p.expert_split,
+        expert_split=p.expert_split, expert_d_ff=m.expert_d_ff if m.moe.num_experts else 0,
     )
 
 
@@ -389,9 +391,15 @@ def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
         "elementwise": (forward * (1 + elem_re) + backward) / (eff.elementwise * hw.hbm_bw),
         "optimizer": optimizer / (eff.elementwise * hw.hbm_bw),
     }
+    expert_flops = (6 + 2 * mm_re) * s.routed_active_params * tokens
     if s.experts and s.size("expert") > 1 and s.expert_split == "experts":
-        expert_flops = (6 + 2 * mm_re) * s.routed_active_params * tokens
         parts["busiest expert device"] = (eff.expert_imbalance - 1) * expert_flops / (eff.matmul * hw.peak_flops)
+    if s.experts and s.expert_split == "width":
+        # The Pallas kernels run each device's slice of the experts padded to their column multiple.
+        width = s.expert_d_ff // (s.size("expert") * s.size("tensor"))
+        grown = -(-width // FEATURE_MULTIPLE) * FEATURE_MULTIPLE / width - 1
+        if grown:
+            parts["expert width padding"] = grown * expert_flops / (eff.matmul * hw.peak_flops)
     tensor = s.size("tensor")
     if tensor > 1:
         parts["tensor-parallel overhead"] = parts["matmul"] * eff.tensor_overhead * (1 - 1 / tensor)
