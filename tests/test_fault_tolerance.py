@@ -634,6 +634,14 @@ def test_moe_resumes_across_expert_layouts(tmp_path, expert8_run, stdlib_batches
     resume_from_step_3_and_compare(expert8_run, config, tmp_path, stdlib_batches)
 
 
+def test_moe_resumes_with_the_experts_widths_split_instead(tmp_path, expert8_run, stdlib_batches):
+    """Saved with whole experts over 8 devices, resumed with every expert's width split over 4
+    (parallel.expert_split="width"): the same losses, auxiliary terms and expert loads."""
+    config = ckpt_config("tiny_moe", **SMALL_MOE, **{"mesh.expert": 4, "mesh.fsdp": 2,
+                                                     "parallel.expert_split": "width"})
+    resume_from_step_3_and_compare(expert8_run, config, tmp_path, stdlib_batches)
+
+
 # Composed MoE layouts under 1F1B: the experts split inside the pipeline's stages.
 MOE_STAGES = {"mesh.pipeline": 2, "mesh.expert": 2, "parallel.pipeline_schedule": "1f1b",
               "parallel.pipeline_microbatches": 4}

@@ -201,3 +201,30 @@ def test_where_no_layout_fits_the_whole_batch_recommend_accumulates_gradients(mo
     monkeypatch.setattr(planner, "_leanest_fits", lambda config, target: leanest.append(config.train.grad_accum))
     assert planner.recommend(config, planner.target_for(devices=8)) == []
     assert tried == [(1, False), (1, True)] and leanest == [2, 4, 8]  # 64 rows: no part of fewer than 8
+
+
+def test_the_search_drops_a_layout_after_one_estimate_where_its_leanest_setting_does_not_fit(monkeypatch):
+    """Each mesh candidate is first estimated at ZeRO-3 with full remat; where that does not fit, no
+    other setting is tried (16 estimates a candidate before, most of llama3_8b's minutes)."""
+    assessed = []
+
+    def assess(config, target, compile=False, overrides=None):
+        assessed.append(dict(overrides))
+        fits = overrides.get("mesh.fsdp") == 8 and overrides["parallel.zero_stage"] >= 2
+        return types.SimpleNamespace(fits=fits, overrides=dict(overrides), reasons=[],
+                                     setup=types.SimpleNamespace(plan=types.SimpleNamespace(
+                                         zero_stage=overrides["parallel.zero_stage"])),
+                                     memory=types.SimpleNamespace(peak=1), time=types.SimpleNamespace(step_s=1.0))
+
+    monkeypatch.setattr(planner, "assess", assess)
+    config = small_config("tiny", **BASE)
+    target = planner.target_for(devices=8)
+    candidates = [variant for mesh, _ in planner.mesh_candidates(config, target)
+                  for variant, _ in planner.layout_variants(config, mesh)]
+    found = planner._search(config, target, forced=False)
+    leanest = [a for a in assessed if a["parallel.zero_stage"] == 3 and a["model.remat"] == "full"]
+    assert len(leanest) >= len(candidates) > 1
+    # Only fsdp=8 fits (from ZeRO-2): its leanest check, then ZeRO 0, 1, 2 at the least recomputation.
+    assert len(assessed) == len(candidates) + 3
+    assert [a.overrides["parallel.zero_stage"] for a in found] == [2]
+    assert found[0].overrides["model.remat"] == planner.REMAT_ORDER[0]
