@@ -153,6 +153,10 @@ TPU = {
     # (estimate.gradient_bytes). The bench_1b shape is the shipped grid's shrunk one.
     "bench_1b_v5p8_zero1": ("bench_1b", {**SHRUNK, "mesh.fsdp": 8, "parallel.zero_stage": 1}),
     "llama3_8b_v5p8_zero1": ("llama3_8b", {**SHRUNK, "mesh.fsdp": 8, "parallel.zero_stage": 1}),
+    # ZeRO-0: no copies of the moments kept for a skipped step (estimate.kept_state), and in
+    # bench_1b's unrolled stack no layer gradient yet at the loss (MemoryEstimate.gradients_at_loss).
+    "bench_1b_v5p8_zero0": ("bench_1b", {**SHRUNK, "mesh.fsdp": 8, "parallel.zero_stage": 0}),
+    "llama3_8b_v5p8_zero0": ("llama3_8b", {**SHRUNK, "mesh.fsdp": 8, "parallel.zero_stage": 0}),
     # Context parallelism on splash blocks (each device's half-chunks 1,024 tokens): the ring and
     # all-gather modes as custom VJPs that keep flash attention's residuals, never [T, T] scores.
     "tiny_v5p8_sequence2_ring": ("tiny", {**SPLASH_CP, "model.document_mask": True}),

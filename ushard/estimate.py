@@ -40,11 +40,14 @@ Beside these, named terms for what the compiler holds around the weights and the
 - The logits' gradient (`logits_gradient`, TPU only): the TPU compiler materialises the gradient of the
   [tokens, vocabulary] logits as the backward pass starts, while every saved activation (the logits
   among them), the vocabulary's buffers and the gradients are live: a third phase (`loss_phase`).
-  On CPU the grid matches without it, so it is not charged there.
+  On CPU the grid matches without it, so it is not charged there. The layers' gradients are live
+  there only where a scanned stack's backward loop has allocated their stacked buffer; a fully
+  unrolled stack writes each layer's as its backward pass runs (`MemoryEstimate.gradients_at_loss`).
 - The vocabulary's buffers as the forward pass starts (`vocabulary_buffers`): the embedding table and
   LM head as computed (gathered under ZeRO-3, or cast), and the embedding's float32 gradient, rows
   scattered into zeros of the whole table, allocated ahead of the forward pass and kept to the end.
-- Kept state (`kept_state`): with train.on_nonfinite "skip", copies of the old optimizer moments.
+- Kept state (`kept_state`): with train.on_nonfinite "skip", copies of the old optimizer moments
+  (not on TPUs, whose compiles peak the same with "skip" and "stop").
 - Kept weights (`kept_weights`): ZeRO-3's gathered layer weights where they live from the forward pass
   to the backward (reshard_after_forward false, or no remat in a fully unrolled stack).
 The peak holds the kept weights and the largest of the phases: the backward pass's (activations,
@@ -82,8 +85,8 @@ traced as a custom VJP that keeps what the ring's does, in both modes (checked a
 compile of splash blocks, slow tier). The gradients are held as the ZeRO stage lays them out but for
 two compilers' own choices (`gradient_bytes`: TPUs hold ZeRO-1's split, XLA:CPU some of ZeRO-2's
 whole). Known to fall short (not refused): data-only meshes with an unrolled stack on CPU (0.87 of
-the compiled peak for bench_1b), and ZeRO-0 on TPUs (1.33 for bench_1b on v5p:2x2x2: the peak holds
-the gradients without the saved activations and the vocabulary's buffers beside them).
+the compiled peak for bench_1b), and an unrolled stack under ZeRO-3 on TPUs (1.47 for bench_1b's
+shrunk one on v5p:2x2x2; a scanned one, llama3_8b's, 0.96).
 Checked against XLA's memory analysis in tests/test_estimate.py (CPU; TPU through libtpu, slow tier);
 the GPU rules against measured GPU peaks (above).
 """
@@ -133,15 +136,19 @@ class MemoryEstimate:
     # GPUs without remat (`gradients_apart`): the backward pass frees each layer's saved activations as it
     # writes that layer's gradients, so the two peak apart, at the pass's start and at its end.
     gradients_apart: bool = False
+    # TPUs: whether the layers' gradients are live at the loss (a scanned stack's stacked buffer).
+    gradients_at_loss: bool = True
 
     @property
     def loss_phase(self) -> int:
         """What the backward pass holds beside the state as it starts, at the loss: every saved
         activation (the logits among them), the logits' gradient, the vocabulary's buffers (the head's
-        weights it multiplies by, the embedding's gradient allocated ahead) and the gradients."""
+        weights it multiplies by, the embedding's gradient allocated ahead) and, where a scanned
+        stack's backward loop holds them already (`gradients_at_loss`), the gradients."""
         if not self.logits_gradient:
             return 0
-        return self.saved_activations + self.logits_gradient + self.vocabulary_buffers + self.gradients
+        gradients = self.gradients if self.gradients_at_loss else 0
+        return self.saved_activations + self.logits_gradient + self.vocabulary_buffers + gradients
 
     @property
     def backward_phase(self) -> int:
@@ -170,7 +177,8 @@ class MemoryEstimate:
                     "gradients": self.gradients, "pipeline_buffers": self.pipeline_buffers}
         forward = {"vocabulary_buffers": self.vocabulary_buffers, "kept_state": self.kept_state}
         loss = {"saved_activations": self.saved_activations, "logits_gradient": self.logits_gradient,
-                "vocabulary_buffers": self.vocabulary_buffers, "gradients": self.gradients}
+                "vocabulary_buffers": self.vocabulary_buffers,
+                "gradients": self.gradients if self.gradients_at_loss else 0}
         phases = {"the backward pass": backward, "the forward pass's start": forward,
                   "the loss": loss if self.logits_gradient else {}}
         if self.gradients_apart:
@@ -258,6 +266,7 @@ def estimate(setup) -> MemoryEstimate:
         pipeline_buffers=one_f_one_b_buffers(setup, work) if one_f_one_b else 0,
         logits_gradient=logits_gradient(setup, work),
         gradients_apart=gpu_without_remat(setup),
+        gradients_at_loss=setup.model_config.scan_unroll < setup.model_config.n_layers,
     )
 
 
@@ -352,7 +361,9 @@ def kept_state(setup, state) -> int:
     pass); the parameters' new values are computed within the choice and need no copy. The copies free
     the donated buffers, which the compiler reuses for buffers no larger than a state shard (the
     layers' activations), not for the vocabulary's whole buffers: the copies count beside the latter."""
-    if not setup.steps.skip_nonfinite:
+    if not setup.steps.skip_nonfinite or setup.plan.platform == "tpu":
+        # libtpu's compile of the same step peaks the same with on_nonfinite "skip" and "stop"
+        # (bench_1b, v5p:2x2x2, ZeRO-0 and 1): it holds no copy of the moments at its peak.
         return 0
     return shard_bytes(state.opt_state)
 
