@@ -295,13 +295,18 @@ STILL = {"model.moe.bias_update_rate": 0.0}
 MOE_RTOL, MOE_AUX_RTOL = 5e-5, 2e-3
 MOE_LAYOUTS = {
     "1f1b_2x4_expert2_fsdp2": pipelined("1f1b", 2, 4, MOE, expert=2, fsdp=2),
+    # Every expert's width split over mesh.expert inside the stages (parallel.expert_split).
+    "1f1b_2x4_expert2_fsdp2_width": pipelined("1f1b", 2, 4, {**MOE, "parallel.expert_split": "width"},
+                                              expert=2, fsdp=2),
     "circular_2x4_expert4": pipelined("circular", 2, 4, {**MOE, **STILL}, expert=4),
     # In the slow sweep (`-m slow`): the suite's time, not their result (both matched when added).
     "1f1b_2x4_expert2_tensor2": pipelined("1f1b", 2, 4, MOE, expert=2, tensor=2),
     "gpipe_2x4_expert2_fsdp2": pipelined("gpipe", 2, 4, {**MOE, **STILL}, expert=2, fsdp=2),
 }
-# The circular one too, for the suite's time: the default tier keeps 1F1B with experts.
-SLOW_MOE_LAYOUTS = ("1f1b_2x4_expert2_tensor2", "gpipe_2x4_expert2_fsdp2", "circular_2x4_expert4")
+# The circular one and the width split too, for the suite's time: the default tier keeps 1F1B with
+# experts (the width split's parity outside the stages is in test_parallel_parity.py's default tier).
+SLOW_MOE_LAYOUTS = ("1f1b_2x4_expert2_tensor2", "gpipe_2x4_expert2_fsdp2", "circular_2x4_expert4",
+                    "1f1b_2x4_expert2_fsdp2_width")
 
 
 def one_device_moe_run(settings, batches):
@@ -332,10 +337,15 @@ def test_moe_pipeline_matches_one_device(request, stdlib_batches, name):
         for got_aux, ref_aux in zip(got["aux"], reference["aux"], strict=True):
             assert got_aux.keys() == ref_aux.keys()
             np.testing.assert_allclose([got_aux[k] for k in ref_aux], list(ref_aux.values()), rtol=MOE_AUX_RTOL)
-    # Each stage holds its layers' experts split over mesh.expert; tokens reach them by all-to-all.
+    # Each stage holds its layers' experts split over mesh.expert; tokens reach them by all-to-all
+    # (with the widths split, each stage holds a slice of every expert and gathers the tokens).
     w_up = spec_at(got["init_shardings"].params, ("blocks", "mlp", "experts", "w_up"))
-    assert w_up[0] == "pipeline" and w_up[1] == "expert", w_up
-    assert re.search(r" all-to-all(?:-start)?\(", got["hlo"])
+    if settings.get("parallel.expert_split") == "width":
+        assert w_up[0] == "pipeline" and w_up[1] is None and "expert" in w_up[3], w_up
+        assert re.search(r" all-gather(?:-start)?\(", got["hlo"]) and not re.search(r" all-to-all", got["hlo"])
+    else:
+        assert w_up[0] == "pipeline" and w_up[1] == "expert", w_up
+        assert re.search(r" all-to-all(?:-start)?\(", got["hlo"])
     assert re.search(r"= \S+ collective-permute(?:-start)?\(", got["hlo"])
 
 
