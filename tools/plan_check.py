@@ -6,8 +6,9 @@
 On the machine whose GPUs (all visible ones) the plan is for: the planner lays the config out on as
 many simulated CPU devices (ushard/planner.py), ranks the layouts that fit, and each is then timed by
 tools/bench.py in its own process. The last thing printed is a table: each layout's predicted and
-measured step time and peak memory per device, and the prediction's error. `--hardware` names the
-planner's chip (default: from the GPUs' device kind).
+measured step time and peak memory per device, and the prediction's error; before it, each
+prediction and each measurement as it arrives (a run cut short keeps what it measured).
+`--hardware` names the planner's chip (default: from the GPUs' device kind).
 """
 
 from __future__ import annotations
@@ -48,11 +49,22 @@ def main() -> None:
     if done.returncode:
         raise SystemExit(f"plan_check: ushard plan failed: {done.stderr.strip().splitlines()[-1:]}")
     layouts = json.loads(done.stdout)["layouts"]
+    # The predictions first, and each layout's measurement as it arrives: a run cut short (a device
+    # call's time limit) still shows what it measured.
+    for i, layout in enumerate(layouts):
+        estimate = layout["estimate"]
+        print(f"predicted plan{i + 1}: {estimate['step_s']:.3f} s, {estimate['peak_bytes'] / 2**30:.1f} GiB: "
+              f"{' '.join(layout['overrides'])}", flush=True)
     variants = [f"plan{i + 1}={' '.join(layout['overrides'])}" for i, layout in enumerate(layouts)]
     bench = [sys.executable, os.path.join(HERE, "bench.py"), "--config", args.config, "--steps", str(args.steps),
              "--warmup", str(args.warmup), *overrides, *(f"--variant={v}" for v in variants)]
-    out = subprocess.run(bench, capture_output=True, text=True).stdout
-    measured = {r["name"]: r for r in map(json.loads, (line for line in out.splitlines() if line.startswith("{")))}
+    measured = {}
+    with subprocess.Popen(bench, stdout=subprocess.PIPE, text=True) as run:
+        for line in run.stdout:
+            if line.startswith("{"):
+                row = json.loads(line)
+                measured[row["name"]] = row
+                print(f"measured {row['name']}: {row.get('step_time_s')} s, {row.get('peak_mem_gib')} GiB", flush=True)
     print(f"\n{len(devices)} x {devices[0].device_kind}, planned as {hardware}")
     print(f"{'layout':<8}{'predicted s':>13}{'measured s':>12}{'error':>8}{'predicted GiB':>15}{'peak GiB':>10}"
           f"{'error':>8}  overrides")
