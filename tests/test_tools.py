@@ -214,3 +214,21 @@ def test_plan_check_times_the_layouts_the_planner_recommends():
     row = next(line for line in out.stdout.splitlines() if line.startswith("plan1"))
     predicted, measured = (float(x) for x in row.split()[1:3])
     assert predicted > 0 and measured > 0 and "--config.mesh.fsdp=" in row
+
+
+def test_attention_bench_runs_each_kernel_and_sweep_on_tiny_shapes(monkeypatch, capsys):
+    """tools/attention_bench.py's code paths (the device check of ours and of the fused backward, the
+    timings, every kernel's block sweep) on a tiny shape, ours in Pallas's interpreter: a GPU call
+    must not be the first to run them."""
+    import attention_bench
+    from ushard.kernels import flash
+
+    monkeypatch.setitem(attention_bench.SHAPES, "tiny", (1, 128, 2, 1, 64))
+    monkeypatch.setitem(flash.TUNING, 64, flash.Tuning(*(flash.Blocks(32, 32, 4, 1),) * 3))
+    monkeypatch.setattr(attention_bench, "SWEEP", {k: [(32, 64, 4, 1)] for k in attention_bench.SWEEP})
+    monkeypatch.setattr(attention_bench, "timed", lambda fn, *args, **_: (jax.block_until_ready(fn(*args)), 1e-3)[1])
+    rows = attention_bench.bench("tiny", 2, ["xla", "ours", "ours_fused"], sweep=True)
+    printed = capsys.readouterr().out
+    assert printed.count("-> ok") == 2  # ours and its fused backward, against float32 attention
+    assert [r[1] for r in rows][:3] == ["xla", "ours", "ours_fused"]
+    assert sum("best fused" in r[1] for r in rows) == 1 and len(rows) == 3 + 4  # a best per swept kernel
