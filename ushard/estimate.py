@@ -39,7 +39,7 @@ Beside these, named terms for what the compiler holds around the weights and the
   "auto" would mean on the host the trace runs on.
 - The logits' gradient (`logits_gradient`, TPU only): the TPU compiler materialises the gradient of the
   [tokens, vocabulary] logits as the backward pass starts, while every saved activation (the logits
-  among them), the vocabulary's buffers and the gradients are live: a third phase (`loss_phase`).
+  among them), the vocabulary's buffers and the gradients are live: a third phase (`MemoryEstimate.phases`).
   On CPU the grid matches without it, so it is not charged there. The layers' gradients are live
   there only where a scanned stack's backward loop has allocated their stacked buffer; a fully
   unrolled stack writes each layer's as its backward pass runs (`MemoryEstimate.gradients_at_loss`).
@@ -75,8 +75,8 @@ against a compile; CPU and TPU estimates are unchanged):
 - cuDNN attention under a policy that keeps fused attention (dots_attention; `cudnn_kept`): every
   layer's output and softmax statistics, which the trace's stand-in, being no cuDNN primitive, does
   not show.
-The rows they were fitted to, and the two kinds of row they do not match (ring attention on cuDNN
-blocks; remat "full" over long sequences), are in docs/benchmarks.md ("The planner's memory on GPUs").
+The rows they were fitted to, and the kind of row they do not match (remat "full" over long sequences
+under fsdp), are in docs/benchmarks.md ("The planner's memory on GPUs").
 
 Not counted: XLA's own scratch buffers, the transient buffers of collectives, and kernels' workspace
 beyond what JAX's residuals name. Not modelled (`estimate` refuses them): pipelines over two layer
@@ -139,54 +139,41 @@ class MemoryEstimate:
     # TPUs: whether the layers' gradients are live at the loss (a scanned stack's stacked buffer).
     gradients_at_loss: bool = True
 
-    @property
-    def loss_phase(self) -> int:
-        """What the backward pass holds beside the state as it starts, at the loss: every saved
-        activation (the logits among them), the logits' gradient, the vocabulary's buffers (the head's
-        weights it multiplies by, the embedding's gradient allocated ahead) and, where a scanned
-        stack's backward loop holds them already (`gradients_at_loss`), the gradients."""
-        if not self.logits_gradient:
-            return 0
-        gradients = self.gradients if self.gradients_at_loss else 0
-        return self.saved_activations + self.logits_gradient + self.vocabulary_buffers + gradients
-
-    @property
-    def backward_phase(self) -> int:
-        """What the backward pass holds beside the state: saved and one layer's activations, gradients
-        (with `gradients_apart`, as it starts: no gradient yet)."""
-        gradients = 0 if self.gradients_apart else self.gradients
-        return self.saved_activations + self.layer_activations + gradients + self.pipeline_buffers
-
-    @property
-    def backward_end(self) -> int:
-        """With `gradients_apart`, what the backward pass holds as it ends: every gradient, the residual
-        stream's gradient and the vocabulary's buffers (the embedding's gradient among them)."""
-        if not self.gradients_apart:
-            return 0
-        return self.gradients + self.layer_activations + self.vocabulary_buffers
-
-    @property
-    def forward_start(self) -> int:
-        """What the forward pass holds beside the state as it starts: the vocabulary's buffers and the
-        copied moments, which cannot go in the donated state buffers the copies free (`kept_state`)."""
-        return self.vocabulary_buffers + self.kept_state
-
     def phases(self) -> dict[str, dict[str, int]]:
-        """Each phase's terms (the fields they come from), whose sums are the phases above."""
-        backward = {"saved_activations": self.saved_activations, "layer_activations": self.layer_activations,
-                    "gradients": self.gradients, "pipeline_buffers": self.pipeline_buffers}
-        forward = {"vocabulary_buffers": self.vocabulary_buffers, "kept_state": self.kept_state}
-        loss = {"saved_activations": self.saved_activations, "logits_gradient": self.logits_gradient,
-                "vocabulary_buffers": self.vocabulary_buffers,
-                "gradients": self.gradients if self.gradients_at_loss else 0}
-        phases = {"the backward pass": backward, "the forward pass's start": forward,
-                  "the loss": loss if self.logits_gradient else {}}
+        """What the step holds beside the state at each of its peaks, term by term (the fields the terms
+        come from); the phases peak at different times:
+        - the backward pass: saved and one layer's activations, the gradients (with `gradients_apart`,
+          as it starts: no gradient yet) and a pipeline's buffers;
+        - the forward pass's start: the vocabulary's buffers and the copied moments, which cannot go in
+          the donated state buffers the copies free (`kept_state`);
+        - the loss, where the logits' gradient is materialised (TPUs): every saved activation (the
+          logits among them), the logits' gradient, the vocabulary's buffers (the head's weights it
+          multiplies by, the embedding's gradient allocated ahead) and, where a scanned stack's
+          backward loop holds them already (`gradients_at_loss`), the gradients;
+        - with `gradients_apart`, the backward pass's end: every gradient, the residual stream's
+          gradient and the vocabulary's buffers (the embedding's gradient among them)."""
+        phases = {
+            "the backward pass": {"saved_activations": self.saved_activations,
+                                  "layer_activations": self.layer_activations,
+                                  "gradients": 0 if self.gradients_apart else self.gradients,
+                                  "pipeline_buffers": self.pipeline_buffers},
+            "the forward pass's start": {"vocabulary_buffers": self.vocabulary_buffers, "kept_state": self.kept_state},
+            "the loss": {},
+        }
+        if self.logits_gradient:
+            phases["the loss"] = {"saved_activations": self.saved_activations, "logits_gradient": self.logits_gradient,
+                                  "vocabulary_buffers": self.vocabulary_buffers,
+                                  "gradients": self.gradients if self.gradients_at_loss else 0}
         if self.gradients_apart:
-            backward["gradients"] = 0
             phases["the backward pass's end"] = {
                 "gradients": self.gradients, "layer_activations": self.layer_activations,
                 "vocabulary_buffers": self.vocabulary_buffers}
         return phases
+
+    @property
+    def backward_phase(self) -> int:
+        """What the backward pass holds beside the state (`phases`)."""
+        return sum(self.phases()["the backward pass"].values())
 
     @property
     def peak_phase(self) -> str:
@@ -197,7 +184,7 @@ class MemoryEstimate:
     @property
     def temporaries(self) -> int:
         # The phases peak at different times: the largest counts. Kept weights live through all.
-        return self.kept_weights + max(self.backward_phase, self.forward_start, self.loss_phase, self.backward_end)
+        return self.kept_weights + max(sum(terms.values()) for terms in self.phases().values())
 
     @property
     def peak(self) -> int:

@@ -55,7 +55,7 @@ class ParallelPlan:
         `ModelConfig`) on `platform`, whose devices are `device_kind` (e.g. "NVIDIA H100 80GB HBM3":
         kernels exist per chip)."""
         from ushard.config import pipeline_head_split
-        from ushard.sharding import kv_heads_split
+        from ushard.sharding import expert_width_ways, kv_heads_split
 
         p, m, t = config.parallel, config.model, config.train
         stages, ways = mesh_shape["pipeline"], mesh_shape["sequence"]
@@ -75,8 +75,8 @@ class ParallelPlan:
         grouped = None
         if model.moe.num_experts:
             # The kernel runs on a device's slice of the experts' hidden width (`expert_mlp`'s axes).
-            width_ways = mesh_shape["tensor"] * (mesh_shape["expert"] if p.expert_split == "width" else 1)
-            impl, features = model.moe.grouped_matmul_impl, (model.d_model, model.expert_d_ff // width_ways)
+            width = model.expert_d_ff // expert_width_ways(mesh_shape, p.expert_split)
+            impl, features = model.moe.grouped_matmul_impl, (model.d_model, width)
             name = grouped_kernels.resolve(impl, platform, model.compute_dtype, features, device_kind)
             grouped = KernelChoice(name, grouped_kernels.why(impl, name, platform, features))
         return cls(

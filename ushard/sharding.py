@@ -61,6 +61,12 @@ KINDS = ("params", "grads", "opt_state", "compute")
 Rules = tuple  # tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 
+def expert_width_ways(mesh_shape: dict[str, int], expert_split: str) -> int:
+    """How many ways the rules below split the experts' hidden width (`expert_mlp`): over `tensor`, and
+    with parallel.expert_split="width" over `expert` too."""
+    return mesh_shape.get("tensor", 1) * (mesh_shape.get("expert", 1) if expert_split == "width" else 1)
+
+
 def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, split_kv_heads: bool = True,
                   pipeline_stages: bool = False, split_head: bool = True, expert_width: bool = False) -> Rules:
     """The full table. `shard_state_over_fsdp` is the ZeRO switch for one kind of training state;

@@ -25,9 +25,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ushard.kernels.grouped_matmul import FEATURE_MULTIPLE
+from ushard.kernels.grouped_matmul import padding_growth
 from ushard.parallel.expert import resolved_exchange
 from ushard.parallel.pipeline import bubble_fraction
+from ushard.sharding import expert_width_ways
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 BATCH_AXES = ("data", "fsdp", "expert")  # axes that split the batch's rows
@@ -396,8 +397,7 @@ def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
         parts["busiest expert device"] = (eff.expert_imbalance - 1) * expert_flops / (eff.matmul * hw.peak_flops)
     if s.experts and s.expert_split == "width":
         # The Pallas kernels run each device's slice of the experts padded to their column multiple.
-        width = s.expert_d_ff // (s.size("expert") * s.size("tensor"))
-        grown = -(-width // FEATURE_MULTIPLE) * FEATURE_MULTIPLE / width - 1
+        grown = padding_growth((s.expert_d_ff // expert_width_ways(s.mesh, s.expert_split),)) - 1
         if grown:
             parts["expert width padding"] = grown * expert_flops / (eff.matmul * hw.peak_flops)
     tensor = s.size("tensor")

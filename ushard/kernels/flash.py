@@ -9,8 +9,8 @@ other side, never materialising the [T, T] scores:
   the group in registers and never exist per query head;
 - `dq`: a program per (query block, head, row), like the forward, accumulates dQ.
 The two backward kernels each recompute QKᵀ and dO·Vᵀ (seven block products where five would do).
-`Tuning.fused` swaps them for one, `_fused_kernel`: `dkdv`'s programs also compute each visited
-query block's dS·K and add it into a float32 dQ with atomic adds, as FlashAttention-2's backward
+`Tuning.fused` swaps them for one (`_dkdv_kernel` with `add_dq`): `dkdv`'s programs also compute each
+visited query block's dS·K and add it into a float32 dQ with atomic adds, as FlashAttention-2's backward
 does. The sums' order then varies from run to run, so its dQ is not bit-reproducible.
 The backward takes the queries' *final* out and lse (over every block of keys, merged by the ring of
 context parallelism), so each block's gradients are its exact share (`kernels.attention.BlockKernel`).
@@ -63,7 +63,7 @@ class Blocks(NamedTuple):
 class Tuning(NamedTuple):
     """The launch shapes of the three kernels (module docstring). With `fused` the backward runs as
     one kernel instead of `dkdv` and `dq`: the dK/dV programs, at those blocks, also add each query
-    block's share of dQ into a float32 array with atomic adds (`_fused_kernel`)."""
+    block's share of dQ into a float32 array with atomic adds (`_dkdv_kernel`'s `add_dq`)."""
 
     forward: Blocks
     dkdv: Blocks

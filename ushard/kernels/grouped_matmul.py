@@ -115,10 +115,16 @@ def check(impl: str, platform: str) -> None:
 
 def _fits(features: tuple[int, ...]) -> bool:
     """Whether padding `features` to the kernels' multiples adds at most MAX_FEATURE_PADDING of the work."""
+    return padding_growth(features) <= 1 + MAX_FEATURE_PADDING
+
+
+def padding_growth(features: tuple[int, ...]) -> float:
+    """How many times the work a grouped matmul of these feature sizes (k, n) does once the Pallas
+    kernels run it padded to their multiple (`_padded_features`): 1 where nothing is padded."""
     grown = 1.0
     for f in features:
         grown *= _round_up(f, FEATURE_MULTIPLE) / f
-    return grown <= 1 + MAX_FEATURE_PADDING
+    return grown
 
 
 def _round_up(size: int, multiple: int) -> int:
@@ -200,8 +206,7 @@ def _fit(a, rows: int):
 
 def _row_cuts(rows: int, buckets: int, multiple: int) -> list[int]:
     """`buckets` evenly spaced row counts up to `rows`, each a whole number of `multiple`s."""
-    up = lambda r: -(-r // multiple) * multiple  # noqa: E731
-    return sorted({up(-(-rows * i // buckets)) for i in range(1, buckets + 1)})
+    return sorted({_round_up(-(-rows * i // buckets), multiple) for i in range(1, buckets + 1)})
 
 
 def _on_rows_in_use(run, row_operands, group_sizes, buckets: int, multiple: int):
@@ -361,9 +366,8 @@ def _largest_divisor_tile(size: int, cap: int) -> int:
     return max(t for t in range(FEATURE_MULTIPLE, min(cap, size) + 1, FEATURE_MULTIPLE) if size % t == 0)
 
 
-def megablox_kernels(interpret: bool = False, feature_multiple: int = FEATURE_MULTIPLE) -> GroupedKernels:
-    """The megablox kernels under the contract; `interpret`: Pallas's interpreter (tests on CPU, which
-    may also run them on feature sizes of their own, `feature_multiple` 1)."""
+def megablox_kernels(interpret: bool = False) -> GroupedKernels:
+    """The megablox kernels under the contract; `interpret`: Pallas's interpreter (tests on CPU)."""
 
     def forward(x, w, group_sizes, transpose_rhs=False):
         k, n = (w.shape[2], w.shape[1]) if transpose_rhs else w.shape[1:]
@@ -377,7 +381,7 @@ def megablox_kernels(interpret: bool = False, feature_multiple: int = FEATURE_MU
                                        num_actual_groups=group_sizes.shape[0], interpret=interpret)
 
     return GroupedKernels(forward, functools.partial(forward, transpose_rhs=True), weights_grad,
-                          row_multiple=MEGABLOX_TILING[0], feature_multiple=feature_multiple)
+                          row_multiple=MEGABLOX_TILING[0], feature_multiple=FEATURE_MULTIPLE)
 
 
 # The Pallas kernels by implementation name (tests swap in megablox under Pallas's interpreter).
