@@ -115,9 +115,9 @@ def test_flash_is_refused_off_a_gpu_with_a_sentence():
 
 
 def test_a_gpu_plan_runs_flash_where_cudnn_cannot():
-    """On GPUs "auto" means cuDNN, and ushard's flash kernel inside pipeline stages, where cuDNN cannot
-    run; the start-up report says why. A sequence split with documents, or inside stages, keeps XLA's
-    blocks (cuDNN's take no mask and cannot run in stages; the ring on ours has not yet run on a GPU)."""
+    """On GPUs "auto" means cuDNN, and ushard's flash kernel where cuDNN cannot run: inside pipeline
+    stages, and as the blocks of a sequence split with documents (cuDNN's take no mask); the start-up
+    report says why."""
     from ushard.config import validate
     from ushard.models.config import ModelConfig
     from ushard.plan import ParallelPlan
@@ -133,9 +133,10 @@ def test_a_gpu_plan_runs_flash_where_cudnn_cannot():
     assert "cannot run inside pipeline stages" in staged.stage_attention.why
     split_in_stages = plan(**{"mesh.pipeline": 2, "mesh.sequence": 2, "mesh.fsdp": 2,
                               "parallel.pipeline_microbatches": 2})
-    assert (split_in_stages.stage_attention.name, split_in_stages.context_blocks.name) == ("xla", "xla")
+    assert (split_in_stages.stage_attention.name, split_in_stages.context_blocks.name) == ("flash", "flash")
     split = {"mesh.sequence": 2, "mesh.fsdp": 4}
     assert plan(**split).context_blocks.name == "cudnn"
     with_documents = plan(**split, **{"model.document_mask": True})
-    assert (with_documents.attention.name, with_documents.context_blocks.name) == ("cudnn", "xla")
-    assert "take no document mask" in with_documents.context_blocks.why
+    assert (with_documents.attention.name, with_documents.context_blocks.name) == ("flash", "flash")
+    assert "take no document mask" in with_documents.attention.why
+    assert plan(**{"mesh.fsdp": 8, "model.document_mask": True}).attention.name == "cudnn"  # whole sequences

@@ -4,7 +4,8 @@ and XLA (`jax.nn.dot_product_attention`), forward and forward + backward, in one
     python3 tools/attention_bench.py [--shapes hd128,hd128_gqa,hd64] [--documents none,4] [--block-sweep]
 
 Shapes: bench_1b's attention (B 16, T 2048, 16 heads, head dim 128), the same with 8 kv heads
-(grouped-query), and head dim 64 (32 heads); bf16, causal. Documents: none, or 4 equal documents a
+(grouped-query), head dim 64 (32 heads), and llama3_8b's on one of four GPUs (SHAPES); bf16, causal.
+Documents: none, or 4 equal documents a
 row (segment ids for ours; cuDNN and XLA get the equivalent [B, 1, T, T] mask, and cuDNN also runs
 the documents as rows of their own, B*4 rows of T/4, the least work any kernel can do).
 
@@ -38,6 +39,12 @@ SHAPES = {  # batch, length, heads, kv heads, head dim
     "hd128": (16, 2048, 16, 16, 128),
     "hd128_gqa": (16, 2048, 16, 8, 128),
     "hd64": (16, 2048, 32, 32, 64),
+    # llama3_8b's attention on one of four GPUs at 4 sequences of 8,192 a step: under fsdp=4 (one
+    # sequence, 32 heads, groups of 4 sharing a K/V head), under tensor=4 (4 sequences, 8 of the heads),
+    # and the fsdp shape without grouping, to tell the groups' cost from the length's.
+    "llama3_8b": (1, 8192, 32, 8, 128),
+    "llama3_8b_tensor4": (4, 8192, 8, 2, 128),
+    "llama3_8b_mha": (1, 8192, 32, 32, 128),
 }
 IMPLS = ("cudnn", "xla", "ours", "ours_fused")
 

@@ -67,8 +67,9 @@ against a compile; CPU and TPU estimates are unchanged):
   norms' outputs; under remat also the layers' inputs and the attention projection's outputs) are held
   whole along the sequence, as the all-gather made them for the column-parallel matmuls and as the
   row-parallel matmul left them before its reduce-scatter, not split as the trace splits the stream.
-- No remat, no pipeline (`gpu_without_remat`): the backward pass frees each layer's activations as it
-  writes that layer's gradients, so the peak is every saved activation and no gradient, and the layer
+- No remat, no pipeline, a fully unrolled stack (`gpu_without_remat`): the backward pass frees each
+  layer's activations as it writes that layer's gradients, so the peak is every saved activation and
+  no gradient, and the layer
   pulled back holds nothing beyond its saved activations and the stream's gradient
   (`MemoryEstimate.gradients_apart`: the gradients count in a phase of their own, the pass's end). The
   trace's weight casts are then ZeRO-3's kept weights, not a second copy (`kept_weights`).
@@ -320,13 +321,17 @@ def vocabulary_weights(setup) -> int:
 
 
 def gpu_without_remat(setup) -> bool:
-    """A GPU step without remat and without a pipeline, where XLA:GPU's backward pass trades each
-    layer's saved activations for its gradients (measured: the peak is every saved activation and no
-    gradient, `MemoryEstimate.gradients_apart`), and the layer it pulls back holds no activations
-    beyond its saved ones (`layer_working_set`). Not so on CPU (the grid of tests/test_estimate.py
-    matches only with gradients and working set counted together), nor checked on TPUs."""
-    return (setup.plan.platform == "gpu" and setup.model_config.remat == "none"
-            and setup.layout.pipeline is None)
+    """A GPU step without remat, without a pipeline and with the layer stack fully unrolled, where
+    XLA:GPU's backward pass trades each layer's saved activations for its gradients (measured: the peak
+    is every saved activation and no gradient, `MemoryEstimate.gradients_apart`), and the layer it pulls
+    back holds no activations beyond its saved ones (`layer_working_set`). A scanned stack cannot: its
+    backward loop holds the stacked saved activations whole while it writes the stacked gradients
+    (llama3_8b rolled, `tensor=2 x fsdp=2`: 114.4 GiB, the unrolled 94.5 plus its 15 GiB of gradients).
+    Not so on CPU (the grid of tests/test_estimate.py matches only with gradients and working set
+    counted together), nor checked on TPUs."""
+    m = setup.model_config
+    return (setup.plan.platform == "gpu" and m.remat == "none" and setup.layout.pipeline is None
+            and m.scan_unroll >= m.n_layers)
 
 
 def logits_gradient(setup, work: DeviceWork) -> int:

@@ -63,7 +63,7 @@ class ParallelPlan:
         if stages > 1:
             pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats)
         choose = functools.partial(_choice, m.attention_impl, platform, m.compute_dtype, t.seq_len,
-                                   head_dim=model.head_dim, split=ways > 1)
+                                   head_dim=model.head_dim, split=ways > 1, documents=bool(m.document_mask))
         attention = choose(in_stage=False)
         stage_attention = choose(in_stage=True) if pipeline is not None else None
         blocks = None
@@ -140,6 +140,7 @@ class ParallelPlan:
         return "\n".join(lines) + "\n"
 
 
-def _choice(impl: str, platform: str, dtype, length: int, in_stage: bool, head_dim: int, split: bool) -> KernelChoice:
-    name = attention_kernels.resolve(impl, platform, dtype, length, in_stage, head_dim, split)
-    return KernelChoice(name, attention_kernels.why(impl, name, platform, in_stage, split))
+def _choice(impl: str, platform: str, dtype, length: int, in_stage: bool, head_dim: int, split: bool,
+            documents: bool) -> KernelChoice:
+    name = attention_kernels.resolve(impl, platform, dtype, length, in_stage, head_dim, split, documents)
+    return KernelChoice(name, attention_kernels.why(impl, name, platform, in_stage, split, documents))

@@ -335,7 +335,7 @@ def _attention_kernel(s: Shape, platform: str) -> str:
 
     dtype = {2: "bfloat16", 4: "float32"}[s.compute_bytes]
     name = kernels.resolve(s.attention_impl, platform, dtype, s.seq, in_stage=s.pipeline is not None,
-                           head_dim=s.head_dim, split=bool(s.context_mode))
+                           head_dim=s.head_dim, split=bool(s.context_mode), documents=s.document_mask)
     if s.context_mode and name != "xla":
         blocks, _ = kernels.block_kernel(name, dtype, s.seq, s.size("sequence"), s.document_mask)
         name = name if blocks is not None else "xla"
@@ -383,6 +383,11 @@ def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
     matmul_flops += 2 * s.layers * s.layer_params * tokens * mm_re
     attention_flops = 6 * s.layers * s.seq * s.d_model * tokens * (1 + attn_re / 3)
     kernel = _attention_kernel(s, hw.platform)
+    if kernel == "cudnn" and s.document_mask:
+        # cuDNN takes documents only as a dense [T, T] mask and computes every block, the causal
+        # half's work twice over (llama3_8b on 4 x H200: 2.2 times the kernel's time without the mask,
+        # docs/benchmarks.md).
+        attention_flops *= 2
     rate = attention_rate(kernel, s.seq, hw, eff)
     forward, backward = _elementwise_bytes(s, tokens)
     optimizer = 7 * 4 * s.params / _state_ways(s)

@@ -12,10 +12,11 @@ attention on TPUs (sequences a multiple of 128 tokens), XLA elsewhere. "flash" i
 for GPUs (ushard/kernels/flash.py: documents, GQA, an exact log-sum-exp for the ring's blocks); "auto"
 picks it inside pipeline stages, where cuDNN cannot run (XLA's GPU compiler crashes on it there):
 measured slower than cuDNN where both run, and far faster than XLA's attention (docs/benchmarks.md).
-A sequence split with a document mask, or split inside stages, runs XLA's blocks under "auto"
-(cuDNN's blocks take no mask and cannot run in stages) until the ring on ours has run on a GPU. `resolve` decides,
-`why` says why, `check` refuses a kernel the platform lacks; the `ParallelPlan` records the choice
-once per run.
+A sequence split with a document mask runs ours too under "auto" (cuDNN's blocks take no mask, and
+XLA's hold every block's scores). Whole sequences with a document mask stay on cuDNN, which takes the
+mask as a dense [T, T] array and computes every block, until ours is measured there in a whole step
+(docs/dev-notes.md). `resolve` decides, `why` says why, `check` refuses a kernel the platform lacks;
+the `ParallelPlan` records the choice once per run.
 """
 
 from __future__ import annotations
@@ -65,18 +66,19 @@ class BlockKernel:
 
 
 def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False, head_dim: int = 128,
-            split: bool = False) -> str:
+            split: bool = False, documents: bool = False) -> str:
     """The kernel `impl` means on `platform` for `dtype`, sequences of `length` tokens and heads of
-    `head_dim`, inside a pipeline stage or not, with the sequence split by context parallelism or not
-    (module docstring)."""
+    `head_dim`, inside a pipeline stage or not, with the sequence split by context parallelism or not,
+    with a document mask or not (module docstring)."""
     if impl != "auto":
         return impl
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-        if not in_stage:
+        # Where cuDNN cannot run, ours if it can: far faster than XLA's, whose blocks hold every
+        # block's scores (a split 32k sequence with documents asked for 356 GiB; docs/benchmarks.md).
+        cudnn_runs = not in_stage and not (split and documents)
+        if cudnn_runs:
             return "cudnn"
-        # Where cuDNN cannot run, ours if it can: far faster than XLA's (docs/benchmarks.md); not yet as
-        # a split sequence's blocks, which have not run on a GPU.
-        return "flash" if flash_fits(length, head_dim) and not split else "xla"
+        return "flash" if flash_fits(length, head_dim) else "xla"
     return "splash" if platform == "tpu" and length % LANES == 0 else "xla"
 
 
@@ -87,18 +89,22 @@ def flash_fits(length: int, head_dim: int) -> bool:
     return length % LANES == 0 and head_dim in TUNING
 
 
-def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: bool = False) -> str:
+def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: bool = False,
+        documents: bool = False) -> str:
     """`resolved` in words, with the reason it runs (the start-up report prints it)."""
     name = NAMES[resolved]
     if impl != "auto":
         return f"{name} (model.attention_impl={impl!r})"
     if platform == "gpu" and resolved in ("xla", "flash"):
-        if not in_stage:
+        if in_stage:
+            reason = "cuDNN cannot run inside pipeline stages: XLA's GPU compiler crashes on it"
+        elif split and documents:
+            reason = "cuDNN's blocks of a split sequence take no document mask"
+        else:
             return f"{name} (cuDNN takes 16-bit compute only)"
-        reason = "cuDNN cannot run inside pipeline stages: XLA's GPU compiler crashes on it"
         if resolved == "xla":
             reason += (f"; ushard's flash needs 16-bit compute, sequences a multiple of {LANES} tokens and head "
-                       f"dims of 64 or 128, and has not yet run as a split sequence's blocks on a GPU")
+                       f"dims of 64 or 128")
         return f"{name} ({reason})"
     if resolved == "xla" and platform == "tpu":
         return f"{name} (splash needs sequences a multiple of {LANES} tokens)"

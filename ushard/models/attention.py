@@ -31,7 +31,8 @@ def causal_attention(q, k, v, segment_ids, impl: str):
         impl = layout.plan.attention_for(in_stage)
     else:
         platform = layout.platform if layout is not None else jax.default_backend()
-        impl = kernels.resolve(impl, platform, q.dtype, q.shape[1], in_stage, head_dim=q.shape[-1], split=ways > 1)
+        impl = kernels.resolve(impl, platform, q.dtype, q.shape[1], in_stage, head_dim=q.shape[-1], split=ways > 1,
+                               documents=segment_ids is not None)
     if ways > 1:
         block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None)
         return layout.seams.context_attention(q, k, v, segment_ids, kernels.xla_block, block)
