@@ -21,10 +21,6 @@ B, T, HEADS, KV_HEADS, HD = 2, 128, 4, 2, 64
 # Unequal blocks: the forward's query blocks span two key blocks, the backward's the other way round.
 SMALL = Tuning(forward=Blocks(64, 32, 4, 1), dkdv=Blocks(32, 64, 4, 1), dq=Blocks(32, 64, 4, 1))
 EVEN = Tuning(*(Blocks(32, 32, 4, 1),) * 3)
-# The backward as two kernels (dkdv, dq) or as the one fused kernel with atomic dQ (own key blocks of 64
-# over query blocks of 32, as SMALL's dkdv).
-BACKWARDS = {"two_kernels": SMALL, "fused": SMALL._replace(fused=Blocks(32, 64, 4, 1))}
-EVEN_BACKWARDS = {"two_kernels": EVEN, "fused": EVEN._replace(fused=Blocks(32, 32, 4, 1))}
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
 
 
@@ -75,16 +71,14 @@ def test_forward_matches_xla_block(layout, causal):
     close(lse, want_lse, "lse")
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", ["none", "packed"])
-def test_backward_matches_autodiff_with_both_cotangents(layout, causal, backward):
+def test_backward_matches_autodiff_with_both_cotangents(layout, causal):
     """`attention`'s custom VJP, fed random cotangents of out AND lse, against autodiff of the
     reference's (out, lse)."""
     q, k, v, d_out, d_lse = inputs(1)
     segments = LAYOUTS[layout]
-    tuning = BACKWARDS[backward]
-    (out, lse), pullback = jax.vjp(lambda *a: flash.attention(*a, segments, causal, tuning=tuning), q, k, v)
+    (out, lse), pullback = jax.vjp(lambda *a: flash.attention(*a, segments, causal, tuning=SMALL), q, k, v)
     (want_out, want_lse), want_pullback = jax.vjp(lambda *a: reference(*a, segments, segments, causal), q, k, v)
     close(out, want_out, "out")
     close(lse, want_lse, "lse")
@@ -92,20 +86,17 @@ def test_backward_matches_autodiff_with_both_cotangents(layout, causal, backward
         close(got, want, f"d{name}")
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_backward_with_shuffled_ids(backward):
+def test_backward_with_shuffled_ids():
     """Ids in no order (the range test skips little): BlockKernel's backward without an lse cotangent."""
     q, k, v, d_out, _ = inputs(2)
     (out, lse), pullback = jax.vjp(lambda *a: reference(*a, SHUFFLED, SHUFFLED, True), q, k, v)
     want = pullback((d_out, jnp.zeros_like(lse)))
-    tuning = BACKWARDS[backward]
-    got = jax.jit(lambda *a: flash.backward(*a, True, SHUFFLED, SHUFFLED, tuning=tuning))(q, k, v, out, lse, d_out)
+    got = jax.jit(lambda *a: flash.backward(*a, True, SHUFFLED, SHUFFLED, tuning=SMALL))(q, k, v, out, lse, d_out)
     for name, g, w in zip("qkv", got, want):
         close(g, w, f"d{name}")
 
 
-@pytest.mark.parametrize("backward", EVEN_BACKWARDS)
-def test_blocks_merged_by_lse_give_the_whole_gradient(backward):
+def test_blocks_merged_by_lse_give_the_whole_gradient():
     """As the ring uses it: the late half of the queries over the early keys (a full block) and over
     the late keys (the diagonal, causal), merged by lse, each block's backward fed the merged out
     and lse; the gradients summed equal those of attention over all the keys at once. With
@@ -122,7 +113,7 @@ def test_blocks_merged_by_lse_give_the_whole_gradient(backward):
         (o1, l1), (o2, l2) = (flash.forward(q_late, *block, tuning=EVEN) for block in (early, late))
         lse = jnp.logaddexp(l1, l2)
         out = o1 * jnp.exp(l1 - lse)[..., None] + o2 * jnp.exp(l2 - lse)[..., None]
-        g1, g2 = (flash.backward(q_late, *block[:2], out, lse, d_out, *block[2:], tuning=EVEN_BACKWARDS[backward])
+        g1, g2 = (flash.backward(q_late, *block[:2], out, lse, d_out, *block[2:], tuning=EVEN)
                   for block in (early, late))
         dk, dv = (jnp.concatenate([g1[i], g2[i]], 1) for i in (1, 2))
         return out, lse, l1, (g1[0] + g2[0], dk, dv)
@@ -137,8 +128,7 @@ def test_blocks_merged_by_lse_give_the_whole_gradient(backward):
         close(got, want, f"d{name}")
 
 
-@pytest.mark.parametrize("backward", EVEN_BACKWARDS)
-def test_a_query_that_sees_no_key_gets_lse_minus_infinity_and_zero_gradients(backward):
+def test_a_query_that_sees_no_key_gets_lse_minus_infinity_and_zero_gradients():
     """Queries of a document the block's keys do not hold: out 0, lse -inf, and, fed that out and
     lse back (nothing elsewhere either), zero gradients and no NaN, even with an lse cotangent."""
     q, k, v, d_out, d_lse = inputs(4)
@@ -149,8 +139,7 @@ def test_a_query_that_sees_no_key_gets_lse_minus_infinity_and_zero_gradients(bac
         out, lse = flash.forward(q, k, v, causal, q_segments, k_segments, tuning=EVEN)
         assert np.all(np.isneginf(np.asarray(lse)[alone])) and np.all(np.asarray(out)[alone] == 0)
         assert np.all(np.isfinite(np.asarray(lse)[~alone]))
-        dq, dk, dv = flash.backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_lse,
-                                    tuning=EVEN_BACKWARDS[backward])
+        dq, dk, dv = flash.backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_lse, tuning=EVEN)
         assert all(np.all(np.isfinite(np.asarray(g))) for g in (dq, dk, dv))
         assert np.all(np.asarray(dq)[alone] == 0)
         _, pullback = jax.vjp(lambda *a: reference(*a, q_segments, k_segments, causal), q, k, v)
@@ -173,9 +162,6 @@ def test_skipped_blocks_are_not_visited():
                                                            one_block_each, None, EVEN, count=True)
         np.testing.assert_array_equal(dkdv_visits, np.broadcast_to(group * diagonal_only, (B, KV_HEADS, n)))
         np.testing.assert_array_equal(dq_visits, np.broadcast_to(diagonal_only, (B, HEADS, n)))
-        _, (fused_visits, _) = flash._backward_call(q, k, v, out, lse, d_out, causal, one_block_each,
-                                                    one_block_each, None, EVEN_BACKWARDS["fused"], count=True)
-        np.testing.assert_array_equal(fused_visits, np.broadcast_to(group * diagonal_only, (B, KV_HEADS, n)))
         order, counts = flash.visit_plan(one_block_each, one_block_each, causal, 32, 32)
         np.testing.assert_array_equal(order[..., 0], np.broadcast_to(np.arange(n), (B, n)))
         # One block each, needing a mask only for causality (the diagonal).
@@ -198,12 +184,10 @@ def test_visit_plan_puts_blocks_that_need_no_mask_first():
     assert counts[0, 0].tolist() == [3, 4]  # key block 0: query blocks 1-3 free, the diagonal masked
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_bfloat16_inputs_accumulate_in_float32(backward):
+def test_bfloat16_inputs_accumulate_in_float32():
     q, k, v, d_out, d_lse = inputs(6, dtype=jnp.bfloat16)
     d_lse = d_lse.astype(jnp.float32)
-    tuning = BACKWARDS[backward]
-    (out, lse), pullback = jax.vjp(lambda *a: flash.attention(*a, PACKED, True, tuning=tuning), q, k, v)
+    (out, lse), pullback = jax.vjp(lambda *a: flash.attention(*a, PACKED, True, tuning=SMALL), q, k, v)
     grads = jax.jit(pullback)((d_out, d_lse))
     as32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
     (want_out, want_lse), want_pullback = jax.vjp(lambda *a: reference(*a, PACKED, PACKED, True), *as32[:3])
@@ -222,20 +206,18 @@ def test_a_length_that_is_not_a_multiple_of_the_blocks_is_refused():
         flash.forward(q[..., :48], k[..., :48], v[..., :48], True)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
 @pytest.mark.parametrize("hd,dtype", [(128, jnp.bfloat16), (64, jnp.float16)])
-def test_kernels_lower_to_triton(monkeypatch, hd, dtype, fused):
+def test_kernels_lower_to_triton(monkeypatch, hd, dtype):
     """Every kernel, with and without documents, lowers to Triton's IR for a CUDA GPU, at the table's
-    block sizes (the Triton compiler itself runs only on a GPU); the fused backward at dkdv's."""
-    tuning = flash.TUNING[hd]._replace(fused=flash.TUNING[hd].dkdv) if fused else None
+    block sizes (the Triton compiler itself runs only on a GPU)."""
     monkeypatch.setattr(flash, "_interpret", lambda: False)
     q = jax.ShapeDtypeStruct((B, 256, HEADS, hd), dtype)
     kv = jax.ShapeDtypeStruct((B, 256, KV_HEADS, hd), dtype)
     lse = jax.ShapeDtypeStruct((B, 256, HEADS), jnp.float32)
     for segments in (None, jax.ShapeDtypeStruct((B, 256), jnp.int32)):
         def step(q, k, v, segments, d_out, d_lse):
-            outputs, pullback = jax.vjp(lambda *a: flash.attention(*a, segments, tuning=tuning), q, k, v)
+            outputs, pullback = jax.vjp(lambda *a: flash.attention(*a, segments), q, k, v)
             return outputs, pullback((d_out, d_lse))
 
         text = jax.jit(step).trace(q, kv, kv, segments, q, lse).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("xla.gpu.triton") == (2 if fused else 3)  # forward, and dkdv + dq or the fused one
+        assert text.count("xla.gpu.triton") == 3  # forward, dkdv, dq

@@ -17,9 +17,7 @@ timing is the median over repetitions of a loop of calls dispatched back to back
 synchronised at its end (inputs are larger than the L2 cache, so repeated calls do not run from it).
 Before timing, ours is checked on the device against float32 attention on upcast inputs (two rows
 of the batch): max abs error and relative error of out, lse and the three gradients.
-`ours_fused` is ours with the backward as one kernel (`flash.Tuning.fused`, dQ added atomically
-from the dK/dV programs) at the dK/dV kernel's blocks. `--block-sweep` also times
-block-size/warps/stages combinations of each of our kernels, the fused backward's among them.
+`--block-sweep` also times block-size/warps/stages combinations of each of our kernels.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ SHAPES = {  # batch, length, heads, kv heads, head dim
     "llama3_8b_tensor4": (4, 8192, 8, 2, 128),
     "llama3_8b_mha": (1, 8192, 32, 32, 128),
 }
-IMPLS = ("cudnn", "xla", "ours", "ours_fused")
+IMPLS = ("cudnn", "xla", "ours")
 
 
 def timed(fn, *args, calls: int = 10, repeats: int = 7) -> float:
@@ -71,16 +69,10 @@ def segment_ids(batch: int, length: int, documents: int):
     return jnp.broadcast_to(jnp.repeat(jnp.arange(documents, dtype=jnp.int32), length // documents), (batch, length))
 
 
-def fused_tuning(head_dim: int) -> flash.Tuning:
-    """The table's tuning with the backward as the one fused kernel, at the dK/dV kernel's blocks."""
-    tuning = flash.TUNING[head_dim]
-    return tuning._replace(fused=tuning.fused or tuning.dkdv)
-
-
 def attention_fns(impl: str, segments, documents: int, tuning=None):
     """impl -> (forward(q, k, v) -> out, forward_backward(q, k, v, d_out) -> (out, dq, dk, dv)), or
     a string saying why it does not run here."""
-    if impl in ("ours", "ours_fused"):
+    if impl == "ours":
         def forward(q, k, v):
             return flash.attention(q, k, v, segments, True, tuning=tuning)[0]
     elif impl == "cudnn_rows":
@@ -116,16 +108,15 @@ def inputs(shape, seed: int = 0):
     return q, k, v, d_out, d_lse
 
 
-def check_ours(name: str, shape, segments, rows: int = 2, tuning=None) -> str:
-    """Ours (at `tuning`, else the table's) against float32 `xla_block` on upcast inputs, on the
-    first `rows` rows (fresh inputs, random cotangents of out and lse): 'max abs / relative' error
-    of out, lse, dq, dk, dv."""
+def check_ours(name: str, shape, segments, rows: int = 2) -> str:
+    """Ours against float32 `xla_block` on upcast inputs, on the first `rows` rows (fresh inputs,
+    random cotangents of out and lse): 'max abs / relative' error of out, lse, dq, dk, dv."""
     q, k, v, d_out, d_lse = (x[:rows] for x in inputs(shape, seed=1))
     seg = None if segments is None else segments[:rows]
 
     @jax.jit
     def ours(q, k, v, d_out, d_lse):
-        outputs, pullback = jax.vjp(lambda *a: flash.attention(*a, seg, True, tuning=tuning), q, k, v)
+        outputs, pullback = jax.vjp(lambda *a: flash.attention(*a, seg, True), q, k, v)
         return (*outputs, *pullback((d_out, d_lse)))
 
     @jax.jit
@@ -167,13 +158,11 @@ def bench(name: str, documents: int, impls, sweep: bool) -> list[tuple]:
     label = f"{name} docs={documents or 'none'}"
     print(f"{label}: B {b}, T {t}, heads {shape[2]}, kv heads {shape[3]}, hd {shape[4]}, bf16, causal")
     check_ours(label, shape, segments)
-    if "ours_fused" in impls:
-        check_ours(f"{label} fused backward", shape, segments, tuning=fused_tuning(shape[4]))
     q, k, v, d_out, _ = inputs(shape)
     forward_flops = flops(shape, documents)
     table = []
     for impl in impls:
-        fns = attention_fns(impl, segments, documents, fused_tuning(shape[4]) if impl == "ours_fused" else None)
+        fns = attention_fns(impl, segments, documents)
         if isinstance(fns, str):
             continue
         try:
@@ -198,16 +187,12 @@ SWEEP = {
              (16, 64, 4, 3), (64, 64, 8, 2)],
     "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (128, 64, 4, 2),
            (64, 128, 8, 2), (32, 64, 4, 3)],
-    # The fused backward (the dK/dV programs adding dQ atomically): own key blocks of block_k.
-    "fused": [(32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2),
-              (16, 64, 4, 3), (32, 64, 4, 2)],
 }
 
 
 def block_sweep(label, shape, segments, q, k, v, d_out, forward_flops) -> list[tuple]:
     """Each of our kernels over SWEEP's candidates, the others at the table's values: the forward
-    alone, the backward (both kernels, from a saved out and lse) for dkdv's and dq's, the fused
-    backward (`Tuning.fused`) for its own. Prints each
+    alone, the backward (both kernels, from a saved out and lse) for dkdv's and dq's. Prints each
     kernel's best and returns table rows for the best."""
     base = flash.TUNING[shape[4]]
     out, lse = jax.jit(lambda q, k, v: flash.forward(q, k, v, True, segments, segments))(q, k, v)
@@ -234,7 +219,7 @@ def block_sweep(label, shape, segments, q, k, v, d_out, forward_flops) -> list[t
         if not results:
             continue
         seconds, best = min(results)
-        table_value = getattr(base, kernel) and tuple(getattr(base, kernel))
+        table_value = tuple(getattr(base, kernel))
         print(f"  best {kernel}: {best} ({seconds * 1e3:.3f} ms); table has {table_value}")
         what = "forward alone" if kernel == "forward" else "backward alone"
         work = forward_flops if kernel == "forward" else 2.5 * forward_flops

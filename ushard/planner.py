@@ -413,18 +413,25 @@ def _mesh_reasons(mesh: dict, per_host: int, hosts: int, moe: int, forced: bool)
     if mesh["sequence"] > 1:
         reasons.append(f"sequence={mesh['sequence']}: context parallelism for the long sequence")
     if mesh["expert"] > 1:
-        reasons.append(f"expert={mesh['expert']}: each device holds {moe // mesh['expert']} of the {moe} experts")
+        reasons.append(f"expert={mesh['expert']}: the {moe} experts' work split over {mesh['expert']} devices")
     return reasons
 
 
 def layout_variants(config, mesh: dict) -> list[tuple[dict, list[str]]]:
     """The settings beyond the mesh to try with it, each with its reasons: every pipeline schedule (at
-    the most microbatches up to four a stage that the batch divides into), and for a split sequence
-    both context modes."""
+    the most microbatches up to four a stage that the batch divides into), for a split sequence both
+    context modes, and for split experts both ways of splitting them (whole experts a device, or every
+    expert's hidden width)."""
     base = {f"mesh.{axis}": size for axis, size in mesh.items()}
     base["parallel.sequence_parallel"] = mesh["tensor"] > 1
-    if config.model.moe.num_experts and mesh["expert"] > 1:
+    moe = config.model.moe.num_experts
+    splits = [({}, [])]
+    if moe and mesh["expert"] > 1:
         base["model.moe.dispatch"] = "ragged"
+        splits = [({"parallel.expert_split": "experts"},
+                   [f"whole experts: {moe // mesh['expert']} of the {moe} a device, tokens exchanged to them"]),
+                  ({"parallel.expert_split": "width"},
+                   ["every expert's hidden width split: even work whatever the routing, nothing to overflow"])]
     pipelines = [({}, [])]
     if mesh["pipeline"] > 1:
         count = _microbatches(config, mesh)
@@ -435,8 +442,8 @@ def layout_variants(config, mesh: dict) -> list[tuple[dict, list[str]]]:
     if mesh["sequence"] > 1:
         contexts = [({"parallel.context_parallel": mode}, [f"context parallelism by {mode}"])
                     for mode in ("ring", "all_gather")]
-    return [({**base, **pipe, **context}, why + more) for (pipe, why), (context, more)
-            in itertools.product(pipelines, contexts)]
+    return [({**base, **pipe, **context, **split}, why + more + how) for (pipe, why), (context, more), (split, how)
+            in itertools.product(pipelines, contexts, splits)]
 
 
 def _microbatches(config, mesh: dict) -> int:

@@ -8,10 +8,6 @@ other side, never materialising the [T, T] scores:
   and loops over the query blocks of every query head of its group, so dK and dV are summed over
   the group in registers and never exist per query head;
 - `dq`: a program per (query block, head, row), like the forward, accumulates dQ.
-The two backward kernels each recompute QKᵀ and dO·Vᵀ (seven block products where five would do).
-`Tuning.fused` swaps them for one (`_dkdv_kernel` with `add_dq`): `dkdv`'s programs also compute each
-visited query block's dS·K and add it into a float32 dQ with atomic adds, as FlashAttention-2's backward
-does. The sums' order then varies from run to run, so its dQ is not bit-reproducible.
 The backward takes the queries' *final* out and lse (over every block of keys, merged by the ring of
 context parallelism), so each block's gradients are its exact share (`kernels.attention.BlockKernel`).
 The one cotangent of lse is folded into D = rowsum(dO * O) - d lse, computed once by XLA before the
@@ -61,14 +57,11 @@ class Blocks(NamedTuple):
 
 
 class Tuning(NamedTuple):
-    """The launch shapes of the three kernels (module docstring). With `fused` the backward runs as
-    one kernel instead of `dkdv` and `dq`: the dK/dV programs, at those blocks, also add each query
-    block's share of dQ into a float32 array with atomic adds (`_dkdv_kernel`'s `add_dq`)."""
+    """The launch shapes of the three kernels (module docstring)."""
 
     forward: Blocks
     dkdv: Blocks
     dq: Blocks
-    fused: Blocks | None = None
 
 
 # Per head dim, for Hopper: head dim 128 as the block sweep on an H200 chose them (tools/attention_bench.py
@@ -314,13 +307,8 @@ def forward(q, k, v, causal, q_segments=None, k_segments=None, *, tuning: Tuning
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, blocks: Blocks, length, group,
-                 segments, count, add_dq):
-    """dK and dV of one key block; with `add_dq` (the fused backward) also each visited query block's
-    share of dQ, dS·K (unscaled, float32), added into `dq_ref`: an array every key block's program
-    adds into, zeros when the call starts (aliased to the zeros passed in before it)."""
+                 segments, count):
     q_seg_ref, k_seg_ref, order_ref, counts_ref, refs = _plan_refs(refs, segments)
-    if add_dq:
-        _zeros_ref, dq_ref, *refs = refs
     dk_ref, dv_ref, *visits_ref = refs
     bq, bk = blocks.block_q, blocks.block_k
     kb = pl.program_id(0)
@@ -342,10 +330,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal,
             p = jnp.exp2(s - lse_ref[rows, h][None, :])
             dv = dv + _dot(p.astype(do.dtype), do)
             dp = _dot(v, do, (1, 1))
-            ds = (p * (dp - delta_ref[rows, h][None, :])).astype(q.dtype)
-            dk = dk + _dot(ds, q)
-            if add_dq:
-                plgpu.atomic_add(dq_ref, (rows, h, slice(None)), _dot(ds, k, (0, 0)))  # dSᵀ·K: [bq, hd]
+            ds = p * (dp - delta_ref[rows, h][None, :])
+            dk = dk + _dot(ds.astype(q.dtype), q)
             return dk, dv, n + 1
 
         return _run_loops(step, carry, ranges, order_ref)
@@ -387,15 +373,28 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, b
         visits_ref[0][...] = n
 
 
-def _dkdv_call(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments, blocks: Blocks, add_dq: bool,
-               count: bool):
-    """(dk, dv, dq or None, visits or None): the dK/dV kernel on a grid (key block, kv head, row),
-    over its group's query heads; with `add_dq` it returns dQ too (the fused backward)."""
+def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_lse=None,
+                   tuning: Tuning | None = None, count: bool = False):
+    """(dq, dk, dv), plus each program's visited blocks if `count`: (dkdv's [B, kv_heads, nk] summed
+    over the group's heads, dq's [B, heads, nq])."""
+    tuning = _check(q, k, v, q_segments, k_segments, tuning)
     b, t, heads, hd = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
     segments = q_segments is not None
-    blocks = _fit(blocks, t, "fused backward" if add_dq else "dkdv")
+    d_out = d_out.astype(q.dtype)  # the kernels' dots take one dtype
+    # Per query: lse in base 2 (-inf, a query that sees no key anywhere, as 0: its scores are all -inf
+    # here, so P = exp2(-inf) = 0 rather than NaN), and D = rowsum(dO * O) - d lse.
+    lse = lse.astype(jnp.float32)
+    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    if d_lse is not None:
+        delta = delta - d_lse.astype(jnp.float32)
+    if segments:
+        q_segments, k_segments = q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)
+
+    # dK, dV: a program per (key block, kv head, row), over its group's query heads.
+    blocks = _fit(tuning.dkdv, t, "dkdv")
     bq, bk = blocks.block_q, blocks.block_k
     nk = t // bk
     whole_group = pl.BlockSpec((None, t, group, hd), lambda i, g, r: (r, 0, g, 0))
@@ -412,36 +411,17 @@ def _dkdv_call(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments, bloc
         args += [q_segments, k_segments, order, counts]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     out_specs = [key_block, key_block]
-    aliases = {}
-    if add_dq:  # dQ's float32 sums, first among the outputs, start from zeros passed in
-        in_specs.append(whole_group)
-        args.append(jnp.zeros(q.shape, jnp.float32))
-        aliases = {len(args) - 1: 0}
-        out_shape.insert(0, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-        out_specs.insert(0, whole_group)
     if count:
         out_shape.append(jax.ShapeDtypeStruct((b, kv_heads, nk), jnp.int32))
         out_specs.append(pl.BlockSpec((None, None, None), lambda i, g, r: (r, g, i)))
     kernel = functools.partial(_dkdv_kernel, causal=causal, blocks=blocks, length=t, group=group,
-                               segments=segments, count=count, add_dq=add_dq)
-    results = pl.pallas_call(
+                               segments=segments, count=count)
+    dk, dv, *dkdv_visits = pl.pallas_call(
         kernel, grid=(nk, kv_heads, b), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases=aliases, compiler_params=_params(blocks), interpret=_interpret(),
-        name="ushard_flash_backward" if add_dq else "ushard_flash_dkdv")(*args)
-    dq = None
-    if add_dq:
-        dq, *results = results
-        dq = (dq * (1 / math.sqrt(hd))).astype(q.dtype)
-    dk, dv, *visits = results
-    return dk, dv, dq, (visits[0] if count else None)
+        compiler_params=_params(blocks), interpret=_interpret(), name="ushard_flash_dkdv")(*args)
 
-
-def _dq_call(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments, blocks: Blocks, count: bool):
-    """(dq, visits or None): the dQ kernel on a grid (query block, head, row), over key blocks."""
-    b, t, heads, hd = q.shape
-    group = heads // k.shape[2]
-    segments = q_segments is not None
-    blocks = _fit(blocks, t, "dq")
+    # dQ: a program per (query block, head, row), over key blocks.
+    blocks = _fit(tuning.dq, t, "dq")
     bq, bk = blocks.block_q, blocks.block_k
     nq = t // bq
 
@@ -462,35 +442,11 @@ def _dq_call(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments, blocks
         out_shape.append(jax.ShapeDtypeStruct((b, heads, nq), jnp.int32))
         out_specs.append(pl.BlockSpec((None, None, None), lambda i, h, r: (r, h, own(i))))
     kernel = functools.partial(_dq_kernel, causal=causal, blocks=blocks, length=t, segments=segments, count=count)
-    dq, *visits = pl.pallas_call(
+    dq, *dq_visits = pl.pallas_call(
         kernel, grid=(nq, heads, b), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=_params(blocks), interpret=_interpret(), name="ushard_flash_dq")(*args)
-    return dq, (visits[0] if count else None)
-
-
-def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_lse=None,
-                   tuning: Tuning | None = None, count: bool = False):
-    """(dq, dk, dv), plus each program's visited blocks if `count`: (dkdv's [B, kv_heads, nk] summed
-    over the group's heads, dq's [B, heads, nq]; the fused kernel's in place of dkdv's, and None)."""
-    tuning = _check(q, k, v, q_segments, k_segments, tuning)
-    d_out = d_out.astype(q.dtype)  # the kernels' dots take one dtype
-    # Per query: lse in base 2 (-inf, a query that sees no key anywhere, as 0: its scores are all -inf
-    # here, so P = exp2(-inf) = 0 rather than NaN), and D = rowsum(dO * O) - d lse.
-    lse = lse.astype(jnp.float32)
-    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    if d_lse is not None:
-        delta = delta - d_lse.astype(jnp.float32)
-    if q_segments is not None:
-        q_segments, k_segments = q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)
-    inputs = (q, k, v, d_out, lse2, delta, causal, q_segments, k_segments)
-    fused = tuning.fused is not None
-    dk, dv, dq, dkdv_visits = _dkdv_call(*inputs, tuning.fused if fused else tuning.dkdv, fused, count)
-    dq_visits = None
-    if not fused:
-        dq, dq_visits = _dq_call(*inputs, tuning.dq, count)
     if count:
-        return (dq, dk, dv), (dkdv_visits, dq_visits)
+        return (dq, dk, dv), (dkdv_visits[0], dq_visits[0])
     return dq, dk, dv
 
 
