@@ -304,6 +304,11 @@ def test_broken_config_file(tmp_path, body, match):
          r"model\.n_layers=4 minus model\.moe\.first_dense_layers=1 leaves 3 layers, not a positive multiple of "
          r"model\.moe\.every=2"),
         (["model.moe.capacity_factor=-1"], r"model\.moe\.capacity_factor=-1\.0 must be a finite number >= 0"),
+        (["model.moe.num_experts=8", "mesh.expert=4", "mesh.fsdp=2", "parallel.expert_split=width",
+          "parallel.expert_width_parts=3"],
+         r"parallel\.expert_width_parts=3 does not divide the 4 sequences each device holds in an MoE layer "
+         r"\(train\.batch_size=32 / train\.grad_accum=1 over mesh\.fsdp=2 x mesh\.expert=4\); use a divisor of 4\."),
+        (["parallel.expert_width_parts=0"], r"parallel\.expert_width_parts=0 must be a number >= 1"),
         (["model.moe.num_experts=8", "model.moe.dispatch=sparse"],
          r"model\.moe\.dispatch='sparse' is not valid; choose one of: padded, ragged"),
         (["model.moe.num_experts=4", "mesh.expert=8", "mesh.fsdp=1"],

@@ -87,7 +87,7 @@ LAYOUTS = {
 
 
 def value_and_grads(layout_sizes, dispatch, capacity, weights, x, experts, gates, cotangent, ffn=expert_ffn,
-                    exchange="auto"):
+                    exchange="auto", width_parts=None):
     """(output, grads w.r.t. weights, x and gates) of routed_experts under a layout, as one program."""
     keep = within_capacity(experts, E, capacity) if capacity < T else jnp.ones(experts.shape, bool)
     layout = None if layout_sizes is None else layout_for(3, **layout_sizes)
@@ -96,7 +96,7 @@ def value_and_grads(layout_sizes, dispatch, capacity, weights, x, experts, gates
         gates = jnp.where(keep, gates, 0.0)
         # Receive buffers for the worst case: the skewed routing sends a third of all rows to one device.
         out, _ = routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, ffn, capacity,
-                                dispatch, headroom=8.0, exchange=exchange)
+                                dispatch, headroom=8.0, exchange=exchange, width_parts=width_parts)
         return jnp.sum(out * cotangent), out
 
     def run(weights, x, gates):
@@ -155,6 +155,38 @@ def test_the_ragged_dispatch_by_all_gather_matches_the_per_token_reference(probl
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("capacity", [T, 5], ids=["dropless", "capacity 5 per row"])
+@pytest.mark.parametrize("sizes, parts", [({"expert": 4}, 2), ({"expert": 2}, 4), ({"expert": 2, "tensor": 2}, 2)],
+                         ids=["expert=4 in 2 parts", "expert=2 in 4 parts", "expert=2 tensor=2 in 2 parts"])
+def test_the_width_split_in_parts_matches_the_per_token_reference(problem, sizes, parts, capacity):
+    """parallel.expert_width_parts: each part of a device's rows gathered, computed and reduce-scattered
+    on its own (2 and 4 rows a device here), against the per-token reference, and the exchange really
+    in parts: per part, one all-gather each of the tokens, experts, gates and keep flags, and one
+    reduce-scatter of the outputs (the weights' gathers, if any, once)."""
+    weights, x, experts, gates, cotangent = problem
+    width = {**sizes, "expert_width": True}
+    out, grads, keep = value_and_grads(width, "ragged", capacity, weights, x, experts, gates, cotangent,
+                                       width_parts=parts)
+    want_out, want_grads = reference_value_and_grads(weights, x, experts, gates, keep, cotangent)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    def exchanges(parts):
+        layout = layout_for(3, **width)
+
+        def forward(x):
+            with use_layout(layout):
+                return routed_experts(x, experts, gates, keep, weights, RoutedExperts.NAMES, expert_ffn, capacity,
+                                      width_parts=parts)[0]
+
+        text = jax.jit(forward).lower(x).as_text()
+        return text.count('"stablehlo.all_gather"'), text.count('"stablehlo.reduce_scatter"')
+
+    gathers, scatters = exchanges(1)
+    assert scatters == 1 and exchanges(parts) == (gathers + 4 * (parts - 1), parts)
 
 
 @pytest.mark.parametrize("layout", ["no layout", "fsdp=8 (experts whole, per device)",

@@ -92,6 +92,10 @@ LAYOUTS = {
     "expert8_width_moe": ({**SMALL_MOE, "mesh.expert": 8, "parallel.expert_split": "width"}, 8),
     "expert2_tensor2_fsdp2_width_moe": (
         {**SMALL_MOE, "mesh.expert": 2, "mesh.tensor": 2, "mesh.fsdp": 2, "parallel.expert_split": "width"}, 8),
+    # ...its exchanges in two parts of a device's two sequences (parallel.expert_width_parts).
+    "expert4_fsdp2_width_parts_moe": (
+        {**SMALL_MOE, "mesh.expert": 4, "mesh.fsdp": 2, "parallel.expert_split": "width",
+         "parallel.expert_width_parts": 2}, 8),
     # ...and with a capacity: the same tokens are dropped on every layout.
     "single_moecap": (MOE_CAPACITY, 1),
     "expert4_fsdp2_moecap": ({**MOE_CAPACITY, "mesh.expert": 4, "mesh.fsdp": 2}, 8),
@@ -366,3 +370,14 @@ def test_the_width_split_gives_each_device_a_slice_of_every_expert(results):
     experts = spec_of(results["expert4_fsdp2_moecap"]["init_shardings"].params, "blocks", "mlp", "experts", "w_up")
     assert width == P(None, None, "fsdp", ("expert", "tensor")), width  # [layers, experts, embed, expert_mlp]
     assert experts[1] == "expert" and experts[3] in ("tensor", None), experts
+
+
+def test_the_width_split_in_parts_exchanges_each_part_apart(results):
+    """parallel.expert_width_parts=2 reaches the compiled step: each of the MoE layer's three
+    reduce-scatters (the outputs forward; the gradients of the gathered tokens and gates backward) runs
+    once per part, and XLA:CPU has not merged the parts' (which would leave nothing to overlap). The
+    layer loop is rolled, so each counts once in its body."""
+    def scatters(name):
+        return len([n for n, kind, _ in collectives(results[name]["hlo"]) if kind == "reduce-scatter"])
+
+    assert scatters("expert4_fsdp2_width_parts_moe") == scatters("expert4_fsdp2_width_moe") + 3

@@ -148,6 +148,10 @@ DESCRIPTIONS = {
                              "says) or `width` (each device holds a slice of every expert's hidden width, gathers "
                              "its expert group's tokens and reduce-scatters the outputs back: the same work on every "
                              "device however the router spreads the tokens, and no buffer to overflow)",
+    "parallel.expert_width_parts": "with `expert_split=width`: each device's sequences go through the gather, the "
+                                   "experts and the reduce-scatter in this many parts (whole sequences each), so "
+                                   "one part's collectives can run while another's experts compute; must divide "
+                                   "the sequences a device holds (not yet measured on GPUs)",
     "parallel.pipeline_head": "with mesh.pipeline > 1, where the embedding and LM head run: `split` (the "
                               "vocabulary over the stages; hidden-size all-reduces over the stage axis each 1F1B "
                               "tick), `whole` (every stage holds the whole vocabulary; under 1F1B only the stages' "

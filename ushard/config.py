@@ -122,6 +122,11 @@ def default_config() -> ml_collections.ConfigDict:
     # runs all of them through its slices and reduce-scatters the sums back: every device does the same
     # work however unevenly the router spreads the tokens, and no buffer can overflow).
     c.parallel.expert_split = "experts"
+    # With expert_split "width": each device's sequences in an MoE layer go through the gather, the
+    # experts and the reduce-scatter in this many parts (whole sequences each), so that one part's
+    # collectives can run while another part's experts compute. Nothing is sized by a headroom there,
+    # so parts cannot overflow. 1: one piece.
+    c.parallel.expert_width_parts = 1
 
     c.data = ml_collections.ConfigDict()
     # stdlib | text | jsonl | parquet | tokens (.npy files of token ids) | chat (JSONL conversations)
@@ -388,7 +393,7 @@ def check_settings(config) -> ModelConfig:
     for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "max_nonfinite_steps",
                 "process_timeout_s"):
         _positive(t[key], f"train.{key}")
-    for key in ("pipeline_microbatches", "pipeline_repeats"):
+    for key in ("pipeline_microbatches", "pipeline_repeats", "expert_width_parts"):
         _positive(config.parallel[key], f"parallel.{key}")
     for key in ("warmup_steps", "eval_every", "eval_batches", "weight_decay", "grad_clip", "lr"):
         _positive(t[key], f"train.{key}", allow_zero=True)
@@ -515,6 +520,14 @@ def validate(config, num_devices: int) -> dict[str, int]:
     what = f"a microbatch ({split} sequences of train.seq_len={t.seq_len})"
     micro = (rows, t.seq_len)
     check_divisible({what: (BATCH_NAMES, micro)}, zero.compute, mesh)
+    parts = p.expert_width_parts
+    if parts > 1 and config.model.moe.num_experts and p.expert_split == "width" and mesh["expert"] > 1:
+        axes = [a for a in mesh_axes("act_batch", zero.compute) if mesh[a] > 1]
+        held = rows // math.prod(mesh[a] for a in axes)
+        if held % parts:
+            over = " x ".join(f"mesh.{a}={mesh[a]}" for a in axes)
+            raise UserError(f"parallel.expert_width_parts={parts} does not divide the {held} sequences each device "
+                            f"holds in an MoE layer ({split} over {over}); use a divisor of {held}.")
     if p.sequence_parallel:
         check_divisible({f"with parallel.sequence_parallel, {what}": (RESIDUAL_NAMES, micro)}, zero.compute, mesh)
     context.check_length(t.seq_len, math.prod(mesh[a] for a in mesh_axes("act_length", zero.compute)))

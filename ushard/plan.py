@@ -44,6 +44,7 @@ class ParallelPlan:
     context_keep_kv: bool  # the backward pass reuses the forward's K/V blocks
     expert_dispatch: str | None  # "padded" or "ragged" for an MoE model; None for a dense one
     expert_split: str | None  # what mesh.expert splits: "experts" or "width" (MoE); None for a dense model
+    expert_width_parts: int  # with the width split: the parts each device's sequences are exchanged in
     attention: KernelChoice  # attention over whole sequences (and, in a pipeline, outside the stages)
     stage_attention: KernelChoice | None  # attention inside pipeline stages; None without a pipeline
     context_blocks: KernelChoice | None  # what runs the blocks of a split sequence; None: not split
@@ -94,6 +95,7 @@ class ParallelPlan:
             context_keep_kv=p.context_keep_kv and ways > 1,
             expert_dispatch=m.moe.dispatch if m.moe.num_experts else None,
             expert_split=p.expert_split if m.moe.num_experts else None,
+            expert_width_parts=p.expert_width_parts,
             attention=attention,
             stage_attention=stage_attention,
             context_blocks=blocks,
@@ -132,8 +134,9 @@ class ParallelPlan:
         if self.stage_attention is not None and self.stage_attention != self.attention:
             lines.append(f"attention in the pipeline's stages: {self.stage_attention.why}")
         if self.expert_split == "width" and self.size("expert") > 1:
+            parts = f", exchanged in {self.expert_width_parts} parts" if self.expert_width_parts > 1 else ""
             lines.append(f"experts: every expert's width split over {self.size('expert')} devices, each running "
-                         f"its expert group's tokens; dropless grouped matmul: {self.grouped_matmul.why}")
+                         f"its expert group's tokens{parts}; dropless grouped matmul: {self.grouped_matmul.why}")
         elif self.expert_dispatch is not None:
             lines.append(f"experts: {self.expert_dispatch} dispatch where mesh.expert splits them; "
                          f"dropless grouped matmul: {self.grouped_matmul.why}")

@@ -64,14 +64,17 @@ EXPERT_MATMUL = "expert_matmul"
 
 
 def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, expert_fn, row_capacity: int,
-                   dispatch: str = "padded", headroom: float = 2.0, exchange: str = "auto"):
+                   dispatch: str = "padded", headroom: float = 2.0, exchange: str = "auto",
+                   width_parts: int | None = None):
     """Every token through its kept experts, weighted by its gates: x [batch, length, d], experts int /
     gates float32 / keep bool [batch, length, k], weights {name: [experts, ...]} with logical names
     `weight_names`; `row_capacity`: the drop rule's C (the most assignments an expert keeps from one
     sequence; the length when dropless); `dispatch`: "padded" or "ragged", how assignments travel to
     experts split over devices; `headroom`: the ragged receive buffer's rows, in multiples of an even
     load (`_ragged`); `exchange`: how the ragged dispatch moves rows ("auto", "all_to_all",
-    "ragged_all_to_all", "all_gather"; module docstring). Returns (y [batch, length, d] in x's dtype,
+    "ragged_all_to_all", "all_gather"; module docstring); `width_parts`: with the width split, the
+    parts a device's sequences are exchanged in (None: the plan's parallel.expert_width_parts, else 1).
+    Returns (y [batch, length, d] in x's dtype,
     overflow float32: 1 where a ragged dispatch had more rows for a device than its buffer holds, and
     y is then NaN; else 0)."""
     layout = current_layout()
@@ -88,6 +91,8 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
             f"no expert axes where the experts' width is split over token axes {width_axes}"
         )
     groups = layout.size("experts")
+    if width_parts is None:
+        width_parts = layout.plan.expert_width_parts if layout.plan is not None else 1
 
     stored_kind = "compute" if layout.zero.keep_gathered else "params"  # the stack may have gathered them already
     stored = {name: layout.spec(weight_names[name], stored_kind) for name in weights}
@@ -101,7 +106,7 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     def per_device(x, experts, gates, keep, weights):
         weights = {name: _gather(w, stored[name], compute[name]) for name, w in weights.items()}
         if width_axes:
-            y = _width_split(x, experts, gates, keep, weights, expert_fn, row_capacity, width_axes)
+            y = _width_split(x, experts, gates, keep, weights, expert_fn, row_capacity, width_axes, width_parts)
             rest = tuple(a for a in hidden_axes if a not in width_axes)
             return (jax.lax.psum(y, rest) if rest else y), jnp.float32(0)
         if ragged:
@@ -239,18 +244,31 @@ def _gathered(x, experts, gates, keep, weights, expert_fn, axes, groups: int, he
     return jnp.where(over, jnp.asarray(jnp.nan, y.dtype), y), over.astype(jnp.float32)
 
 
-def _width_split(x, experts, gates, keep, weights, expert_fn, row_capacity: int, axes):
+def _width_split(x, experts, gates, keep, weights, expert_fn, row_capacity: int, axes, parts: int = 1):
     """Every expert's hidden width split over `axes` (parallel.expert_split="width"): each device
     gathers the tokens and routing of the devices that share its experts, runs every assignment
     through its slice of every expert (as one device would, `models.dispatch.on_device`: grouped
     when dropless, the drop rule per sequence otherwise), and a reduce-scatter sums the slices'
     partial outputs on the device that holds each token. The work per device does not depend on
-    where the router sends the tokens, and nothing is sized by a headroom."""
+    where the router sends the tokens, and nothing is sized by a headroom.
+
+    In `parts` (whole sequences each; at most as many as the device holds sequences) each part is
+    gathered, computed and reduce-scattered on its own: the parts' chains share nothing, so the
+    compiler may run one part's collectives while another's experts compute. The drop rule is per
+    sequence, so the result does not depend on `parts`."""
     gather = lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True)  # noqa: E731
-    every = _kept(gather(x))  # [devices * batch, length, d]
-    partial = local_dispatch.on_device(every, gather(experts), gather(gates), gather(keep), weights, expert_fn,
-                                       row_capacity)
-    return _kept(jax.lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True))
+
+    def one_part(x, experts, gates, keep):
+        every = _kept(gather(x))  # [devices * rows, length, d]
+        partial = local_dispatch.on_device(every, gather(experts), gather(gates), gather(keep), weights, expert_fn,
+                                           row_capacity)
+        return _kept(jax.lax.psum_scatter(partial, axes, scatter_dimension=0, tiled=True))
+
+    parts = math.gcd(parts, x.shape[0])  # config validation refuses a training batch it does not divide
+    if parts == 1:
+        return one_part(x, experts, gates, keep)
+    pieces = [jnp.split(a, parts) for a in (x, experts, gates, keep)]
+    return jnp.concatenate([one_part(*piece) for piece in zip(*pieces)])
 
 
 def _kept(exchanged):
