@@ -417,11 +417,12 @@ def _mesh_reasons(mesh: dict, per_host: int, hosts: int, moe: int, forced: bool)
     return reasons
 
 
-def layout_variants(config, mesh: dict) -> list[tuple[dict, list[str]]]:
+def layout_variants(config, mesh: dict, unroll: bool = False) -> list[tuple[dict, list[str]]]:
     """The settings beyond the mesh to try with it, each with its reasons: every pipeline schedule (at
     the most microbatches up to four a stage that the batch divides into), for a split sequence both
-    context modes, and for split experts both ways of splitting them (whole experts a device, or every
-    expert's hidden width)."""
+    context modes, for split experts both ways of splitting them (whole experts a device, or every
+    expert's hidden width), and with `unroll` (GPUs, where it was measured) a rolled layer loop also
+    unrolled, outside pipelines."""
     base = {f"mesh.{axis}": size for axis, size in mesh.items()}
     base["parallel.sequence_parallel"] = mesh["tensor"] > 1
     moe = config.model.moe.num_experts
@@ -442,8 +443,16 @@ def layout_variants(config, mesh: dict) -> list[tuple[dict, list[str]]]:
     if mesh["sequence"] > 1:
         contexts = [({"parallel.context_parallel": mode}, [f"context parallelism by {mode}"])
                     for mode in ("ring", "all_gather")]
-    return [({**base, **pipe, **context, **split}, why + more + how) for (pipe, why), (context, more), (split, how)
-            in itertools.product(pipelines, contexts, splits)]
+    loops = [({}, [])]
+    layers = config.model.n_layers
+    if unroll and mesh["pipeline"] == 1 and config.model.scan_unroll < layers:
+        # Listed second: where unrolling gains nothing, the configured loop wins the tie.
+        loops.append(({"model.scan_unroll": layers},
+                      [f"the {layers}-layer loop unrolled: no stacked buffers to copy, and without remat each "
+                       f"layer's activations freed as its gradients are written (compiles take longer)"]))
+    return [({**base, **pipe, **context, **split, **loop}, why + more + how + unrolled)
+            for (pipe, why), (context, more), (split, how), (loop, unrolled)
+            in itertools.product(pipelines, contexts, splits, loops)]
 
 
 def _microbatches(config, mesh: dict) -> int:
@@ -510,7 +519,7 @@ def _search(config, target: Target, forced: bool, log=None) -> list[Assessment]:
 
     found = []
     candidates = [(variant, reasons + more) for mesh, reasons in mesh_candidates(config, target, forced)
-                  for variant, more in layout_variants(config, mesh)]
+                  for variant, more in layout_variants(config, mesh, unroll=target.hardware.platform == "gpu")]
     for variant, reasons in candidates:
         # Its leanest setting first (ZeRO-3, the most recomputation): where that does not fit, no
         # other does, and the search moves on after one estimate instead of sixteen.

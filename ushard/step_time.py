@@ -126,6 +126,11 @@ class Efficiency:
     # step waits for it. bench_moe's 300-step trainings measured 1.35-1.47 on 4 GPUs (docs/benchmarks.md);
     # a router's balance depends on its training, so this is a typical value, not a property of the model.
     expert_imbalance: float = 1.4
+    # A rolled layer loop (`model.scan_unroll` below the layers) without remat: the layers' work grows
+    # by this share over the same loop unrolled (the stacked activations written and read through the
+    # loop's buffers, fusions that cannot cross a layer). llama3_8b on 4 x H200, three layouts rolled
+    # and unrolled: 10-12% of the layers' predicted work (docs/benchmarks.md, seventh session).
+    rolled_loop: float = 0.11
 
     def replace(self, **changes) -> "Efficiency":
         return dataclasses.replace(self, **changes)
@@ -413,6 +418,9 @@ def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
         # "unrolling the layer loop"): read and write.
         saved = _saved_bytes_per_token_layer(s) * tokens * s.layers
         parts["scan copies"] = 2 * saved / hw.hbm_bw
+    elif s.scan_unroll < s.layers:
+        layers = sum(t for name, t in parts.items() if name != "optimizer")
+        parts["rolled layer loop"] = eff.rolled_loop * layers
     return parts
 
 
