@@ -69,10 +69,9 @@ against a compile; CPU and TPU estimates are unchanged):
   row-parallel matmul left them before its reduce-scatter, not split as the trace splits the stream.
 - No remat, no pipeline, a fully unrolled stack (`gpu_without_remat`): the backward pass frees each
   layer's activations as it writes that layer's gradients, so the peak is every saved activation and
-  no gradient, and the layer
-  pulled back holds nothing beyond its saved activations and the stream's gradient
-  (`MemoryEstimate.gradients_apart`: the gradients count in a phase of their own, the pass's end). The
-  trace's weight casts are then ZeRO-3's kept weights, not a second copy (`kept_weights`).
+  no gradient, and the layer pulled back holds nothing beyond its saved activations and the stream's
+  gradient (`MemoryEstimate.gradients_apart`: the gradients count in a phase of their own, the pass's
+  end). The trace's weight casts are then ZeRO-3's kept weights, not a second copy (`kept_weights`).
 - cuDNN attention under a policy that keeps fused attention (dots_attention; `cudnn_kept`): every
   layer's output and softmax statistics, which the trace's stand-in, being no cuDNN primitive, does
   not show.

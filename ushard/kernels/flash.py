@@ -8,6 +8,9 @@ other side, never materialising the [T, T] scores:
   and loops over the query blocks of every query head of its group, so dK and dV are summed over
   the group in registers and never exist per query head;
 - `dq`: a program per (query block, head, row), like the forward, accumulates dQ.
+The two backward kernels each recompute QKᵀ and dO·Vᵀ. One kernel whose dK/dV programs also add
+their share of dQ atomically (FlashAttention-2's way) saves that, but its atomics measured slower on
+Hopper (docs/benchmarks.md, seventh session), so it was removed.
 The backward takes the queries' *final* out and lse (over every block of keys, merged by the ring of
 context parallelism), so each block's gradients are its exact share (`kernels.attention.BlockKernel`).
 The one cotangent of lse is folded into D = rowsum(dO * O) - d lse, computed once by XLA before the
