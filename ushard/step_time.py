@@ -410,6 +410,11 @@ def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
         grown = padding_growth((s.expert_d_ff // expert_width_ways(s.mesh, s.expert_split),)) - 1
         if grown:
             parts["expert width padding"] = grown * expert_flops / (eff.matmul * hw.peak_flops)
+    stages = s.size("pipeline")
+    if stages > 1 and not s.head_split:
+        # The head whole on every stage (parallel.pipeline_head="whole"): one stage computes it for every
+        # microbatch while the others wait, not a 1/stages share of it each.
+        parts["head on one stage"] = (stages - 1) * 6 * s.head_params * tokens / (eff.matmul * hw.peak_flops)
     tensor = s.size("tensor")
     if tensor > 1:
         parts["tensor-parallel overhead"] = parts["matmul"] * eff.tensor_overhead * (1 - 1 / tensor)
