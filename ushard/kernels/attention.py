@@ -13,7 +13,8 @@ for GPUs (ushard/kernels/flash.py: documents, GQA, an exact log-sum-exp for the 
 picks it inside pipeline stages, where cuDNN cannot run (XLA's GPU compiler crashes on it there):
 measured slower than cuDNN where both run, and far faster than XLA's attention (docs/benchmarks.md).
 A sequence split with a document mask runs ours too under "auto" (cuDNN's blocks take no mask, and
-XLA's hold every block's scores). Whole sequences with a document mask stay on cuDNN, which takes the
+XLA's hold every block's scores), except inside pipeline stages, where ours cannot yet run a split
+sequence's blocks (`block_kernel`) and XLA's do. Whole sequences with a document mask stay on cuDNN, which takes the
 mask as a dense [T, T] array and computes every block, until ours is measured there in a whole step
 (docs/dev-notes.md). `resolve` decides, `why` says why, `check` refuses a kernel the platform lacks;
 the `ParallelPlan` records the choice once per run.
@@ -75,10 +76,9 @@ def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         # Where cuDNN cannot run, ours if it can: far faster than XLA's, whose blocks hold every
         # block's scores (a split 32k sequence with documents asked for 356 GiB; docs/benchmarks.md).
-        cudnn_runs = not in_stage and not (split and documents)
-        if cudnn_runs:
+        if not in_stage and not (split and documents):
             return "cudnn"
-        return "flash" if flash_fits(length, head_dim) else "xla"
+        return "flash" if flash_fits(length, head_dim) and not (in_stage and split) else "xla"
     return "splash" if platform == "tpu" and length % LANES == 0 else "xla"
 
 
@@ -102,7 +102,9 @@ def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: 
             reason = "cuDNN's blocks of a split sequence take no document mask"
         else:
             return f"{name} (cuDNN takes 16-bit compute only)"
-        if resolved == "xla":
+        if resolved == "xla" and in_stage and split:
+            reason += "; ushard's flash cannot yet run a split sequence's blocks inside them"
+        elif resolved == "xla":
             reason += (f"; ushard's flash needs 16-bit compute, sequences a multiple of {LANES} tokens and head "
                        f"dims of 64 or 128")
         return f"{name} ({reason})"
@@ -128,10 +130,11 @@ def check(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1) -> N
                         f"blocks' size); it is {seq_len}.")
 
 
-def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool) -> tuple[BlockKernel | None, str]:
+def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool,
+                 in_stage: bool = False) -> tuple[BlockKernel | None, str]:
     """The fused kernel that runs the blocks of a `length`-token sequence split `ways` ways, for the
-    resolved `impl`, or None for XLA blocks (`xla_block`); and what runs them, in words (the start-up
-    report says it, so a fallback is never silent)."""
+    resolved `impl`, inside a pipeline stage or not, or None for XLA blocks (`xla_block`); and what
+    runs them, in words (the start-up report says it, so a fallback is never silent)."""
     if impl == "cudnn":
         if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
             return None, "XLA attention (cuDNN takes 16-bit inputs only)"
@@ -144,6 +147,10 @@ def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool) -> t
         return None, (f"XLA attention ({impl} needs each device's two chunks, train.seq_len / {2 * ways}, "
                       f"to be a multiple of {LANES} tokens)")
     if impl == "flash":
+        if in_stage:
+            # The ring's custom VJP runs inside its unchecked map, where the kernel's untyped gradients
+            # cannot be cast to the stage's varying axes that q, k and v carry (tests/test_flash_layouts.py).
+            return None, "XLA attention (ours cannot yet run a split sequence's blocks inside pipeline stages)"
         from ushard.kernels.flash import FLASH_BLOCKS
 
         return FLASH_BLOCKS, NAMES["flash"]
