@@ -5,9 +5,9 @@ and XLA (`jax.nn.dot_product_attention`), forward and forward + backward, in one
 
 Shapes: bench_1b's attention (B 16, T 2048, 16 heads, head dim 128), the same with 8 kv heads
 (grouped-query), head dim 64 (32 heads), and llama3_8b's on one of four GPUs (SHAPES); bf16, causal.
-Documents: none, or 4 equal documents a
-row (segment ids for ours; cuDNN and XLA get the equivalent [B, 1, T, T] mask, and cuDNN also runs
-the documents as rows of their own, B*4 rows of T/4, the least work any kernel can do).
+Documents: none, or 4 equal documents a row (segment ids for ours; cuDNN and XLA get the equivalent
+[B, 1, T, T] mask, and cuDNN also runs the documents as rows of their own, B*4 rows of T/4, the
+least work any kernel can do).
 
 FLOPs: 4·B·heads·T²·hd for a full forward, half of it causal, and the backward 2.5 times the forward
 (fwd+bwd 3.5 times). With documents only the FLOPs of the visible pairs count (a quarter of the

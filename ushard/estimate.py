@@ -758,7 +758,7 @@ def _experts_stand_in(work: DeviceWork):
     receive buffer (`receive_rows`)."""
     groups = work.expert_groups
 
-    def routed(x, experts, gates, keep, weights, _names, expert_fn, row_capacity, how, headroom, _chunks=1):
+    def routed(x, experts, gates, keep, weights, _names, expert_fn, row_capacity, how, headroom, _exchange="auto"):
         if work.experts_gathered:  # gathered inside the map: a copy that is not the map's argument
             weights = {name: w * jnp.ones((), w.dtype) for name, w in weights.items()}
         if work.expert_width > 1:

@@ -419,12 +419,12 @@ def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
     tensor = s.size("tensor")
     if tensor > 1:
         parts["tensor-parallel overhead"] = parts["matmul"] * eff.tensor_overhead * (1 - 1 / tensor)
-    if s.remat != "none" and s.scan_unroll < s.layers:
+    if s.scan_unroll < s.layers and s.remat != "none":
         # A scanned loop copies its stacked saved activations once more (docs/benchmarks.md,
         # "unrolling the layer loop"): read and write.
         saved = _saved_bytes_per_token_layer(s) * tokens * s.layers
         parts["scan copies"] = 2 * saved / hw.hbm_bw
-    elif s.scan_unroll < s.layers:
+    elif s.scan_unroll < s.layers:  # without remat (`Efficiency.rolled_loop`)
         layers = sum(t for name, t in parts.items() if name != "optimizer")
         parts["rolled layer loop"] = eff.rolled_loop * layers
     return parts
@@ -508,7 +508,8 @@ def _expert_items(s: Shape) -> list[_Item]:
     forward pass and again transposed in the backward pass (the exchanged rows are kept under remat):
     per MoE layer four all-to-alls of buffers, or with `exchange="all_gather"` or the experts' width
     split (parallel.expert_split) the expert group's tokens gathered and the outputs reduce-scattered
-    (and their transposes). The busiest device's extra rows (an uneven router) are not modelled."""
+    (and their transposes). The busiest device's extra rows (an uneven router) are compute, charged
+    in `compute_parts` ("busiest expert device"), not here."""
     ways = s.size("expert")
     if not s.experts or ways == 1:
         return []
