@@ -103,12 +103,15 @@ def test_auto_picks_each_platforms_kernel():
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True) == "flash"
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True, head_dim=96) == "xla"
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True, split=True) == "xla"  # blocks in stages
-    # A split sequence with documents: ours, whose blocks take the mask (cuDNN's do not). Whole
-    # sequences with documents stay on cuDNN's dense mask until ours is measured there.
+    # Documents: ours, whose blocks take the mask on a split sequence (cuDNN's do not) and skip other
+    # documents' blocks on whole ones (cuDNN computes every block of its dense mask); cuDNN's dense
+    # mask only where ours has no blocks for the shape.
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, split=True, documents=True) == "flash"
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, split=True, documents=True, head_dim=96) == "xla"
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, split=True) == "cudnn"
-    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, documents=True) == "cudnn"
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, documents=True) == "flash"
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, documents=True, head_dim=96) == "cudnn"
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, documents=True, in_stage=True) == "flash"
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 1000, in_stage=True) == "xla"
     assert resolve_impl("auto", "gpu", jnp.float32, 8192, in_stage=True) == "xla"
     assert resolve_impl("auto", "cpu", jnp.bfloat16, 8192) == "xla"

@@ -1,5 +1,7 @@
-"""Causal attention on one GPU: our Pallas Triton flash kernel (ushard/kernels/flash.py) against cuDNN
-and XLA (`jax.nn.dot_product_attention`), forward and forward + backward, in one process.
+"""Causal attention on one GPU: our flash kernels against cuDNN and XLA (`jax.nn.dot_product_attention`),
+forward and forward + backward, in one process. `ours` is what `model.attention_impl=flash` runs (on
+Hopper the Mosaic GPU forward of ushard/kernels/flash_hopper.py, then the Triton backward of
+ushard/kernels/flash.py); `ours_triton` runs the Triton forward too.
 
     python3 tools/attention_bench.py [--shapes hd128,hd128_gqa,hd64] [--documents none,4] [--block-sweep]
 
@@ -44,7 +46,7 @@ SHAPES = {  # batch, length, heads, kv heads, head dim
     "llama3_8b_tensor4": (4, 8192, 8, 2, 128),
     "llama3_8b_mha": (1, 8192, 32, 32, 128),
 }
-IMPLS = ("cudnn", "xla", "ours")
+IMPLS = ("cudnn", "xla", "ours", "ours_triton")
 
 
 def timed(fn, *args, calls: int = 10, repeats: int = 7) -> float:
@@ -72,9 +74,11 @@ def segment_ids(batch: int, length: int, documents: int):
 def attention_fns(impl: str, segments, documents: int, tuning=None):
     """impl -> (forward(q, k, v) -> out, forward_backward(q, k, v, d_out) -> (out, dq, dk, dv)), or
     a string saying why it does not run here."""
-    if impl == "ours":
+    if impl in ("ours", "ours_triton"):
         def forward(q, k, v):
-            return flash.attention(q, k, v, segments, True, tuning=tuning)[0]
+            # A tuning given runs the Triton forward; none, on Hopper, the Mosaic GPU one.
+            forced = tuning or (flash.TUNING[q.shape[-1]] if impl == "ours_triton" else None)
+            return flash.attention(q, k, v, segments, True, tuning=forced)[0]
     elif impl == "cudnn_rows":
         if not documents:
             return "only with documents"

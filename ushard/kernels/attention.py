@@ -9,15 +9,15 @@ are); with segment ids [B, T] a token sees only keys of its own document. Two fo
 
 `model.attention_impl`: "auto" picks cuDNN flash attention on GPUs in 16-bit compute, splash
 attention on TPUs (sequences a multiple of 128 tokens), XLA elsewhere. "flash" is ushard's own kernel
-for GPUs (ushard/kernels/flash.py: documents, GQA, an exact log-sum-exp for the ring's blocks); "auto"
-picks it inside pipeline stages, where cuDNN cannot run (XLA's GPU compiler crashes on it there):
-measured slower than cuDNN where both run, and far faster than XLA's attention (docs/benchmarks.md).
-A sequence split with a document mask runs ours too under "auto" (cuDNN's blocks take no mask, and
-XLA's hold every block's scores), except inside pipeline stages, where ours cannot yet run a split
-sequence's blocks (`block_kernel`) and XLA's do. Whole sequences with a document mask stay on cuDNN, which takes the
-mask as a dense [T, T] array and computes every block, until ours is measured there in a whole step
-(docs/dev-notes.md). `resolve` decides, `why` says why, `check` refuses a kernel the platform lacks;
-the `ParallelPlan` records the choice once per run.
+for GPUs (ushard/kernels/flash.py, with flash_hopper.py's forward on Hopper: documents, GQA, an exact
+log-sum-exp for the ring's blocks); "auto" picks it inside pipeline stages, where cuDNN cannot run
+(XLA's GPU compiler crashes on it there): slower than cuDNN's backward where both run, far faster than
+XLA's attention (docs/benchmarks.md). A document mask runs ours too under "auto": on a split sequence
+cuDNN's blocks take no mask (and XLA's hold every block's scores), and on whole sequences cuDNN takes
+the mask as a dense [T, T] array and computes every block while ours skips other documents' blocks
+(measured faster in a whole step, docs/benchmarks.md). Inside pipeline stages ours cannot yet run a
+split sequence's blocks (`block_kernel`), and XLA's do. `resolve` decides, `why` says why, `check`
+refuses a kernel the platform lacks; the `ParallelPlan` records the choice once per run.
 """
 
 from __future__ import annotations
@@ -76,9 +76,14 @@ def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
         # Where cuDNN cannot run, ours if it can: far faster than XLA's, whose blocks hold every
         # block's scores (a split 32k sequence with documents asked for 356 GiB; docs/benchmarks.md).
-        if not in_stage and not (split and documents):
+        # With documents ours also beats cuDNN on whole sequences: cuDNN takes the mask as a dense
+        # [T, T] array and computes every block, ours skips other documents' blocks.
+        fits = flash_fits(length, head_dim)
+        if not in_stage and not documents:
             return "cudnn"
-        return "flash" if flash_fits(length, head_dim) and not (in_stage and split) else "xla"
+        if not in_stage and not split:
+            return "flash" if fits else "cudnn"
+        return "flash" if fits and not (in_stage and split) else "xla"
     return "splash" if platform == "tpu" and length % LANES == 0 else "xla"
 
 
@@ -100,6 +105,8 @@ def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: 
             reason = "cuDNN cannot run inside pipeline stages: XLA's GPU compiler crashes on it"
         elif split and documents:
             reason = "cuDNN's blocks of a split sequence take no document mask"
+        elif documents:
+            reason = "cuDNN computes every block of a document mask, ours skips other documents' blocks"
         else:
             return f"{name} (cuDNN takes 16-bit compute only)"
         if resolved == "xla" and in_stage and split:

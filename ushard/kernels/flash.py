@@ -1,7 +1,8 @@
 """Flash attention of our own for GPUs (Hopper first), written with Pallas Triton.
 
-Three kernels, each a grid of programs that own one block of rows and loop over the blocks of the
-other side, never materialising the [T, T] scores:
+On Hopper the forward is flash_hopper.py's Mosaic GPU kernel (same contract, faster); the backward
+and every other GPU run the Triton kernels here. Three kernels, each a grid of programs that own
+one block of rows and loop over the blocks of the other side, never materialising the [T, T] scores:
 - `forward`: a program per (query block, head, row) runs the online softmax over key blocks and
   writes out and the float32 log-sum-exp (lse);
 - `dkdv`: a program per (key block, kv head, row) keeps its keys, values and the dK, dV accumulators
@@ -43,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ushard.kernels import flash_hopper
 from ushard.kernels.attention import BlockKernel
 
 LOG2E = math.log2(math.e)
@@ -300,8 +302,13 @@ def _forward_call(q, k, v, causal, q_segments, k_segments, tuning: Tuning | None
 
 def forward(q, k, v, causal, q_segments=None, k_segments=None, *, tuning: Tuning | None = None):
     """(out [B, T, heads, hd] in q's dtype, lse [B, T, heads] float32) of queries q [B, T, heads, hd]
-    over keys and values [B, T, kv_heads, hd] (`kernels.attention.BlockKernel.forward`). `tuning`:
-    block sizes other than TUNING's (the tests' small ones, the bench's sweep)."""
+    over keys and values [B, T, kv_heads, hd] (`kernels.attention.BlockKernel.forward`). On Hopper
+    GPUs the Mosaic GPU forward (flash_hopper.py) runs where it takes the shapes; elsewhere, and
+    whenever `tuning` is given, the Triton forward here. `tuning`: block sizes other than TUNING's
+    (the tests' small ones, the bench's sweep)."""
+    if tuning is None and flash_hopper.available() and flash_hopper.supported(q, k, causal):
+        _check(q, k, v, q_segments, k_segments, None)
+        return flash_hopper.forward(q, k, v, causal, q_segments, k_segments)
     out, lse = _forward_call(q, k, v, causal, q_segments, k_segments, tuning)
     return out, lse
 

@@ -1,0 +1,76 @@
+"""The Mosaic GPU flash forward (ushard/kernels/flash_hopper.py) without a GPU.
+
+Its kernel runs only on Hopper GPUs (JAX 0.10.2's Mosaic GPU interpreter stops at the wgmma
+accumulators), so its values are checked on the device: tools/attention_bench.py compares ours
+(this forward, then flash.py's backward) with float32 attention before timing, with documents and
+grouped heads (docs/benchmarks.md). Here: the visit plan it reads, which decides what it computes,
+is exact for any ids; the kernel traces with this JAX's Mosaic GPU API for every variant; and off
+Hopper `flash.forward` keeps the Triton forward.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ushard.kernels import flash, flash_hopper
+
+TILE, BLOCK_K, T = 32, 16, 128
+
+
+def _blocks(ids, size):
+    return [set(np.asarray(ids[i:i + size]).tolist()) for i in range(0, len(ids), size)]
+
+
+@pytest.mark.parametrize("layout", ["packed", "shuffled", "one"])
+def test_visit_range_covers_every_meeting_block_and_frees_only_one_document(layout):
+    rng = np.random.default_rng(3)
+    if layout == "packed":  # ushard's rows: ids never decrease, boundaries anywhere
+        ids = np.stack([np.cumsum(rng.random(T) < 0.05) for _ in range(3)])
+    elif layout == "shuffled":
+        ids = rng.integers(0, 3, size=(3, T))
+    else:
+        ids = np.zeros((3, T), np.int64)
+    ids = jnp.asarray(ids, jnp.int32)
+    plan = np.asarray(flash_hopper.visit_range(ids, ids, TILE, BLOCK_K))
+    assert plan.shape == (3, T // TILE, 4)
+    for row in range(3):
+        tiles, blocks = _blocks(ids[row], TILE), _blocks(ids[row], BLOCK_K)
+        for t, (start, free_lo, free_hi, stop) in enumerate(plan[row]):
+            assert start <= free_lo <= free_hi <= stop
+            meeting = [j for j, block in enumerate(blocks) if tiles[t] & block]
+            assert all(start <= j < stop for j in meeting), (row, t)  # nothing the tile needs is skipped
+            if layout == "packed":  # and on packed rows nothing it does not need is visited
+                assert (start, stop) == (min(meeting), max(meeting) + 1)
+            for j in range(free_lo, free_hi):  # unmasked blocks: one and the same document
+                assert len(tiles[t]) == 1 and blocks[j] == tiles[t], (row, t, j)
+    if layout == "one":
+        assert (plan[..., 1:3] == [0, T // BLOCK_K]).all()
+
+
+@pytest.mark.skipif(not flash_hopper._API, reason="this JAX has no Mosaic GPU Pallas API")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("head_dim,kv_heads", [(128, 2), (64, 4)])
+def test_kernel_traces_for_every_variant(causal, segments, head_dim, kv_heads):
+    q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 512, kv_heads, head_dim), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None
+
+    def forward(q, k, v, ids):
+        return flash_hopper.forward(q, k, v, causal, ids, ids)
+
+    out, lse = jax.eval_shape(forward, q, kv, kv, ids)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (2, 512, 4), jnp.float32)
+    assert "wgmma" in str(jax.make_jaxpr(forward)(q, kv, kv, ids))  # the kernel body was traced
+
+
+def test_supported_shapes_and_the_triton_forward_off_hopper():
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    assert flash_hopper.supported(q, q, True)
+    assert not flash_hopper.supported(q.astype(jnp.float32), q, True)  # 16-bit only
+    assert not flash_hopper.supported(jnp.zeros((1, 192, 2, 128), jnp.bfloat16), q, True)  # not whole tiles
+    assert not flash_hopper.supported(jnp.zeros((1, 256, 2, 96), jnp.bfloat16), q, True)
+    assert not flash_hopper.available()  # no Hopper GPU here
+    jaxpr = str(jax.make_jaxpr(lambda q: flash.forward(q, q, q, True))(jnp.zeros((1, 128, 2, 64), jnp.float32)))
+    assert "ushard_flash_forward" in jaxpr

@@ -1,0 +1,323 @@
+"""The flash forward for Hopper GPUs, written with Pallas Mosaic GPU (warp-specialised, wgmma).
+
+Same contract as `flash.forward` ((out, lse) of causal or full attention with optional segment ids
+and grouped K/V heads); `flash.forward` runs this one where `supported` says it can and the Pallas
+Triton forward elsewhere. The backward stays `flash.backward`'s, fed by this forward's out and lse.
+
+Layout of one program (a CTA of three warpgroups), after FlashAttention-3:
+- a *tile* of 2 · `block_q` query rows of one (row, head): each of two compute warpgroups owns
+  `block_q` rows and keeps their accumulator, running max and sum in registers;
+- the third warpgroup only copies K/V blocks (and their segment ids) into a ring of `stages` shared
+  memory slots with TMA, waiting for both compute warpgroups to release a slot before refilling it;
+- the two compute warpgroups take turns on the tensor cores (a shared "schedule" barrier): while one
+  runs its QKᵀ and PV matmuls the other runs its softmax, so the exponentials hide behind matmuls.
+
+Which key blocks a tile visits, per row: without segment ids, every block up to the causal bound;
+with them, the contiguous range [start, stop) of blocks whose id ranges meet the tile's, and
+within it a sub-range [free_lo, free_hi) that needs no segment mask (every id one and the same).
+`visit_range` computes that per tile with XLA, exact for any ids: ids outside a tile's document
+are masked, so a range that covers more than needed costs time, never correctness. On ushard's
+packed rows (ids never decrease) it is the tile's documents' blocks and nothing else. Both compute
+warpgroups step through the same range, so their turns on the schedule barrier stay paired; one
+whose causal rows end earlier releases the remaining slots without computing.
+
+Scores are kept in base 2, as in flash.py; lse is returned in natural log, [B, T, heads] float32. A
+query that sees no key gets out 0 and lse -inf.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+try:  # Mosaic GPU's Pallas API as JAX 0.11 has it; older JAX runs the Triton forward only.
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    _API = all(hasattr(plgpu, name) for name in ("kernel", "wgmma", "broadcasted_iota", "load", "layout_cast",
+                                                   "set_max_registers", "transpose_ref", "ACC"))
+except ImportError:  # pragma: no cover - a JAX without Mosaic GPU
+    _API = False
+
+# Per head dim: query rows per compute warpgroup (a wgmma's 64-row M), keys per block, K/V slots.
+# Shared memory at head dim 128: 2 x 64 query rows + 2 slots x 128 keys x (K, V) in bf16 = 160 KiB.
+BLOCKS = {64: (64, 128, 3), 128: (64, 128, 2)}
+
+
+def _load(ref, layout):
+    """A vector from shared memory in `layout`: JAX 0.10 takes the index apart, 0.11 deprecates that."""
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def available() -> bool:
+    """Whether this process can run the kernel: JAX's Mosaic GPU API and a Hopper (sm_90) GPU."""
+    if not _API or jax.default_backend() != "gpu":
+        return False
+    return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+
+
+def supported(q, k, causal: bool) -> bool:
+    """Whether the kernel takes these inputs (on a device where `available`)."""
+    del causal
+    b, t, heads, hd = q.shape
+    if hd not in BLOCKS or q.dtype not in (jnp.bfloat16, jnp.float16):
+        return False
+    block_q, block_k, _ = BLOCKS[hd]
+    return t % (2 * block_q) == 0 and t % block_k == 0 and k.shape[1] == t
+
+
+def visit_range(q_segments, k_segments, tile: int, block_k: int):
+    """Per (row, query tile): int32 [start, free_lo, free_hi, stop] over key blocks (module
+    docstring), before any causal bound (the kernel applies that per warpgroup)."""
+    b, t = q_segments.shape
+    qs = q_segments.reshape(b, t // tile, tile)
+    ks = k_segments.reshape(b, t // block_k, block_k)
+    q_lo, q_hi, k_lo, k_hi = qs.min(-1), qs.max(-1), ks.min(-1), ks.max(-1)
+    meet = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])  # [B, n_tiles, n_k]
+    n_k = meet.shape[-1]
+    index = jnp.arange(n_k)
+    start = jnp.min(jnp.where(meet, index, n_k), axis=-1)
+    stop = jnp.max(jnp.where(meet, index + 1, 0), axis=-1)
+    stop = jnp.maximum(stop, start)
+    start = jnp.minimum(start, stop)
+    one_id = ((q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :]))
+    # The free blocks as one contiguous run [free_lo, free_hi): the first free block and as many as
+    # follow it without a gap; free blocks after a gap are simply masked (exact, a little slower).
+    free_lo = jnp.min(jnp.where(one_id, index, n_k), axis=-1)
+    after = index[None, None, :] >= free_lo[..., None]
+    gap = after & ~one_id
+    free_hi = jnp.min(jnp.where(gap, index, n_k), axis=-1)
+    free_lo = jnp.clip(free_lo, start, stop)
+    free_hi = jnp.clip(free_hi, free_lo, stop)
+    return jnp.stack([start, free_lo, free_hi, stop], axis=-1).astype(jnp.int32)
+
+
+def forward(q, k, v, causal: bool, q_segments=None, k_segments=None):
+    """(out [B, T, heads, hd] in q's dtype, lse [B, T, heads] float32): `flash.forward`'s contract."""
+    b, t, heads, hd = q.shape
+    block_q, block_k, stages = BLOCKS[hd]
+    plan = None
+    if q_segments is not None:
+        plan = visit_range(q_segments.astype(jnp.int32), k_segments.astype(jnp.int32), 2 * block_q, block_k)
+    out, lse = _call(q, k, v, plan, q_segments, k_segments, causal=causal, block_q=block_q, block_k=block_k,
+                     stages=min(stages, t // block_k))
+    return out, jnp.swapaxes(lse, 1, 2)
+
+
+def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, stages):
+    b, t, heads, hd = q.shape
+    group = heads // k.shape[2]
+    dtype = q.dtype
+    tile = 2 * block_q
+    n_tiles, n_k = t // tile, t // block_k
+    scale = LOG2E / math.sqrt(hd)  # scores to base 2 in one multiply
+    segments = plan is not None
+
+    def kernel(q_ref, k_ref, v_ref, *refs, scoped):
+        if segments:
+            plan_ref, q_seg_ref, k_seg_ref, out_ref, lse_ref = refs
+        else:
+            out_ref, lse_ref = refs
+        (qo_smem2, k_smem, v_smem, lse_smem2, q_seg_smem2, k_seg_smem, plan_smem), barriers = scoped
+        (k_ready, v_ready, k_seg_ready, q_ready, k_free, v_free, turn) = barriers
+        row = lax.axis_index("row")
+        head = lax.axis_index("head")
+        tile_index = n_tiles - 1 - lax.axis_index("tile")  # the longest causal rows first
+        wg = lax.axis_index("wg")
+        if segments:  # every warpgroup reads the tile's plan; the copying one fetches it
+            @pl.when(wg == 2)
+            def _():
+                plgpu.copy_gmem_to_smem(plan_ref.at[row, tile_index], plan_smem, q_ready.at[4])
+
+            plgpu.barrier_wait(q_ready.at[4])
+            start, free_lo, free_hi, stop = (plan_smem[i] for i in range(4))
+        else:
+            start, free_lo, free_hi, stop = 0, 0, n_k, n_k
+        if causal:  # the tile's last row sees keys up to itself
+            stop = jnp.minimum(stop, lax.div((tile_index + 1) * tile + block_k - 1, block_k))
+            start = jnp.minimum(start, stop)
+        steps = stop - start
+
+        def take_turn():
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+            q_first = tile_index * tile + wg * block_q
+            rows = (row, pl.ds(q_first, block_q), head)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], qo_smem, q_ready.at[wg])
+            if segments:
+                plgpu.copy_gmem_to_smem(q_seg_ref.at[row, pl.ds(q_first, block_q)], q_seg_smem2.at[wg],
+                                        q_ready.at[2 + wg])
+                plgpu.barrier_wait(q_ready.at[2 + wg])
+                q_seg = _load(q_seg_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            # This warpgroup's own bounds inside the tile's range: its last row's causal stop, and
+            # the blocks wholly before its first row, which need no causal mask.
+            my_stop = stop
+            causal_free = n_k
+            if causal:
+                my_stop = jnp.clip(lax.div(q_first + block_q + block_k - 1, block_k), start, stop)
+                causal_free = lax.div(q_first + 1, block_k)
+            lo = jnp.clip(free_lo, start, my_stop)
+            hi = jnp.clip(jnp.minimum(free_hi, causal_free), lo, my_stop)
+
+            def slot_of(j):
+                return lax.rem(j - start, stages)
+
+            def wait_keys(j):
+                plgpu.barrier_wait(k_ready.at[slot_of(j)])
+                if segments:
+                    plgpu.barrier_wait(k_seg_ready.at[slot_of(j)])
+
+            def step(j, carry, masked):
+                acc, peak, total = carry
+                slot = slot_of(j)
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    take_turn()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((block_q, block_k), jnp.float32))
+                if masked:
+                    seen = None
+                    if causal:
+                        qi = plgpu.broadcasted_iota(jnp.int32, (block_q, block_k), 0, layout=plgpu.Layout.WGMMA)
+                        ki = plgpu.broadcasted_iota(jnp.int32, (block_q, block_k), 1, layout=plgpu.Layout.WGMMA)
+                        seen = qi + q_first >= ki + j * block_k
+                    if segments:
+                        k_seg = _load(k_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                        same = (lax.broadcast_in_dim(q_seg, (block_q, block_k), [0])
+                                == lax.broadcast_in_dim(k_seg, (block_q, block_k), [1]))
+                        seen = same if seen is None else seen & same
+                    s = jnp.where(seen, s, -jnp.inf)
+                plgpu.barrier_arrive(k_free.at[slot])
+                new_peak = jnp.maximum(peak, s.max(axis=1) * scale)
+                # Only a masked block can leave a row's peak at -inf (unmasked blocks see every key).
+                shift = jnp.where(new_peak == -jnp.inf, 0.0, new_peak) if masked else new_peak
+                rescale = jnp.exp2(peak - shift)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(shift, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
+                total = total * rescale + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, total, new_peak, p16 = lax.optimization_barrier((acc, total, new_peak, p16))
+                plgpu.barrier_arrive(turn)  # softmax done
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)  # the tensor cores are ours again
+
+                def values(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    @pl.when(j + 1 < my_stop)
+                    def _():
+                        wait_keys(j + 1)
+
+                acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, new_peak, total
+
+            acc = plgpu.layout_cast(jnp.zeros((block_q, hd), jnp.float32), plgpu.Layout.WGMMA)
+            peak = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            total = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            carry = (acc, peak, total)
+
+            @pl.when(my_stop > start)
+            def _():
+                wait_keys(start)
+
+            pl.when(wg == 1)(take_turn)  # offset the two warpgroups by half a step
+            for lo_j, hi_j, masked in ((start, lo, True), (lo, hi, False), (hi, my_stop, True)):
+                if not causal and not segments and masked:
+                    continue
+                carry = lax.fori_loop(lo_j, hi_j, functools.partial(step, masked=masked), carry)
+
+            def release(j, _):  # slots this warpgroup's rows do not need: free them, keep turns paired
+                plgpu.barrier_arrive(k_free.at[slot_of(j)])
+                plgpu.barrier_arrive(v_free.at[slot_of(j)])
+                take_turn()
+                take_turn()
+
+            if causal:
+                lax.fori_loop(my_stop, stop, release, None)
+            pl.when(wg == 0)(take_turn)
+
+            acc, peak, total = carry
+            seen = total > 0
+            total = jnp.where(seen, total, 1.0)
+            acc = acc * lax.broadcast_in_dim(1.0 / total, acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = jnp.where(seen, peak * LN2 + jnp.log(total), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[rows])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[row, head, pl.ds(q_first, block_q)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _copy():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, group)
+
+            def fetch(j, slot):
+                keys = (row, pl.ds(j * block_k, block_k), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
+                if segments:
+                    plgpu.copy_gmem_to_smem(k_seg_ref.at[row, pl.ds(j * block_k, block_k)], k_seg_smem.at[slot],
+                                            k_seg_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
+
+            for i in range(stages):
+                pl.when(i < steps)(functools.partial(fetch, start + i, i))
+
+            @pl.loop(0, jnp.maximum(steps - stages, 0))
+            def _(i):
+                j = start + i + stages
+                slot = lax.rem(i, stages)
+                keys = (row, pl.ds(j * block_k, block_k), kv_head)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
+                if segments:
+                    plgpu.copy_gmem_to_smem(k_seg_ref.at[row, pl.ds(j * block_k, block_k)], k_seg_smem.at[slot],
+                                            k_seg_ready.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
+
+    def entry(*refs):
+        swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = [plgpu.SMEM((2, block_q, hd), dtype, transforms=swizzled),
+                plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled),
+                plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled),
+                plgpu.SMEM((2, block_q), jnp.float32),
+                plgpu.SMEM((2, block_q), jnp.int32),
+                plgpu.SMEM((stages, block_k), jnp.int32),
+                plgpu.SMEM((4,), jnp.int32)]
+        barriers = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+                    plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=5),
+                    plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=2))
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped=(scoped[:7], scoped[7:])), *smem, *barriers,
+                      collective_axes="wg")
+
+    args = [q, k, v]
+    if segments:
+        args += [plan, q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)]
+    out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]
+    return plgpu.kernel(entry, out_type=out_type, grid=(heads, n_tiles, b), grid_names=("head", "tile", "row"),
+                        num_threads=3, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
+
