@@ -1,11 +1,11 @@
-"""The Mosaic GPU flash forward (ushard/kernels/flash_hopper.py) without a GPU.
+"""The Mosaic GPU flash kernels (ushard/kernels/flash_hopper.py, flash_hopper_backward.py) without a GPU.
 
-Its kernel runs only on Hopper GPUs (JAX 0.10.2's Mosaic GPU interpreter stops at the wgmma
-accumulators), so its values are checked on the device: tools/attention_bench.py compares ours
-(this forward, then flash.py's backward) with float32 attention before timing, with documents and
-grouped heads (docs/benchmarks.md). Here: the visit plan it reads, which decides what it computes,
-is exact for any ids; the kernel traces with this JAX's Mosaic GPU API for every variant; and off
-Hopper `flash.forward` keeps the Triton forward.
+They run only on Hopper GPUs (JAX 0.10.2's Mosaic GPU interpreter stops at the wgmma accumulators),
+so their values are checked on the device: tools/attention_bench.py compares ours (these kernels,
+both ways) with float32 attention before timing, with documents and grouped heads
+(docs/benchmarks.md). Here: the visit plan they read, which decides what they compute, is exact for
+any ids; every kernel traces with this JAX's Mosaic GPU API for every variant; and off Hopper
+`flash.forward` and `flash.backward` keep the Triton kernels.
 """
 
 import jax
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ushard.kernels import flash, flash_hopper
+from ushard.kernels import flash, flash_hopper, flash_hopper_backward
 
 TILE, BLOCK_K, T = 32, 16, 128
 
@@ -65,12 +65,34 @@ def test_kernel_traces_for_every_variant(causal, segments, head_dim, kv_heads):
     assert "wgmma" in str(jax.make_jaxpr(forward)(q, kv, kv, ids))  # the kernel body was traced
 
 
-def test_supported_shapes_and_the_triton_forward_off_hopper():
+@pytest.mark.skipif(not flash_hopper._API, reason="this JAX has no Mosaic GPU Pallas API")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("head_dim,kv_heads,block_k", [(128, 2, 64), (64, 4, 128)])
+def test_backward_kernels_trace_for_every_variant(causal, segments, head_dim, kv_heads, block_k):
+    q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 512, kv_heads, head_dim), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
+    ids = jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None
+
+    def backward(q, k, v, d_out, lse2, delta, ids):
+        dk, dv = flash_hopper_backward.dkdv(q, k, v, d_out, lse2, delta, causal, ids, ids)
+        dq = flash_hopper_backward.dq(q, k, v, d_out, lse2, delta, causal, ids, ids, block_k=block_k)
+        return dq, dk, dv
+
+    dq, dk, dv = jax.eval_shape(backward, q, kv, kv, q, rows, rows, ids)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
+    assert str(jax.make_jaxpr(backward)(q, kv, kv, q, rows, rows, ids)).count("wgmma") >= 7  # dK/dV: 4 products, dQ: 3
+
+
+def test_supported_shapes_and_the_triton_kernels_off_hopper():
     q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     assert flash_hopper.supported(q, q, True)
     assert not flash_hopper.supported(q.astype(jnp.float32), q, True)  # 16-bit only
     assert not flash_hopper.supported(jnp.zeros((1, 192, 2, 128), jnp.bfloat16), q, True)  # not whole tiles
     assert not flash_hopper.supported(jnp.zeros((1, 256, 2, 96), jnp.bfloat16), q, True)
     assert not flash_hopper.available()  # no Hopper GPU here
-    jaxpr = str(jax.make_jaxpr(lambda q: flash.forward(q, q, q, True))(jnp.zeros((1, 128, 2, 64), jnp.float32)))
-    assert "ushard_flash_forward" in jaxpr
+    q = jnp.zeros((1, 128, 2, 64), jnp.float32)
+    assert "ushard_flash_forward" in str(jax.make_jaxpr(lambda q: flash.forward(q, q, q, True))(q))
+    backward = jax.make_jaxpr(lambda q: flash.backward(q, q, q, q, q[..., 0], q, True))(q)
+    assert "ushard_flash_dkdv" in str(backward) and "ushard_flash_dq" in str(backward)

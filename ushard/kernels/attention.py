@@ -11,7 +11,7 @@ are); with segment ids [B, T] a token sees only keys of its own document. Two fo
 attention on TPUs (sequences a multiple of 128 tokens), XLA elsewhere. "flash" is ushard's own kernel
 for GPUs (ushard/kernels/flash.py, with flash_hopper.py's forward on Hopper: documents, GQA, an exact
 log-sum-exp for the ring's blocks); "auto" picks it inside pipeline stages, where cuDNN cannot run
-(XLA's GPU compiler crashes on it there): slower than cuDNN's backward where both run, far faster than
+(XLA's GPU compiler crashes on it there): level with cuDNN where both run on Hopper, far faster than
 XLA's attention (docs/benchmarks.md). A document mask runs ours too under "auto": on a split sequence
 cuDNN's blocks take no mask (and XLA's hold every block's scores), and on whole sequences cuDNN takes
 the mask as a dense [T, T] array and computes every block while ours skips other documents' blocks

@@ -1,7 +1,8 @@
 """Flash attention of our own for GPUs (Hopper first), written with Pallas Triton.
 
-On Hopper the forward is flash_hopper.py's Mosaic GPU kernel (same contract, faster); the backward
-and every other GPU run the Triton kernels here. Three kernels, each a grid of programs that own
+On Hopper GPUs the same three kernels run on Mosaic GPU instead (flash_hopper.py's forward,
+flash_hopper_backward.py's dK/dV and dQ: same contract, wgmma and TMA, faster); elsewhere, and with a
+`tuning` given, the Triton kernels here. Three kernels, each a grid of programs that own
 one block of rows and loop over the blocks of the other side, never materialising the [T, T] scores:
 - `forward`: a program per (query block, head, row) runs the online softmax over key blocks and
   writes out and the float32 log-sum-exp (lse);
@@ -44,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ushard.kernels import flash_hopper
+from ushard.kernels import flash_hopper, flash_hopper_backward
 from ushard.kernels.attention import BlockKernel
 
 LOG2E = math.log2(math.e)
@@ -81,6 +82,12 @@ TUNING = {
 
 def _interpret() -> bool:
     return jax.default_backend() != "gpu"
+
+
+def _on_hopper(q, k, causal, tuning) -> bool:
+    """Whether the Mosaic GPU kernels run (flash_hopper*.py): on Hopper, for shapes they take, unless
+    a `tuning` asks for the Triton kernels' blocks."""
+    return tuning is None and flash_hopper.available() and flash_hopper.supported(q, k, causal)
 
 
 def _params(blocks: Blocks):
@@ -306,7 +313,7 @@ def forward(q, k, v, causal, q_segments=None, k_segments=None, *, tuning: Tuning
     GPUs the Mosaic GPU forward (flash_hopper.py) runs where it takes the shapes; elsewhere, and
     whenever `tuning` is given, the Triton forward here. `tuning`: block sizes other than TUNING's
     (the tests' small ones, the bench's sweep)."""
-    if tuning is None and flash_hopper.available() and flash_hopper.supported(q, k, causal):
+    if _on_hopper(q, k, causal, tuning):
         _check(q, k, v, q_segments, k_segments, None)
         return flash_hopper.forward(q, k, v, causal, q_segments, k_segments)
     out, lse = _forward_call(q, k, v, causal, q_segments, k_segments, tuning)
@@ -386,7 +393,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, b
 def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_lse=None,
                    tuning: Tuning | None = None, count: bool = False):
     """(dq, dk, dv), plus each program's visited blocks if `count`: (dkdv's [B, kv_heads, nk] summed
-    over the group's heads, dq's [B, heads, nq])."""
+    over the group's heads, dq's [B, heads, nq]). The Mosaic GPU kernels where `_on_hopper`."""
+    hopper = _on_hopper(q, k, causal, tuning) and not count
     tuning = _check(q, k, v, q_segments, k_segments, tuning)
     b, t, heads, hd = q.shape
     kv_heads = k.shape[2]
@@ -402,6 +410,11 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
         delta = delta - d_lse.astype(jnp.float32)
     if segments:
         q_segments, k_segments = q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)
+    if hopper:  # the Mosaic GPU kernels take lse and D with the sequence minor-most (1-D TMA copies)
+        lse2, delta = jnp.swapaxes(lse2, 1, 2), jnp.swapaxes(delta, 1, 2)
+        dk, dv = flash_hopper_backward.dkdv(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments)
+        dq = flash_hopper_backward.dq(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments)
+        return dq, dk, dv
 
     # dK, dV: a program per (key block, kv head, row), over its group's query heads.
     blocks = _fit(tuning.dkdv, t, "dkdv")

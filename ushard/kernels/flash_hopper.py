@@ -73,7 +73,8 @@ def supported(q, k, causal: bool) -> bool:
     if hd not in BLOCKS or q.dtype not in (jnp.bfloat16, jnp.float16):
         return False
     block_q, block_k, _ = BLOCKS[hd]
-    return t % (2 * block_q) == 0 and t % block_k == 0 and k.shape[1] == t
+    # Whole 128-row tiles and 128-key blocks (every kernel's, the backward's too).
+    return t % (2 * block_q) == 0 and t % block_k == 0 and t % 128 == 0 and k.shape[1] == t
 
 
 def visit_range(q_segments, k_segments, tile: int, block_k: int):
@@ -296,28 +297,33 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
                 plgpu.barrier_wait(v_free.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
 
-    def entry(*refs):
-        swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = [plgpu.SMEM((2, block_q, hd), dtype, transforms=swizzled),
-                plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled),
-                plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled),
-                plgpu.SMEM((2, block_q), jnp.float32),
-                plgpu.SMEM((2, block_q), jnp.int32),
-                plgpu.SMEM((stages, block_k), jnp.int32),
-                plgpu.SMEM((4,), jnp.int32)]
-        barriers = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-                    plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=5),
-                    plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                    plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                    plgpu.Barrier(num_arrivals=2))
-        pl.run_scoped(lambda *scoped: kernel(*refs, scoped=(scoped[:7], scoped[7:])), *smem, *barriers,
-                      collective_axes="wg")
-
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = [plgpu.SMEM((2, block_q, hd), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled),
+            plgpu.SMEM((2, block_q), jnp.float32),
+            plgpu.SMEM((2, block_q), jnp.int32),
+            plgpu.SMEM((stages, block_k), jnp.int32),
+            plgpu.SMEM((4,), jnp.int32)]
+    barriers = [plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=5),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2)]
     args = [q, k, v]
     if segments:
         args += [plan, q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)]
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]
-    return plgpu.kernel(entry, out_type=out_type, grid=(heads, n_tiles, b), grid_names=("head", "tile", "row"),
-                        num_threads=3, thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
+    return launch(kernel, smem, barriers, args, out_type, grid=(heads, n_tiles, b))
+
+
+def launch(kernel, smem, barriers, args, out_type, grid):
+    """Runs `kernel(*in_refs, *out_refs, scoped=(smem refs, barrier refs))` as a program of three
+    warpgroups ("wg": two computing, one copying) per point of `grid` ("head", "tile", "row")."""
+    def entry(*refs):
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped=(scoped[:len(smem)], scoped[len(smem):])), *smem,
+                      *barriers, collective_axes="wg")
+
+    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=("head", "tile", "row"), num_threads=3,
+                        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
