@@ -232,3 +232,12 @@ def test_attention_bench_runs_each_kernel_and_sweep_on_tiny_shapes(monkeypatch, 
     assert printed.count("-> ok") == 1  # ours against float32 attention
     assert [r[1] for r in rows][:2] == ["xla", "ours"]
     assert sum("best" in r[1] for r in rows) == 3 and len(rows) == 2 + 3  # a best per swept kernel
+    # On Hopper the sweep also times the Mosaic GPU backward kernels' candidates (stand-ins here).
+    calls = []
+    for kernel in ("dkdv", "dq"):
+        monkeypatch.setattr(attention_bench.flash_hopper_backward, kernel,
+                            lambda *args, kernel=kernel, **options: calls.append((kernel, options)) or args[0])
+    monkeypatch.setattr(attention_bench, "on_hopper", lambda q, k: True)
+    attention_bench.bench("tiny", 0, ["ours"], sweep=True)
+    assert [c[0] for c in calls] == ["dkdv"] * 2 + ["dq"] * 4
+    assert capsys.readouterr().out.count("sweep mosaic") == 6

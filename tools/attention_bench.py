@@ -19,7 +19,8 @@ timing is the median over repetitions of a loop of calls dispatched back to back
 synchronised at its end (inputs are larger than the L2 cache, so repeated calls do not run from it).
 Before timing, ours is checked on the device against float32 attention on upcast inputs (two rows
 of the batch): max abs error and relative error of out, lse and the three gradients.
-`--block-sweep` also times block-size/warps/stages combinations of each of our kernels.
+`--block-sweep` also times block-size/warps/stages combinations of each of our Triton kernels, and on
+Hopper the Mosaic GPU backward kernels' slots and dQ's key blocks.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ushard.kernels import flash
+from ushard.kernels import flash, flash_hopper, flash_hopper_backward
 from ushard.kernels.attention import xla_block
 
 SHAPES = {  # batch, length, heads, kv heads, head dim
@@ -194,12 +195,43 @@ SWEEP = {
 }
 
 
+# The Mosaic GPU backward kernels' candidates (Hopper): shared-memory slots, and dQ's keys a block.
+HOPPER_SWEEP = {"dkdv": [{"stages": 2}, {"stages": 3}],
+                "dq": [{"stages": 2, "block_k": 64}, {"stages": 2, "block_k": 128}, {"stages": 3, "block_k": 64},
+                       {"stages": 3, "block_k": 128}]}
+
+
+def on_hopper(q, k) -> bool:
+    """Whether `attention_impl=flash` runs the Mosaic GPU kernels for these inputs here."""
+    return flash_hopper.available() and flash_hopper.supported(q, k, True)
+
+
+def hopper_sweep(segments, q, k, v, d_out, out, lse, forward_flops) -> None:
+    """Each Mosaic GPU backward kernel alone over HOPPER_SWEEP's candidates (rates count its own
+    products: dK/dV's four, twice the forward's, dQ's three)."""
+    lse2 = jnp.swapaxes(lse * flash.LOG2E, 1, 2)
+    delta = jnp.swapaxes(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1), 1, 2)
+    for kernel, candidates in HOPPER_SWEEP.items():
+        run, work = getattr(flash_hopper_backward, kernel), (2 if kernel == "dkdv" else 1.5) * forward_flops
+        for options in candidates:
+            fn = jax.jit(lambda *a, options=options, run=run: run(*a, True, segments, segments, **options))
+            try:
+                seconds = timed(fn, q, k, v, d_out, lse2, delta, calls=5, repeats=5)
+            except Exception as e:  # noqa: BLE001 (shared memory exceeded)
+                print(f"  sweep mosaic {kernel} {options}: failed: {str(e).strip().splitlines()[0][:120]}")
+                continue
+            print(f"  sweep mosaic {kernel} {options}: {seconds * 1e3:.3f} ms, {work / seconds / 1e12:.0f} TFLOP/s")
+
+
 def block_sweep(label, shape, segments, q, k, v, d_out, forward_flops) -> list[tuple]:
-    """Each of our kernels over SWEEP's candidates, the others at the table's values: the forward
-    alone, the backward (both kernels, from a saved out and lse) for dkdv's and dq's. Prints each
-    kernel's best and returns table rows for the best."""
+    """Each of our Triton kernels over SWEEP's candidates, the others at the table's values: the
+    forward alone, the backward (both kernels, from a saved out and lse) for dkdv's and dq's. Prints
+    each kernel's best and returns table rows for the best. On Hopper also the Mosaic GPU backward
+    kernels' candidates (`hopper_sweep`)."""
     base = flash.TUNING[shape[4]]
     out, lse = jax.jit(lambda q, k, v: flash.forward(q, k, v, True, segments, segments))(q, k, v)
+    if on_hopper(q, k):
+        hopper_sweep(segments, q, k, v, d_out, out, lse, forward_flops)
     rows = []
     for kernel, candidates in SWEEP.items():
         results = []
