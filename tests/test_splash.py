@@ -102,7 +102,7 @@ def test_auto_picks_each_platforms_kernel():
     # shape, else XLA's.
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True) == "flash"
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True, head_dim=96) == "xla"
-    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True, split=True) == "xla"  # blocks in stages
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True, split=True) == "flash"  # blocks in stages
     # Documents: ours, whose blocks take the mask on a split sequence (cuDNN's do not) and skip other
     # documents' blocks on whole ones (cuDNN computes every block of its dense mask); cuDNN's dense
     # mask only where ours has no blocks for the shape.

@@ -71,8 +71,7 @@ class ParallelPlan:
         if ways > 1:
             # Inside stages attention resolves as `stage_attention` does; the blocks follow it.
             resolved = (stage_attention or attention).name
-            kernel, what = attention_kernels.block_kernel(resolved, m.compute_dtype, t.seq_len, ways, m.document_mask,
-                                                          in_stage=pipeline is not None)
+            kernel, what = attention_kernels.block_kernel(resolved, m.compute_dtype, t.seq_len, ways, m.document_mask)
             blocks = KernelChoice(resolved if kernel is not None else "xla", what)
         grouped = None
         if model.moe.num_experts:

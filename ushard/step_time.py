@@ -342,8 +342,7 @@ def _attention_kernel(s: Shape, platform: str) -> str:
     name = kernels.resolve(s.attention_impl, platform, dtype, s.seq, in_stage=s.pipeline is not None,
                            head_dim=s.head_dim, split=bool(s.context_mode), documents=s.document_mask)
     if s.context_mode and name != "xla":
-        blocks, _ = kernels.block_kernel(name, dtype, s.seq, s.size("sequence"), s.document_mask,
-                                         in_stage=s.pipeline is not None)
+        blocks, _ = kernels.block_kernel(name, dtype, s.seq, s.size("sequence"), s.document_mask)
         name = name if blocks is not None else "xla"
     return name
 

@@ -15,8 +15,8 @@ log-sum-exp for the ring's blocks); "auto" picks it inside pipeline stages, wher
 XLA's attention (docs/benchmarks.md). A document mask runs ours too under "auto": on a split sequence
 cuDNN's blocks take no mask (and XLA's hold every block's scores), and on whole sequences cuDNN takes
 the mask as a dense [T, T] array and computes every block while ours skips other documents' blocks
-(measured faster in a whole step, docs/benchmarks.md). Inside pipeline stages ours cannot yet run a
-split sequence's blocks (`block_kernel`), and XLA's do. `resolve` decides, `why` says why, `check`
+(measured faster in a whole step, docs/benchmarks.md). Inside pipeline stages ours also runs a split
+sequence's blocks, their map's types checked (`typed`). `resolve` decides, `why` says why, `check`
 refuses a kernel the platform lacks; the `ParallelPlan` records the choice once per run.
 """
 
@@ -66,6 +66,27 @@ class BlockKernel:
     typed: bool = True
 
 
+def typed(blocks: BlockKernel) -> BlockKernel:
+    """`blocks` for a shard_map whose types are checked, inside another one's manual axes (a pipeline
+    stage's): a kernel's operands brought to one varying-axes type (JAX does not broadcast a kernel's
+    operands) and its untyped outputs typed as varying over the axes its inputs vary over."""
+    if blocks.typed:
+        return blocks
+
+    def call(half, *args, causal):
+        axes = frozenset().union(*(varying_axes(a) for a in args if a is not None))
+        args = varying(args, axes)
+        return varying(half(*args[:-2], causal, *args[-2:]), axes)
+
+    def forward(q, k, v, causal, q_segments, k_segments):
+        return call(blocks.forward, q, k, v, q_segments, k_segments, causal=causal)
+
+    def backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
+        return call(blocks.backward, q, k, v, out, lse, d_out, q_segments, k_segments, causal=causal)
+
+    return BlockKernel(forward, backward, segments=blocks.segments, typed=True)
+
+
 def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False, head_dim: int = 128,
             split: bool = False, documents: bool = False) -> str:
     """The kernel `impl` means on `platform` for `dtype`, sequences of `length` tokens and heads of
@@ -83,7 +104,7 @@ def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False
             return "cudnn"
         if not in_stage and not split:
             return "flash" if fits else "cudnn"
-        return "flash" if fits and not (in_stage and split) else "xla"
+        return "flash" if fits else "xla"
     return "splash" if platform == "tpu" and length % LANES == 0 else "xla"
 
 
@@ -109,9 +130,7 @@ def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: 
             reason = "cuDNN computes every block of a document mask, ours skips other documents' blocks"
         else:
             return f"{name} (cuDNN takes 16-bit compute only)"
-        if resolved == "xla" and in_stage and split:
-            reason += "; ushard's flash cannot yet run a split sequence's blocks inside them"
-        elif resolved == "xla":
+        if resolved == "xla":
             reason += (f"; ushard's flash needs 16-bit compute, sequences a multiple of {LANES} tokens and head "
                        f"dims of 64 or 128")
         return f"{name} ({reason})"
@@ -137,10 +156,9 @@ def check(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1) -> N
                         f"blocks' size); it is {seq_len}.")
 
 
-def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool,
-                 in_stage: bool = False) -> tuple[BlockKernel | None, str]:
+def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool) -> tuple[BlockKernel | None, str]:
     """The fused kernel that runs the blocks of a `length`-token sequence split `ways` ways, for the
-    resolved `impl`, inside a pipeline stage or not, or None for XLA blocks (`xla_block`); and what
+    resolved `impl`, or None for XLA blocks (`xla_block`); and what
     runs them, in words (the start-up report says it, so a fallback is never silent)."""
     if impl == "cudnn":
         if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
@@ -154,10 +172,6 @@ def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool,
         return None, (f"XLA attention ({impl} needs each device's two chunks, train.seq_len / {2 * ways}, "
                       f"to be a multiple of {LANES} tokens)")
     if impl == "flash":
-        if in_stage:
-            # The ring's custom VJP runs inside its unchecked map, where the kernel's untyped gradients
-            # cannot be cast to the stage's varying axes that q, k and v carry (tests/test_flash_layouts.py).
-            return None, "XLA attention (ours cannot yet run a split sequence's blocks inside pipeline stages)"
         from ushard.kernels.flash import FLASH_BLOCKS
 
         return FLASH_BLOCKS, NAMES["flash"]

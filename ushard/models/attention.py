@@ -34,7 +34,7 @@ def causal_attention(q, k, v, segment_ids, impl: str):
         impl = kernels.resolve(impl, platform, q.dtype, q.shape[1], in_stage, head_dim=q.shape[-1], split=ways > 1,
                                documents=segment_ids is not None)
     if ways > 1:
-        block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None, in_stage)
+        block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None)
         return layout.seams.context_attention(q, k, v, segment_ids, kernels.xla_block, block)
     return kernels.whole_sequence(q, k, v, segment_ids, impl)
 

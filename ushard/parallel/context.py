@@ -52,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ushard.errors import UserError
-from ushard.kernels.attention import BlockKernel
-from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout
+from ushard.kernels.attention import BlockKernel, typed
+from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout, varying_axes
 
 MODES = ("ring", "all_gather")
 
@@ -135,6 +135,10 @@ def attention(q, k, v, segment_ids, kernel, fused: BlockKernel | None = None):
     if fused is not None and layout.zigzag and (segment_ids is None or fused.segments):
         body = functools.partial(_fused_attention, gather=mode == "all_gather", keep=keep_kv)
         kernel, check_vma = fused, fused.typed
+        if not fused.typed and varying_axes(q) | varying_axes(k) | varying_axes(v):
+            # Inside another shard_map (a pipeline stage) this map's types must be checked: unchecked,
+            # the custom VJP's gradients could not carry the stage's axes that q, k and v carry.
+            kernel, check_vma = typed(fused), True
     q_spec, kv_spec = layout.spec(Q_NAMES), layout.spec(KV_NAMES)
     operands, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
     if segment_ids is not None:
