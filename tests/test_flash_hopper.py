@@ -96,3 +96,37 @@ def test_supported_shapes_and_the_triton_kernels_off_hopper():
     assert "ushard_flash_forward" in str(jax.make_jaxpr(lambda q: flash.forward(q, q, q, True))(q))
     backward = jax.make_jaxpr(lambda q: flash.backward(q, q, q, q, q[..., 0], q, True))(q)
     assert "ushard_flash_dkdv" in str(backward) and "ushard_flash_dq" in str(backward)
+
+
+@pytest.mark.skipif(not flash_hopper._API, reason="this JAX has no Mosaic GPU Pallas API")
+def test_typed_kernels_trace_inside_a_stage_and_a_checked_ring_map():
+    """Inside a pipeline stage the ring's map checks types with the kernels wrapped by
+    `kernels.attention.typed` (tests/test_flash_layouts.py runs that on host callbacks); here the
+    Mosaic GPU kernels themselves trace there, both halves, in two nested checked shard_maps."""
+    from jax.sharding import PartitionSpec as P
+
+    from ushard.kernels.attention import BlockKernel, typed
+
+    def backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
+        lse2 = jnp.swapaxes(lse, 1, 2)
+        dk, dv = flash_hopper_backward.dkdv(q, k, v, d_out, lse2, lse2, causal, q_segments, k_segments)
+        return flash_hopper_backward.dq(q, k, v, d_out, lse2, lse2, causal, q_segments, k_segments), dk, dv
+
+    blocks = typed(BlockKernel(flash_hopper.forward, backward, segments=True, typed=False))
+
+    def ring(q, k, v, ids):
+        out, lse = blocks.forward(q, k, v, True, ids, ids)
+        return out, blocks.backward(q, k, v, out, lse, out, True, ids, ids)[1]
+
+    def stage(q, k, v, ids):
+        split = P(None, "sequence")
+        return jax.shard_map(ring, mesh=jax.sharding.get_abstract_mesh(), in_specs=(split,) * 4,
+                             out_specs=(split, split), axis_names={"sequence"}, check_vma=True)(q, k, v, ids)
+
+    mesh = jax.make_mesh((2, 2), ("pipeline", "sequence"), devices=jax.devices()[:4])
+    stages = jax.shard_map(stage, mesh=mesh, in_specs=(P("pipeline"),) * 4, out_specs=(P("pipeline"),) * 2,
+                           axis_names={"pipeline"}, check_vma=True)
+    q = jax.ShapeDtypeStruct((4, 512, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((4, 512, 2, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((4, 512), jnp.int32)
+    assert str(jax.make_jaxpr(stages)(q, kv, kv, ids)).count("wgmma") >= 9  # forward 2, dK/dV 4, dQ 3
