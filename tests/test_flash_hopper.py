@@ -75,14 +75,17 @@ def test_backward_kernels_trace_for_every_variant(causal, segments, head_dim, kv
     rows = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
     ids = jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None
 
-    def backward(q, k, v, d_out, lse2, delta, ids):
+    def backward(q, k, v, d_out, lse2, out, d_lse, ids):  # dQ computes D (from out and d lse) for dK/dV
+        dq, delta = flash_hopper_backward.dq(q, k, v, d_out, lse2, out, causal, ids, ids, d_lse=d_lse,
+                                             block_k=block_k)
         dk, dv = flash_hopper_backward.dkdv(q, k, v, d_out, lse2, delta, causal, ids, ids)
-        dq = flash_hopper_backward.dq(q, k, v, d_out, lse2, delta, causal, ids, ids, block_k=block_k)
-        return dq, dk, dv
+        return dq, dk, dv, delta
 
-    dq, dk, dv = jax.eval_shape(backward, q, kv, kv, q, rows, rows, ids)
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
-    assert str(jax.make_jaxpr(backward)(q, kv, kv, q, rows, rows, ids)).count("wgmma") >= 7  # dK/dV: 4 products, dQ: 3
+    for d_lse in (None, rows):
+        dq, dk, dv, delta = jax.eval_shape(backward, q, kv, kv, q, rows, q, d_lse, ids)
+        assert (dq.shape, dk.shape, dv.shape, delta.shape) == (q.shape, kv.shape, kv.shape, rows.shape)
+    jaxpr = str(jax.make_jaxpr(backward)(q, kv, kv, q, rows, q, None, ids))
+    assert jaxpr.count("wgmma") >= 7  # dK/dV: 4 products, dQ: 3
 
 
 def test_supported_shapes_and_the_triton_kernels_off_hopper():
@@ -109,8 +112,8 @@ def test_typed_kernels_trace_inside_a_stage_and_a_checked_ring_map():
 
     def backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
         lse2 = jnp.swapaxes(lse, 1, 2)
-        dk, dv = flash_hopper_backward.dkdv(q, k, v, d_out, lse2, lse2, causal, q_segments, k_segments)
-        return flash_hopper_backward.dq(q, k, v, d_out, lse2, lse2, causal, q_segments, k_segments), dk, dv
+        dq, delta = flash_hopper_backward.dq(q, k, v, d_out, lse2, out, causal, q_segments, k_segments)
+        return (dq, *flash_hopper_backward.dkdv(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments))
 
     blocks = typed(BlockKernel(flash_hopper.forward, backward, segments=True, typed=False))
 

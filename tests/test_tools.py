@@ -234,10 +234,12 @@ def test_attention_bench_runs_each_kernel_and_sweep_on_tiny_shapes(monkeypatch, 
     assert sum("best" in r[1] for r in rows) == 3 and len(rows) == 2 + 3  # a best per swept kernel
     # On Hopper the sweep also times the Mosaic GPU backward kernels' candidates (stand-ins here).
     calls = []
-    for kernel in ("dkdv", "dq"):
-        monkeypatch.setattr(attention_bench.flash_hopper_backward, kernel,
+    for module, kernel in ((attention_bench.flash_hopper, "forward"), (attention_bench.flash_hopper_backward, "dkdv"),
+                           (attention_bench.flash_hopper_backward, "dq")):
+        monkeypatch.setattr(module, kernel,
                             lambda *args, kernel=kernel, **options: calls.append((kernel, options)) or args[0])
     monkeypatch.setattr(attention_bench, "on_hopper", lambda q, k: True)
     attention_bench.bench("tiny", 0, ["ours"], sweep=True)
-    assert [c[0] for c in calls] == ["dkdv"] * 2 + ["dq"] * 4
-    assert capsys.readouterr().out.count("sweep mosaic") == 6
+    sizes = {kernel: len(candidates) for kernel, candidates in attention_bench.HOPPER_SWEEP.items()}
+    assert [c[0] for c in calls] == [kernel for kernel, n in sizes.items() for _ in range(n)]
+    assert capsys.readouterr().out.count("sweep mosaic") == sum(sizes.values())

@@ -20,12 +20,13 @@ synchronised at its end (inputs are larger than the L2 cache, so repeated calls 
 Before timing, ours is checked on the device against float32 attention on upcast inputs (two rows
 of the batch): max abs error and relative error of out, lse and the three gradients.
 `--block-sweep` also times block-size/warps/stages combinations of each of our Triton kernels, and on
-Hopper the Mosaic GPU backward kernels' slots and dQ's key blocks.
+Hopper the Mosaic GPU kernels' blocks and slots.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import time
 
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ushard.kernels import flash, flash_hopper, flash_hopper_backward
-from ushard.kernels.attention import xla_block
+from ushard.kernels.attention import BlockKernel, by_halves, xla_block
 
 SHAPES = {  # batch, length, heads, kv heads, head dim
     "hd128": (16, 2048, 16, 16, 128),
@@ -77,9 +78,12 @@ def attention_fns(impl: str, segments, documents: int, tuning=None):
     a string saying why it does not run here."""
     if impl in ("ours", "ours_triton"):
         def forward(q, k, v):
-            # A tuning given runs the Triton forward; none, on Hopper, the Mosaic GPU one.
+            # The path a model runs (`kernels.attention.by_halves`: no cotangent for lse). A tuning
+            # given runs the Triton kernels; none, on Hopper, the Mosaic GPU ones.
             forced = tuning or (flash.TUNING[q.shape[-1]] if impl == "ours_triton" else None)
-            return flash.attention(q, k, v, segments, True, tuning=forced)[0]
+            halves = BlockKernel(functools.partial(flash.forward, tuning=forced),
+                                 functools.partial(flash.backward, tuning=forced))
+            return by_halves(halves, q, k, v, segments)
     elif impl == "cudnn_rows":
         if not documents:
             return "only with documents"
@@ -196,7 +200,9 @@ SWEEP = {
 
 
 # The Mosaic GPU backward kernels' candidates (Hopper): shared-memory slots, and dQ's keys a block.
-HOPPER_SWEEP = {"dkdv": [{"stages": 2}, {"stages": 3}],
+HOPPER_SWEEP = {"forward": [{"blocks": (64, 128, 2)}, {"blocks": (64, 128, 3)}, {"blocks": (64, 64, 2)},
+                            {"blocks": (64, 64, 3)}, {"blocks": (64, 64, 4)}, {"blocks": (64, 256, 2)}],
+                "dkdv": [{"stages": 2}, {"stages": 3}],
                 "dq": [{"stages": 2, "block_k": 64}, {"stages": 2, "block_k": 128}, {"stages": 3, "block_k": 64},
                        {"stages": 3, "block_k": 128}]}
 
@@ -207,16 +213,21 @@ def on_hopper(q, k) -> bool:
 
 
 def hopper_sweep(segments, q, k, v, d_out, out, lse, forward_flops) -> None:
-    """Each Mosaic GPU backward kernel alone over HOPPER_SWEEP's candidates (rates count its own
-    products: dK/dV's four, twice the forward's, dQ's three)."""
+    """Each Mosaic GPU kernel alone over HOPPER_SWEEP's candidates (rates count its own products: the
+    forward's two, dK/dV's four, twice the forward's, dQ's three)."""
     lse2 = jnp.swapaxes(lse * flash.LOG2E, 1, 2)
     delta = jnp.swapaxes(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1), 1, 2)
     for kernel, candidates in HOPPER_SWEEP.items():
-        run, work = getattr(flash_hopper_backward, kernel), (2 if kernel == "dkdv" else 1.5) * forward_flops
+        if kernel == "forward":
+            run, args, work = flash_hopper.forward, (q, k, v), forward_flops
+        else:  # dQ takes the forward's out (it computes D), dK/dV takes D
+            run = getattr(flash_hopper_backward, kernel)
+            args = (q, k, v, d_out, lse2, out if kernel == "dq" else delta)
+            work = (2 if kernel == "dkdv" else 1.5) * forward_flops
         for options in candidates:
             fn = jax.jit(lambda *a, options=options, run=run: run(*a, True, segments, segments, **options))
             try:
-                seconds = timed(fn, q, k, v, d_out, lse2, delta, calls=5, repeats=5)
+                seconds = timed(fn, *args, calls=5, repeats=5)
             except Exception as e:  # noqa: BLE001 (shared memory exceeded)
                 print(f"  sweep mosaic {kernel} {options}: failed: {str(e).strip().splitlines()[0][:120]}")
                 continue

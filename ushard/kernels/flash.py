@@ -405,16 +405,18 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
     # here, so P = exp2(-inf) = 0 rather than NaN), and D = rowsum(dO * O) - d lse.
     lse = lse.astype(jnp.float32)
     lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E)
+    if segments:
+        q_segments, k_segments = q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)
+    if hopper:  # the Mosaic GPU kernels take lse and D with the sequence minor-most (1-D TMA copies); D
+        # comes out of the dQ kernel
+        lse2 = jnp.swapaxes(lse2, 1, 2)
+        d_lse = None if d_lse is None else jnp.swapaxes(d_lse, 1, 2)
+        dq, delta = flash_hopper_backward.dq(q, k, v, d_out, lse2, out, causal, q_segments, k_segments, d_lse=d_lse)
+        dk, dv = flash_hopper_backward.dkdv(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments)
+        return dq, dk, dv
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     if d_lse is not None:
         delta = delta - d_lse.astype(jnp.float32)
-    if segments:
-        q_segments, k_segments = q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)
-    if hopper:  # the Mosaic GPU kernels take lse and D with the sequence minor-most (1-D TMA copies)
-        lse2, delta = jnp.swapaxes(lse2, 1, 2), jnp.swapaxes(delta, 1, 2)
-        dk, dv = flash_hopper_backward.dkdv(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments)
-        dq = flash_hopper_backward.dq(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments)
-        return dq, dk, dv
 
     # dK, dV: a program per (key block, kv head, row), over its group's query heads.
     blocks = _fit(tuning.dkdv, t, "dkdv")

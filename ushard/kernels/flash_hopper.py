@@ -47,9 +47,11 @@ try:  # Mosaic GPU's Pallas API as JAX 0.11 has it; older JAX runs the Triton fo
 except ImportError:  # pragma: no cover - a JAX without Mosaic GPU
     _API = False
 
-# Per head dim: query rows per compute warpgroup (a wgmma's 64-row M), keys per block, K/V slots.
-# Shared memory at head dim 128: 2 x 64 query rows + 2 slots x 128 keys x (K, V) in bf16 = 160 KiB.
-BLOCKS = {64: (64, 128, 3), 128: (64, 128, 2)}
+# Per head dim: query rows per compute warpgroup (a wgmma's 64-row M), keys per block, K/V slots, as
+# tools/attention_bench.py --block-sweep chose them on an H200 (docs/benchmarks.md): 64-key blocks and
+# a third slot were slower. Shared memory at head dim 128: 2 x 64 query rows + 2 slots x 128 keys x
+# (K, V) in bf16 = 160 KiB; a third slot exceeds the 227 KiB a block has.
+BLOCKS = {64: (64, 128, 2), 128: (64, 128, 2)}
 
 
 def _load(ref, layout):
@@ -103,10 +105,11 @@ def visit_range(q_segments, k_segments, tile: int, block_k: int):
     return jnp.stack([start, free_lo, free_hi, stop], axis=-1).astype(jnp.int32)
 
 
-def forward(q, k, v, causal: bool, q_segments=None, k_segments=None):
-    """(out [B, T, heads, hd] in q's dtype, lse [B, T, heads] float32): `flash.forward`'s contract."""
+def forward(q, k, v, causal: bool, q_segments=None, k_segments=None, *, blocks: tuple[int, int, int] | None = None):
+    """(out [B, T, heads, hd] in q's dtype, lse [B, T, heads] float32): `flash.forward`'s contract.
+    `blocks`: (query rows a warpgroup, keys a block, slots) other than BLOCKS's (the bench's sweep)."""
     b, t, heads, hd = q.shape
-    block_q, block_k, stages = BLOCKS[hd]
+    block_q, block_k, stages = blocks or BLOCKS[hd]
     plan = None
     if q_segments is not None:
         plan = visit_range(q_segments.astype(jnp.int32), k_segments.astype(jnp.int32), 2 * block_q, block_k)

@@ -8,11 +8,13 @@ once both compute warpgroups have released it.
 - `dkdv`: a program owns 128 keys of one K/V head and streams, for each query head of its group in
   turn, the query blocks that see them: Q, dO, lse and D per block. dK and dV are summed over the
   group in registers, never stored per query head.
-- `dq`: a program owns 128 queries of one head (with their dO, lse and D) and streams K and V blocks.
+- `dq`: a program owns 128 queries of one head (with their dO, O and lse) and streams K and V
+  blocks; it computes D = rowsum(dO * O) - d lse from the tiles it holds and hands it to `dkdv`,
+  which runs after it.
 Each recomputes P = exp2(S - lse) from the forward's final lse, so a block's gradients are its exact
-share of the whole attention's (ring blocks, `kernels.attention.BlockKernel`). D = rowsum(dO * O) -
-d lse is computed by XLA before both (flash.py). Which blocks a program visits: the causal bound and,
-with segment ids, flash_hopper.visit_range's per-tile range (exact for any ids; masks do the rest).
+share of the whole attention's (ring blocks, `kernels.attention.BlockKernel`). Which blocks a program
+visits: the causal bound and, with segment ids, flash_hopper.visit_range's per-tile range (exact for
+any ids; masks do the rest).
 """
 
 from __future__ import annotations
@@ -248,10 +250,12 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
     return flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(kv_heads, n_tiles, b))
 
 
-def dq(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, *, stages: int = STAGES,
+def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d_lse=None, stages: int = STAGES,
        block_k: int | None = None):
-    """dq in q's dtype. lse2, delta: [B, heads, T] float32 (base-2 lse, -inf as 0; D). `block_k`: keys
-    a streamed block (default DQ_KEYS's)."""
+    """(dq in q's dtype, D [B, heads, T] float32 for the dK/dV kernel). lse2: [B, heads, T] float32
+    (base-2 lse, -inf as 0); out: the forward's; d_lse: lse's cotangent [B, heads, T], or None. The
+    kernel computes D = rowsum(dO * out) - d_lse from the tiles it holds anyway (measured faster than
+    XLA computing it first). `block_k`: keys a streamed block (default DQ_KEYS's)."""
     b, t, heads, hd = q.shape
     block_k = block_k or DQ_KEYS[hd]
     group = heads // k.shape[2]
@@ -264,14 +268,13 @@ def dq(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, *,
         q_segments, k_segments = q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)
         plan = flash_hopper.visit_range(q_segments, k_segments, TILE, block_k)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scoped):
-        if segments:
-            plan_ref, q_seg_ref, k_seg_ref, dq_ref = refs
-        else:
-            plan_ref = q_seg_ref = k_seg_ref = None
-            (dq_ref,) = refs
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, *refs, scoped):
+        refs = list(refs)
+        d_lse_ref = refs.pop(0) if d_lse is not None else None
+        plan_ref, q_seg_ref, k_seg_ref = refs[:3] if segments else (None, None, None)
+        dq_ref, delta_ref = refs[3:] if segments else refs
         smem, (own_ready, ready, free) = scoped
-        q_own, do_own, lse_own, delta_own, q_seg_own, k_in, v_in, k_seg_in, plan_smem = smem
+        q_own, do_own, lse_own, delta_own, q_seg_own, k_in, v_in, k_seg_in, plan_smem, o_own = smem
         row, head = lax.axis_index("row"), lax.axis_index("head")
         tile = n_tiles - 1 - lax.axis_index("tile")  # the longest causal rows first
         wg = lax.axis_index("wg")
@@ -291,7 +294,10 @@ def dq(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, *,
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_own.at[wg], own_ready.at[wg])
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_own.at[wg], own_ready.at[2 + wg])
             plgpu.copy_gmem_to_smem(lse_ref.at[vectors], lse_own.at[wg], own_ready.at[4 + wg])
-            plgpu.copy_gmem_to_smem(delta_ref.at[vectors], delta_own.at[wg], own_ready.at[6 + wg])
+            plgpu.copy_gmem_to_smem(o_ref.at[rows], o_own.at[wg], own_ready.at[6 + wg])
+            if d_lse_ref is not None:
+                plgpu.copy_gmem_to_smem(d_lse_ref.at[vectors], delta_own.at[wg], own_ready.at[11 + wg])
+                plgpu.barrier_wait(own_ready.at[11 + wg])
             q_seg = None
             if segments:
                 plgpu.copy_gmem_to_smem(q_seg_ref.at[row, pl.ds(q_first, ROWS)], q_seg_own.at[wg],
@@ -301,8 +307,14 @@ def dq(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, *,
             for i in range(4):
                 plgpu.barrier_wait(own_ready.at[2 * i + wg])
             lse = _load(lse_own.at[wg], plgpu.Layout.WGMMA.reduce(1))
-            d = _load(delta_own.at[wg], plgpu.Layout.WGMMA.reduce(1))
             q_smem, do_smem = q_own.at[wg], do_own.at[wg]
+            # D = rowsum(dO * O) - d lse, written out for the dK/dV kernel too.
+            d = (do_smem[...].astype(jnp.float32) * o_own.at[wg][...].astype(jnp.float32)).sum(axis=1)
+            if d_lse_ref is not None:
+                d = d - _load(delta_own.at[wg], plgpu.Layout.WGMMA.reduce(1))
+            delta_own.at[wg][...] = d
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(delta_own.at[wg], delta_ref.at[vectors])
             # This warpgroup's rows' causal stop, and the blocks wholly before its first row.
             my_stop, causal_free = stop, n_k
             if causal:
@@ -376,11 +388,14 @@ def dq(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, *,
             plgpu.SMEM((stages, block_k, hd), dtype, transforms=_swizzled()),
             plgpu.SMEM((stages, block_k, hd), dtype, transforms=_swizzled()),
             plgpu.SMEM((stages, block_k), jnp.int32),
-            plgpu.SMEM((4,), jnp.int32)]
-    barriers = [plgpu.Barrier(num_barriers=11), plgpu.Barrier(num_barriers=(3, stages)),
+            plgpu.SMEM((4,), jnp.int32),
+            plgpu.SMEM((2, ROWS, hd), dtype, transforms=_swizzled())]
+    barriers = [plgpu.Barrier(num_barriers=13), plgpu.Barrier(num_barriers=(3, stages)),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages)]
-    args = [q, k, v, d_out, lse2, delta]
+    args = [q, k, v, d_out, lse2, out.astype(dtype)]
+    if d_lse is not None:
+        args.append(d_lse.astype(jnp.float32))
     if segments:
         args += [plan, q_segments, k_segments]
-    return flash_hopper.launch(kernel, smem, barriers, args, jax.ShapeDtypeStruct(q.shape, dtype),
-                               grid=(heads, n_tiles, b))
+    out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]
+    return tuple(flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(heads, n_tiles, b)))
