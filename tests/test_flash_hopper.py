@@ -22,30 +22,39 @@ def _blocks(ids, size):
     return [set(np.asarray(ids[i:i + size]).tolist()) for i in range(0, len(ids), size)]
 
 
-@pytest.mark.parametrize("layout", ["packed", "shuffled", "one"])
+@pytest.mark.parametrize("layout", ["packed", "shuffled", "one", "ring"])
 def test_visit_range_covers_every_meeting_block_and_frees_only_one_document(layout):
     rng = np.random.default_rng(3)
-    if layout == "packed":  # ushard's rows: ids never decrease, boundaries anywhere
-        ids = np.stack([np.cumsum(rng.random(T) < 0.05) for _ in range(3)])
+    if layout in ("packed", "ring"):  # ushard's rows: ids never decrease, boundaries anywhere
+        ids = np.stack([np.cumsum(rng.random(2 * T) < 0.02) for _ in range(3)])
+        # A ring block's queries and keys come from different chunks of a row: the late chunk's
+        # queries against the early chunk's keys, some of them of no document the keys hold.
+        q_ids, k_ids = (ids[:, T:], ids[:, :T]) if layout == "ring" else (ids[:, :T], ids[:, :T])
     elif layout == "shuffled":
-        ids = rng.integers(0, 3, size=(3, T))
+        q_ids = k_ids = rng.integers(0, 3, size=(3, T))
     else:
-        ids = np.zeros((3, T), np.int64)
-    ids = jnp.asarray(ids, jnp.int32)
-    plan = np.asarray(flash_hopper.visit_range(ids, ids, TILE, BLOCK_K))
+        q_ids = k_ids = np.zeros((3, T), np.int64)
+    q_ids, k_ids = jnp.asarray(q_ids, jnp.int32), jnp.asarray(k_ids, jnp.int32)
+    plan = np.asarray(flash_hopper.visit_range(q_ids, k_ids, TILE, BLOCK_K))
     assert plan.shape == (3, T // TILE, 4)
+    skipped_tiles = 0
     for row in range(3):
-        tiles, blocks = _blocks(ids[row], TILE), _blocks(ids[row], BLOCK_K)
+        tiles, blocks = _blocks(q_ids[row], TILE), _blocks(k_ids[row], BLOCK_K)
         for t, (start, free_lo, free_hi, stop) in enumerate(plan[row]):
             assert start <= free_lo <= free_hi <= stop
             meeting = [j for j, block in enumerate(blocks) if tiles[t] & block]
             assert all(start <= j < stop for j in meeting), (row, t)  # nothing the tile needs is skipped
-            if layout == "packed":  # and on packed rows nothing it does not need is visited
+            if not meeting:  # a tile that sees none of these keys visits nothing
+                assert start == stop, (row, t)
+                skipped_tiles += 1
+            elif layout != "shuffled":  # and on packed rows nothing it does not need is visited
                 assert (start, stop) == (min(meeting), max(meeting) + 1)
             for j in range(free_lo, free_hi):  # unmasked blocks: one and the same document
                 assert len(tiles[t]) == 1 and blocks[j] == tiles[t], (row, t, j)
     if layout == "one":
         assert (plan[..., 1:3] == [0, T // BLOCK_K]).all()
+    if layout == "ring":
+        assert skipped_tiles > 0  # the case the layout is for did occur
 
 
 @pytest.mark.skipif(not flash_hopper._API, reason="this JAX has no Mosaic GPU Pallas API")
