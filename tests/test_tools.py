@@ -243,3 +243,27 @@ def test_attention_bench_runs_each_kernel_and_sweep_on_tiny_shapes(monkeypatch, 
     sizes = {kernel: len(candidates) for kernel, candidates in attention_bench.HOPPER_SWEEP.items()}
     assert [c[0] for c in calls] == [kernel for kernel, n in sizes.items() for _ in range(n)]
     assert capsys.readouterr().out.count("sweep mosaic") == sum(sizes.values())
+
+
+def test_attention_check_passes_our_kernels_and_fails_a_wrong_one(monkeypatch, capsys):
+    """tools/attention_check.py on tiny cases (ours in Pallas's interpreter): within tolerance, and a
+    kernel whose gradients are off by 5% is caught with a non-zero exit."""
+    import attention_check
+    from ushard.kernels import flash
+
+    monkeypatch.setitem(flash.TUNING, 64, flash.Tuning(*(flash.Blocks(32, 32, 4, 1),) * 3))
+    monkeypatch.setattr(attention_check, "CASES", {"ragged, grouped": (1, 128, 2, 1, 64, True, "ragged"),
+                                                   "not causal": (1, 128, 2, 2, 64, False, None)})
+    assert attention_check.main([]) == 0
+    assert capsys.readouterr().out.count("-> ok") == 2
+
+    right = flash.attention
+
+    @jax.custom_vjp
+    def scaled(x):
+        return x
+
+    scaled.defvjp(lambda x: (x, None), lambda _, g: (1.05 * g,))
+    monkeypatch.setattr(flash, "attention", lambda q, *a: right(scaled(q), *a))
+    assert attention_check.main([]) == 1
+    assert "cases beyond" in capsys.readouterr().out

@@ -1,0 +1,105 @@
+"""Our flash kernels against float32 attention, on the device they run on: the forward's out and lse,
+and the backward's dq, dk and dv with a random cotangent for both outputs, over the cases the
+kernels must take: causal or not, no documents, equal and ragged documents, grouped K/V heads, head
+dims 64 and 128, short and long rows.
+
+    python3 tools/attention_check.py [--tolerance 0.01]
+
+On Hopper this checks the Mosaic GPU kernels (ushard/kernels/flash_hopper*.py), elsewhere the Triton
+ones (on a CPU, in Pallas's interpreter: slow, and only the tests' small cases are meant for it).
+Each output's error is its norm relative to the reference's, after bf16 inputs are upcast for the
+reference (xla_block, float32); one line per case, and a non-zero exit if any exceeds `--tolerance`
+(bf16 rounding gives about 2.5e-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ushard.kernels import flash
+from ushard.kernels.attention import xla_block
+
+# name: (batch, length, heads, kv heads, head dim, causal, documents: None, a count of equal ones, or
+# "ragged" for five boundaries at random places)
+CASES = {
+    "hd128": (2, 2048, 16, 16, 128, True, None),
+    "hd128 4 documents": (2, 2048, 16, 16, 128, True, 4),
+    "hd128 ragged documents": (2, 2048, 16, 16, 128, True, "ragged"),
+    "grouped 2:1": (2, 2048, 16, 8, 128, True, None),
+    "grouped 4:1 ragged": (2, 1024, 8, 2, 128, True, "ragged"),
+    "hd64": (2, 2048, 32, 32, 64, True, None),
+    "not causal": (2, 1024, 8, 8, 128, False, None),
+    "not causal ragged": (2, 1024, 8, 8, 128, False, "ragged"),
+    "short rows": (2, 256, 4, 4, 128, True, None),
+}
+
+
+def segment_ids(batch: int, length: int, documents, seed: int = 0):
+    if documents is None:
+        return None
+    if documents == "ragged":
+        rng = np.random.default_rng(seed)
+        cuts = [np.sort(rng.choice(np.arange(1, length), 5, replace=False)) for _ in range(batch)]
+        return jnp.asarray(np.stack([np.searchsorted(c, np.arange(length), side="right") for c in cuts]), jnp.int32)
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) // (length // documents), (batch, length))
+
+
+def errors(case, seed: int = 1) -> dict:
+    """Relative error of out, lse, dq, dk, dv against float32 attention for one case."""
+    b, t, heads, kv_heads, hd, causal, documents = case
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (b, t, heads, hd), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, t, kv_heads, hd), jnp.bfloat16) for key in keys[1:3])
+    d_out = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    d_lse = jax.random.normal(keys[4], q.shape[:3], jnp.float32)
+    ids = segment_ids(b, t, documents)
+    positions = jnp.arange(t)[None]
+
+    def reference(q, k, v):
+        return xla_block(q, k, v, positions, positions if causal else jnp.zeros_like(positions), ids, ids)
+
+    def ours(q, k, v):
+        return flash.attention(q, k, v, ids, causal)
+
+    def outputs_and_grads(fn, *inputs):
+        outputs, pullback = jax.vjp(fn, *inputs)
+        return (*outputs, *pullback((d_out.astype(outputs[0].dtype), d_lse)))
+
+    got = jax.jit(lambda *a: outputs_and_grads(ours, *a))(q, k, v)
+    want = jax.jit(lambda *a: outputs_and_grads(reference, *a))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    result = {}
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        seen = np.isfinite(w)  # lse: -inf where a query sees no key (not in these cases, but exact there)
+        result[name] = float(np.linalg.norm(np.where(seen, g - w, 0)) / np.linalg.norm(np.where(seen, w, 0)))
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--tolerance", type=float, default=0.01, help="largest relative error allowed")
+    args = parser.parse_args(argv)
+    print(f"device: {jax.devices()[0].device_kind}, JAX {jax.__version__}")
+    failed = []
+    for name, case in CASES.items():
+        result = errors(case)
+        worst = max(result.values())
+        verdict = "ok" if worst <= args.tolerance else "OFF"
+        print(f"{name:24s} " + " ".join(f"{k} {e:.1e}" for k, e in result.items()) + f" -> {verdict}", flush=True)
+        if worst > args.tolerance:
+            failed.append(name)
+    if failed:
+        print(f"{len(failed)} of {len(CASES)} cases beyond {args.tolerance}: {', '.join(failed)}")
+        return 1
+    print(f"all {len(CASES)} cases within {args.tolerance}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
