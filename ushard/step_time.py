@@ -99,10 +99,12 @@ class Efficiency:
     # kernel's per-row costs (the causal diagonal's masked tiles, loading queries, writing outputs and
     # statistics) amortise over longer rows. cuDNN: tools/ceilings.py's one-layer forward + backward at
     # 2,048 tokens (0.32 of the peak) and the long-context rows; XLA (materialised float32 scores):
-    # fitted; flash (ushard's kernel): cuDNN's curve times the 0.71 its forward + backward ran at against
-    # cuDNN's in one call (tools/attention_bench.py, bench_1b's shape); splash: a guess until TPU rows exist.
+    # fitted; flash (ushard's kernels, Mosaic GPU on Hopper, the GPUs here): cuDNN's curve, level with
+    # it forward + backward in one call (tools/attention_bench.py, bench_1b's shape, 2026-11-28; its
+    # Triton kernels ran at 0.71 of it, which the rows measured on them keep in tests/test_step_time.py);
+    # splash: a guess until TPU rows exist.
     attention: dict = field(default_factory=lambda: {"cudnn": (0.50, 1500), "xla": (0.08, 3000),
-                                                     "splash": (0.45, 1150), "flash": (0.355, 1500)})
+                                                     "splash": (0.45, 1150), "flash": (0.50, 1500)})
     # Elementwise work runs at this share of `Hardware.hbm_bw` (the ceilings' floor against the
     # profile's "other" time, docs/benchmarks.md "Third round").
     elementwise: float = 0.6
