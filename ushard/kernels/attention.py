@@ -38,10 +38,10 @@ from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout, vary
 IMPLS = ("auto", "xla", "cudnn", "splash", "flash")
 # The kernels that exist on one platform only.
 PLATFORMS = {"cudnn": ("gpu", "cuDNN flash attention"), "splash": ("tpu", "Pallas splash attention"),
-             "flash": ("gpu", "ushard's flash attention (Pallas Triton)")}
+             "flash": ("gpu", "ushard's flash attention (Pallas)")}
 LANES = 128  # splash's key blocks are multiples of the TPU's 128 lanes; flash's forward blocks too
 NAMES = {"xla": "XLA attention", "cudnn": "cuDNN flash attention", "splash": "splash attention",
-         "flash": "ushard's flash attention (Pallas Triton)"}
+         "flash": "ushard's flash attention (Pallas: Mosaic GPU on Hopper, Triton elsewhere)"}
 
 
 @dataclass(frozen=True)
