@@ -104,6 +104,8 @@ def test_supported_shapes_and_the_triton_kernels_off_hopper():
     assert not flash_hopper.supported(jnp.zeros((1, 192, 2, 128), jnp.bfloat16), q, True)  # not whole tiles
     assert not flash_hopper.supported(jnp.zeros((1, 256, 2, 96), jnp.bfloat16), q, True)
     assert not flash_hopper.available()  # no Hopper GPU here
+    assert flash_hopper.jax_version("0.11.2") >= flash_hopper.CHECKED_JAX > flash_hopper.jax_version("0.10.2")
+    assert flash_hopper.jax_version("0.12.0.dev20260101") == (0, 12, 0)
     q = jnp.zeros((1, 128, 2, 64), jnp.float32)
     assert "ushard_flash_forward" in str(jax.make_jaxpr(lambda q: flash.forward(q, q, q, True))(q))
     backward = jax.make_jaxpr(lambda q: flash.backward(q, q, q, q, q[..., 0], q, True))(q)

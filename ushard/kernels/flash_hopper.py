@@ -61,9 +61,25 @@ def _load(ref, layout):
     return plgpu.load(ref, layout=layout)
 
 
+# The JAX the kernels were compiled and checked with on GPUs; older ones (0.10.x traces them, but its
+# Mosaic GPU lowering was never run here) keep the Triton kernels.
+CHECKED_JAX = (0, 11)
+
+
+def jax_version(text: str) -> tuple[int, ...]:
+    """(major, minor, ...) of a version string such as "0.11.2" or "0.12.0.dev20260101"."""
+    parts = []
+    for part in text.split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)
+
+
 def available() -> bool:
-    """Whether this process can run the kernel: JAX's Mosaic GPU API and a Hopper (sm_90) GPU."""
-    if not _API or jax.default_backend() != "gpu":
+    """Whether this process runs the kernels: a JAX from CHECKED_JAX on with Mosaic GPU's API, and a
+    Hopper (sm_90) GPU."""
+    if not _API or jax_version(jax.__version__) < CHECKED_JAX or jax.default_backend() != "gpu":
         return False
     return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 
