@@ -81,7 +81,7 @@ def available() -> bool:
     Hopper (sm_90) GPU."""
     if not _API or jax_version(jax.__version__) < CHECKED_JAX or jax.default_backend() != "gpu":
         return False
-    return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+    return getattr(jax.local_devices()[0], "compute_capability", "") == "9.0"
 
 
 def supported(q, k, causal: bool) -> bool:
