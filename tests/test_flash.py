@@ -221,3 +221,30 @@ def test_kernels_lower_to_triton(monkeypatch, hd, dtype):
 
         text = jax.jit(step).trace(q, kv, kv, segments, q, lse).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("xla.gpu.triton") == 3  # forward, dkdv, dq
+
+
+def test_remat_dots_attention_keeps_our_forward_instead_of_recomputing_it():
+    """Under `model.remat=dots_attention` a layer's fused attention is kept for the backward pass.
+    cuDNN's is found by its primitive's name; ours is a Pallas call, so `by_halves` names its outputs
+    (FUSED_ATTENTION) for the policy. Compiled, the step then runs our forward kernel once, as
+    without remat, where unnamed it ran it twice (the backward recomputed it)."""
+    from ushard.kernels.attention import by_halves
+    from ushard.models.stack import REMAT_POLICIES
+
+    x = jnp.ones((1, 128, 2, 64), jnp.float32)
+    weight = jnp.ones((64, 64), jnp.float32)
+
+    def layer(q, k, v):
+        return jnp.tanh(by_halves(flash.FLASH_BLOCKS, q, k, v, None) @ weight)
+
+    def forward_kernels(policy) -> int:
+        fn = layer if policy is None else jax.checkpoint(layer, policy=policy)
+        step = jax.jit(jax.grad(lambda *a: fn(*a).sum(), argnums=(0, 1, 2)))
+        return step.lower(x, x, x).compile().as_text().count("ushard_flash_forward")
+
+    once = forward_kernels(None)
+    assert once > 0 and forward_kernels(REMAT_POLICIES["dots_attention"]) < 1.5 * once
+    # The same policy without the name (as before it) ran the forward twice.
+    unnamed = jax.checkpoint_policies.save_from_both_policies(REMAT_POLICIES["dots_no_batch"],
+                                                              lambda prim, *_, **__: "attention" in prim.name)
+    assert forward_kernels(unnamed) > 1.5 * once

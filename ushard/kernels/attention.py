@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from ushard.errors import UserError
@@ -230,6 +231,10 @@ def by_halves(blocks: BlockKernel, q, k, v, segment_ids):
 
     def attend_forward(q, k, v, segments):
         out, lse = varying(forward(q, k, v, segments), stage_axes)
+        if blocks is not FLASH_SHAPES:  # (the estimate's stand-in for cuDNN: estimate.cudnn_kept counts that)
+            # Named, so that a remat policy can keep them (models/stack.py's dots_attention): a Pallas
+            # kernel's primitive is no "attention" one, and unnamed they were recomputed in the backward.
+            out, lse = checkpoint_name(out, FUSED_ATTENTION), checkpoint_name(lse, FUSED_ATTENTION)
         return out, (q, k, v, segments, out, lse)
 
     def attend_backward(residuals, d_out):
@@ -239,6 +244,9 @@ def by_halves(blocks: BlockKernel, q, k, v, segment_ids):
     attend.defvjp(attend_forward, attend_backward)
     return attend(q, k, v, segment_ids)
 
+
+# The name of a fused kernel's outputs (out, lse) in `by_halves`, for remat policies to keep.
+FUSED_ATTENTION = "fused_attention"
 
 # While true, cuDNN attention is traced as `FLASH_SHAPES` (`traced_off_the_chip`).
 _traced_off_the_chip = False

@@ -15,12 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ushard.kernels.attention import FUSED_ATTENTION
 from ushard.sharding import current_layout, gathered
 
 
 def _is_fused_attention(prim, *_, **__) -> bool:
-    # The forward of a fused attention kernel (cuDNN's is `dot_product_attention_fwd`): its output and
-    # softmax statistics are small next to what recomputing it costs.
+    # The forward of a fused attention kernel (cuDNN's is `dot_product_attention_fwd`; ushard's Pallas
+    # kernels name their outputs FUSED_ATTENTION instead): its output and softmax statistics are
+    # small next to what recomputing it costs.
     return "attention" in prim.name
 
 
@@ -35,8 +37,9 @@ REMAT_POLICIES = {
     "dots": _saveable.save_from_both_policies(_saveable.dots_saveable, _expert_matmuls),
     "dots_no_batch": _saveable.save_from_both_policies(_saveable.dots_with_no_batch_dims_saveable, _expert_matmuls),
 }
-REMAT_POLICIES["dots_attention"] = _saveable.save_from_both_policies(REMAT_POLICIES["dots_no_batch"],
-                                                                     _is_fused_attention)
+REMAT_POLICIES["dots_attention"] = _saveable.save_from_both_policies(
+    REMAT_POLICIES["dots_no_batch"],
+    _saveable.save_from_both_policies(_is_fused_attention, _saveable.save_only_these_names(FUSED_ATTENTION)))
 # ...and also the norm outputs and the SwiGLU product (tagged in models/layers.py): only rotary
 # embeddings and activation functions are recomputed.
 REMAT_POLICIES["dots_attention_norms"] = _saveable.save_from_both_policies(
