@@ -177,3 +177,35 @@ def test_a_gpu_plan_runs_flash_where_cudnn_cannot():
     assert "take no document mask" in with_documents.attention.why
     whole = plan(**{"mesh.fsdp": 8, "model.document_mask": True})
     assert whole.attention.name == "flash" and "computes every block" in whole.attention.why
+
+
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_remat_dots_attention_keeps_the_rings_output_instead_of_running_the_ring_again(keep_kv):
+    """Under `model.remat=dots_attention` the ring of fused blocks names its merged out and lse (and
+    the blocks it kept, with `context_keep_kv`) for the policy: compiled, the backward pass then sends
+    no block around a second time and runs our forward kernel no more often than without remat. The
+    same policy without the name ran the whole ring again."""
+    from ushard.models.stack import REMAT_POLICIES
+
+    n, t, heads, hd = 2, 256, 2, 64
+    x = jnp.ones((1, t, heads, hd), jnp.float32)
+    weight = jnp.ones((hd, hd), jnp.float32)
+    split = split_on(FLASH_BLOCKS, n, "ring", keep_kv=keep_kv)
+
+    def layer(q, k, v):
+        return jnp.tanh(split(q, k, v, None) @ weight)
+
+    def compiled(policy) -> str:
+        fn = layer if policy is None else jax.checkpoint(layer, policy=policy)
+        return jax.jit(jax.grad(lambda *a: fn(*a).sum(), argnums=(0, 1, 2))).lower(x, x, x).compile().as_text()
+
+    def counts(text):
+        return text.count("collective-permute-start") or text.count("collective-permute("), \
+            text.count("ushard_flash_forward")
+
+    plain, kept = counts(compiled(None)), counts(compiled(REMAT_POLICIES["dots_attention"]))
+    assert plain[0] > 0 and kept[0] <= plain[0] and kept[1] < 1.5 * plain[1], (plain, kept)
+    unnamed = jax.checkpoint_policies.save_from_both_policies(REMAT_POLICIES["dots_no_batch"],
+                                                              lambda prim, *_, **__: "attention" in prim.name)
+    again = counts(compiled(unnamed))
+    assert again[0] > plain[0] or again[1] > 1.5 * plain[1], (plain, again)

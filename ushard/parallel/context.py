@@ -50,9 +50,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from ushard.errors import UserError
-from ushard.kernels.attention import BlockKernel, typed
+from ushard.kernels.attention import FUSED_ATTENTION, BlockKernel, typed
 from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout, varying_axes
 
 MODES = ("ring", "all_gather")
@@ -434,6 +435,10 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
     def forward(q, k, v, segments):
         (lo, hi), received = visits((k, v, segments), lambda *args: visit((q, segments), *args))
         out, lse = _join(lo[0], hi[0]).astype(q.dtype), _join(lo[1], hi[1])
+        # Named for remat policies that keep fused attention (models/stack.py's dots_attention), with
+        # the blocks kept for the backward (`keep`): what the backward needs, so that it need not
+        # run this forward again, transfers and all.
+        out, lse, received = jax.tree.map(lambda x: checkpoint_name(x, FUSED_ATTENTION), (out, lse, received))
         return out, (q, k, v, segments, out, lse, received)
 
     def backward(residuals, d_out):
