@@ -99,10 +99,10 @@ def test_backward_kernels_trace_for_every_variant(causal, segments, head_dim, kv
 
 def test_supported_shapes_and_the_triton_kernels_off_hopper():
     q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
-    assert flash_hopper.supported(q, q, True)
-    assert not flash_hopper.supported(q.astype(jnp.float32), q, True)  # 16-bit only
-    assert not flash_hopper.supported(jnp.zeros((1, 192, 2, 128), jnp.bfloat16), q, True)  # not whole tiles
-    assert not flash_hopper.supported(jnp.zeros((1, 256, 2, 96), jnp.bfloat16), q, True)
+    assert flash_hopper.supported(q, q)
+    assert not flash_hopper.supported(q.astype(jnp.float32), q)  # 16-bit only
+    assert not flash_hopper.supported(jnp.zeros((1, 192, 2, 128), jnp.bfloat16), q)  # not whole tiles
+    assert not flash_hopper.supported(jnp.zeros((1, 256, 2, 96), jnp.bfloat16), q)
     assert not flash_hopper.available()  # no Hopper GPU here
     assert flash_hopper.jax_version("0.11.2") >= flash_hopper.CHECKED_JAX > flash_hopper.jax_version("0.10.2")
     assert flash_hopper.jax_version("0.12.0.dev20260101") == (0, 12, 0)

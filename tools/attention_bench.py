@@ -209,7 +209,7 @@ HOPPER_SWEEP = {"forward": [{"blocks": (64, 128, 2)}, {"blocks": (64, 128, 3)}, 
 
 def on_hopper(q, k) -> bool:
     """Whether `attention_impl=flash` runs the Mosaic GPU kernels for these inputs here."""
-    return flash_hopper.available() and flash_hopper.supported(q, k, True)
+    return flash.on_hopper(q, k)
 
 
 def hopper_sweep(segments, q, k, v, d_out, out, lse, forward_flops) -> None:

@@ -159,8 +159,8 @@ def check(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1) -> N
 
 def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool) -> tuple[BlockKernel | None, str]:
     """The fused kernel that runs the blocks of a `length`-token sequence split `ways` ways, for the
-    resolved `impl`, or None for XLA blocks (`xla_block`); and what
-    runs them, in words (the start-up report says it, so a fallback is never silent)."""
+    resolved `impl`, or None for XLA blocks (`xla_block`); and what runs them, in words (the start-up
+    report says it, so a fallback is never silent)."""
     if impl == "cudnn":
         if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
             return None, "XLA attention (cuDNN takes 16-bit inputs only)"

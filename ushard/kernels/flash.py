@@ -16,7 +16,8 @@ Hopper (docs/benchmarks.md, seventh session), so it was removed.
 The backward takes the queries' *final* out and lse (over every block of keys, merged by the ring of
 context parallelism), so each block's gradients are its exact share (`kernels.attention.BlockKernel`).
 The one cotangent of lse is folded into D = rowsum(dO * O) - d lse, computed once by XLA before the
-two backward kernels: with lse = logsumexp(s), d lse / d s = P, so dS = P * (dP - D).
+two backward kernels (on Hopper by the dQ kernel, which runs first): with lse = logsumexp(s),
+d lse / d s = P, so dS = P * (dP - D).
 
 Blocks a program never visits: with `causal`, key blocks wholly after its queries (a loop bound);
 with segment ids (packed documents), blocks whose id ranges [min, max] do not meet. The second is a
@@ -84,10 +85,10 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def _on_hopper(q, k, causal, tuning) -> bool:
+def on_hopper(q, k, tuning: Tuning | None = None) -> bool:
     """Whether the Mosaic GPU kernels run (flash_hopper*.py): on Hopper, for shapes they take, unless
     a `tuning` asks for the Triton kernels' blocks."""
-    return tuning is None and flash_hopper.available() and flash_hopper.supported(q, k, causal)
+    return tuning is None and flash_hopper.available() and flash_hopper.supported(q, k)
 
 
 def _params(blocks: Blocks):
@@ -153,12 +154,8 @@ def visit_plan(q_segments, k_segments, causal: bool, block_q: int, block_k: int,
     block is visited when the two blocks' id ranges meet and (causal) some key is not after some
     query; it needs no mask when both blocks hold one and the same id and (causal) every key is
     before every query. The kernels load this plan; the tests read it back."""
-    b, t = q_segments.shape
-    nq, nk = t // block_q, t // block_k
-    qs, ks = q_segments.reshape(b, nq, block_q), k_segments.reshape(b, nk, block_k)
-    q_lo, q_hi, k_lo, k_hi = qs.min(-1), qs.max(-1), ks.min(-1), ks.max(-1)
-    meet = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])  # [B, nq, nk]
-    one_id = (q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
+    meet, one_id = flash_hopper.blocks_meet(q_segments, k_segments, block_q, block_k)  # [B, nq, nk]
+    nq, nk = meet.shape[1:]
     if causal:
         q_first = jnp.arange(nq)[:, None] * block_q
         k_first = jnp.arange(nk)[None, :] * block_k
@@ -313,7 +310,7 @@ def forward(q, k, v, causal, q_segments=None, k_segments=None, *, tuning: Tuning
     GPUs the Mosaic GPU forward (flash_hopper.py) runs where it takes the shapes; elsewhere, and
     whenever `tuning` is given, the Triton forward here. `tuning`: block sizes other than TUNING's
     (the tests' small ones, the bench's sweep)."""
-    if _on_hopper(q, k, causal, tuning):
+    if on_hopper(q, k, tuning):
         _check(q, k, v, q_segments, k_segments, None)
         return flash_hopper.forward(q, k, v, causal, q_segments, k_segments)
     out, lse = _forward_call(q, k, v, causal, q_segments, k_segments, tuning)
@@ -393,8 +390,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, b
 def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_lse=None,
                    tuning: Tuning | None = None, count: bool = False):
     """(dq, dk, dv), plus each program's visited blocks if `count`: (dkdv's [B, kv_heads, nk] summed
-    over the group's heads, dq's [B, heads, nq]). The Mosaic GPU kernels where `_on_hopper`."""
-    hopper = _on_hopper(q, k, causal, tuning) and not count
+    over the group's heads, dq's [B, heads, nq]). The Mosaic GPU kernels where `on_hopper`."""
+    hopper = on_hopper(q, k, tuning) and not count
     tuning = _check(q, k, v, q_segments, k_segments, tuning)
     b, t, heads, hd = q.shape
     kv_heads = k.shape[2]

@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - a JAX without Mosaic GPU
 BLOCKS = {64: (64, 128, 2), 128: (64, 128, 2)}
 
 
-def _load(ref, layout):
+def load_vector(ref, layout):
     """A vector from shared memory in `layout`: JAX 0.10 takes the index apart, 0.11 deprecates that."""
     if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
         return plgpu.load(ref, (), layout=layout)
@@ -84,9 +84,8 @@ def available() -> bool:
     return getattr(jax.local_devices()[0], "compute_capability", "") == "9.0"
 
 
-def supported(q, k, causal: bool) -> bool:
-    """Whether the kernel takes these inputs (on a device where `available`)."""
-    del causal
+def supported(q, k) -> bool:
+    """Whether the kernels take these inputs (on a device where `available`)."""
     b, t, heads, hd = q.shape
     if hd not in BLOCKS or q.dtype not in (jnp.bfloat16, jnp.float16):
         return False
@@ -95,21 +94,31 @@ def supported(q, k, causal: bool) -> bool:
     return t % (2 * block_q) == 0 and t % block_k == 0 and t % 128 == 0 and k.shape[1] == t
 
 
+def blocks_meet(q_segments, k_segments, block_q: int, block_k: int):
+    """Between blocks of `block_q` queries and `block_k` keys of each row, from their segment ids'
+    ranges [min, max]: (meet, one_id), both [B, query blocks, key blocks] bool. `meet`: the ranges
+    overlap (some query may see some key; a safe test whatever the ids' order); `one_id`: both blocks
+    hold one and the same id (every query sees every key, before any causal mask). Shared by this
+    module's per-tile ranges and flash.py's visit plans."""
+    b, t = q_segments.shape
+    qs = q_segments.reshape(b, t // block_q, block_q)
+    ks = k_segments.reshape(b, t // block_k, block_k)
+    q_lo, q_hi, k_lo, k_hi = qs.min(-1), qs.max(-1), ks.min(-1), ks.max(-1)
+    meet = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+    one_id = (q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
+    return meet, one_id
+
+
 def visit_range(q_segments, k_segments, tile: int, block_k: int):
     """Per (row, query tile): int32 [start, free_lo, free_hi, stop] over key blocks (module
     docstring), before any causal bound (the kernel applies that per warpgroup)."""
-    b, t = q_segments.shape
-    qs = q_segments.reshape(b, t // tile, tile)
-    ks = k_segments.reshape(b, t // block_k, block_k)
-    q_lo, q_hi, k_lo, k_hi = qs.min(-1), qs.max(-1), ks.min(-1), ks.max(-1)
-    meet = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])  # [B, n_tiles, n_k]
+    meet, one_id = blocks_meet(q_segments, k_segments, tile, block_k)  # [B, n_tiles, n_k]
     n_k = meet.shape[-1]
     index = jnp.arange(n_k)
     start = jnp.min(jnp.where(meet, index, n_k), axis=-1)
     stop = jnp.max(jnp.where(meet, index + 1, 0), axis=-1)
     stop = jnp.maximum(stop, start)
     start = jnp.minimum(start, stop)
-    one_id = ((q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :]))
     # The free blocks as one contiguous run [free_lo, free_hi): the first free block and as many as
     # follow it without a gap; free blocks after a gap are simply masked (exact, a little slower).
     free_lo = jnp.min(jnp.where(one_id, index, n_k), axis=-1)
@@ -119,6 +128,53 @@ def visit_range(q_segments, k_segments, tile: int, block_k: int):
     free_lo = jnp.clip(free_lo, start, stop)
     free_hi = jnp.clip(free_hi, free_lo, stop)
     return jnp.stack([start, free_lo, free_hi, stop], axis=-1).astype(jnp.int32)
+
+
+def swizzled():
+    """Shared memory's layout for a wgmma operand tile: 8 x 64 tiles, 128-byte swizzle."""
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def ranges(start, free_lo, free_hi, stop, causal_free, causal_after: bool, masks: bool):
+    """(first, last, masked) loops over a program's visited blocks for one warpgroup. `causal_free`:
+    with `causal_after`, the first block wholly after the warpgroup's rows that needs no causal mask
+    (keys owned, queries streamed); else the end of those wholly before them (queries owned).
+    Without `masks` (neither causal nor segment ids) only the unmasked loop."""
+    if causal_after:
+        lo = jnp.clip(jnp.maximum(free_lo, causal_free), start, stop)
+        hi = jnp.clip(free_hi, lo, stop)
+    else:
+        lo = jnp.clip(free_lo, start, stop)
+        hi = jnp.clip(jnp.minimum(free_hi, causal_free), lo, stop)
+    loops = ((start, lo, True), (lo, hi, False), (hi, stop, True))
+    return loops if masks else loops[1:2]
+
+
+def mask(causal, segments, q_first, k_first, shape, q_axis, q_seg, k_seg):
+    """Which query sees which key in a [rows, columns] block, queries along `q_axis`."""
+    seen = None
+    if causal:
+        queries = q_first + plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=plgpu.Layout.WGMMA)
+        keys = k_first + plgpu.broadcasted_iota(jnp.int32, shape, 1 - q_axis, layout=plgpu.Layout.WGMMA)
+        seen = queries >= keys
+    if segments:
+        same = (lax.broadcast_in_dim(q_seg, shape, [q_axis]) == lax.broadcast_in_dim(k_seg, shape, [1 - q_axis]))
+        seen = same if seen is None else seen & same
+    return seen
+
+
+def plan_scalars(plan_ref, plan_smem, ready, wg, row, tile, n_blocks, segments):
+    """(start, free_lo, free_hi, stop) of this program's tile: from the plan with segment ids (the
+    copying warpgroup fetches it, every warpgroup reads it), else every block."""
+    if not segments:
+        return 0, 0, n_blocks, n_blocks
+
+    @pl.when(wg == 2)
+    def _():
+        plgpu.copy_gmem_to_smem(plan_ref.at[row, tile], plan_smem, ready)
+
+    plgpu.barrier_wait(ready)
+    return tuple(plan_smem[i] for i in range(4))
 
 
 def forward(q, k, v, causal: bool, q_segments=None, k_segments=None, *, blocks: tuple[int, int, int] | None = None):
@@ -147,6 +203,7 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
         if segments:
             plan_ref, q_seg_ref, k_seg_ref, out_ref, lse_ref = refs
         else:
+            plan_ref = q_seg_ref = k_seg_ref = None
             out_ref, lse_ref = refs
         (qo_smem2, k_smem, v_smem, lse_smem2, q_seg_smem2, k_seg_smem, plan_smem), barriers = scoped
         (k_ready, v_ready, k_seg_ready, q_ready, k_free, v_free, turn) = barriers
@@ -154,15 +211,8 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
         head = lax.axis_index("head")
         tile_index = n_tiles - 1 - lax.axis_index("tile")  # the longest causal rows first
         wg = lax.axis_index("wg")
-        if segments:  # every warpgroup reads the tile's plan; the copying one fetches it
-            @pl.when(wg == 2)
-            def _():
-                plgpu.copy_gmem_to_smem(plan_ref.at[row, tile_index], plan_smem, q_ready.at[4])
-
-            plgpu.barrier_wait(q_ready.at[4])
-            start, free_lo, free_hi, stop = (plan_smem[i] for i in range(4))
-        else:
-            start, free_lo, free_hi, stop = 0, 0, n_k, n_k
+        start, free_lo, free_hi, stop = plan_scalars(plan_ref, plan_smem, q_ready.at[4], wg, row, tile_index, n_k,
+                                                     segments)
         if causal:  # the tile's last row sees keys up to itself
             stop = jnp.minimum(stop, lax.div((tile_index + 1) * tile + block_k - 1, block_k))
             start = jnp.minimum(start, stop)
@@ -179,11 +229,12 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
             q_first = tile_index * tile + wg * block_q
             rows = (row, pl.ds(q_first, block_q), head)
             plgpu.copy_gmem_to_smem(q_ref.at[rows], qo_smem, q_ready.at[wg])
+            q_seg = None
             if segments:
                 plgpu.copy_gmem_to_smem(q_seg_ref.at[row, pl.ds(q_first, block_q)], q_seg_smem2.at[wg],
                                         q_ready.at[2 + wg])
                 plgpu.barrier_wait(q_ready.at[2 + wg])
-                q_seg = _load(q_seg_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
+                q_seg = load_vector(q_seg_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
             plgpu.barrier_wait(q_ready.at[wg])
 
             # This warpgroup's own bounds inside the tile's range: its last row's causal stop, and
@@ -193,8 +244,6 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
             if causal:
                 my_stop = jnp.clip(lax.div(q_first + block_q + block_k - 1, block_k), start, stop)
                 causal_free = lax.div(q_first + 1, block_k)
-            lo = jnp.clip(free_lo, start, my_stop)
-            hi = jnp.clip(jnp.minimum(free_hi, causal_free), lo, my_stop)
 
             def slot_of(j):
                 return lax.rem(j - start, stages)
@@ -215,16 +264,8 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
 
                 s = pl.run_scoped(scores, plgpu.ACC((block_q, block_k), jnp.float32))
                 if masked:
-                    seen = None
-                    if causal:
-                        qi = plgpu.broadcasted_iota(jnp.int32, (block_q, block_k), 0, layout=plgpu.Layout.WGMMA)
-                        ki = plgpu.broadcasted_iota(jnp.int32, (block_q, block_k), 1, layout=plgpu.Layout.WGMMA)
-                        seen = qi + q_first >= ki + j * block_k
-                    if segments:
-                        k_seg = _load(k_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
-                        same = (lax.broadcast_in_dim(q_seg, (block_q, block_k), [0])
-                                == lax.broadcast_in_dim(k_seg, (block_q, block_k), [1]))
-                        seen = same if seen is None else seen & same
+                    k_seg = load_vector(k_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0)) if segments else None
+                    seen = mask(causal, segments, q_first, j * block_k, (block_q, block_k), 0, q_seg, k_seg)
                     s = jnp.where(seen, s, -jnp.inf)
                 plgpu.barrier_arrive(k_free.at[slot])
                 new_peak = jnp.maximum(peak, s.max(axis=1) * scale)
@@ -261,10 +302,9 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
                 wait_keys(start)
 
             pl.when(wg == 1)(take_turn)  # offset the two warpgroups by half a step
-            for lo_j, hi_j, masked in ((start, lo, True), (lo, hi, False), (hi, my_stop, True)):
-                if not causal and not segments and masked:
-                    continue
-                carry = lax.fori_loop(lo_j, hi_j, functools.partial(step, masked=masked), carry)
+            for first, last, masked in ranges(start, free_lo, free_hi, my_stop, causal_free, causal_after=False,
+                                              masks=causal or segments):
+                carry = lax.fori_loop(first, last, functools.partial(step, masked=masked), carry)
 
             def release(j, _):  # slots this warpgroup's rows do not need: free them, keep turns paired
                 plgpu.barrier_arrive(k_free.at[slot_of(j)])
@@ -292,12 +332,18 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
             plgpu.set_max_registers(40, action="decrease")
             kv_head = lax.div(head, group)
 
-            def fetch(j, slot):
+            def fetch(j, slot, refill=False):
+                # A refill waits for the slot's K, then its V, to be released: K and V are released
+                # apart, so K's copy can start while V is still being read.
                 keys = (row, pl.ds(j * block_k, block_k), kv_head)
+                if refill:
+                    plgpu.barrier_wait(k_free.at[slot])
                 plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
                 if segments:
                     plgpu.copy_gmem_to_smem(k_seg_ref.at[row, pl.ds(j * block_k, block_k)], k_seg_smem.at[slot],
                                             k_seg_ready.at[slot])
+                if refill:
+                    plgpu.barrier_wait(v_free.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
 
             for i in range(stages):
@@ -305,21 +351,11 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
 
             @pl.loop(0, jnp.maximum(steps - stages, 0))
             def _(i):
-                j = start + i + stages
-                slot = lax.rem(i, stages)
-                keys = (row, pl.ds(j * block_k, block_k), kv_head)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
-                if segments:
-                    plgpu.copy_gmem_to_smem(k_seg_ref.at[row, pl.ds(j * block_k, block_k)], k_seg_smem.at[slot],
-                                            k_seg_ready.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
+                fetch(start + i + stages, lax.rem(i, stages), refill=True)
 
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    smem = [plgpu.SMEM((2, block_q, hd), dtype, transforms=swizzled),
-            plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled),
-            plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled),
+    smem = [plgpu.SMEM((2, block_q, hd), dtype, transforms=swizzled()),
+            plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
+            plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
             plgpu.SMEM((2, block_q), jnp.float32),
             plgpu.SMEM((2, block_q), jnp.int32),
             plgpu.SMEM((stages, block_k), jnp.int32),

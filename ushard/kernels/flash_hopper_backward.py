@@ -1,5 +1,6 @@
 """The flash backward for Hopper GPUs on Pallas Mosaic GPU: flash.py's two-kernel backward, rewritten
-with wgmma and TMA (same contract as `flash.backward`, which runs it where `supported` says so).
+with wgmma and TMA (same contract as `flash.backward`, which runs it where flash_hopper.supported
+says so).
 
 Both kernels have one shape, like flash_hopper.py's forward: a program owns a tile of 128 rows (two
 compute warpgroups of 64 rows, each keeping its accumulators in registers) and a third warpgroup
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ushard.kernels import flash_hopper
-from ushard.kernels.flash_hopper import LOG2E, _load
+from ushard.kernels.flash_hopper import LOG2E, load_vector, mask, plan_scalars, ranges, swizzled
 
 if flash_hopper._API:
     from jax.experimental import pallas as pl
@@ -42,15 +43,6 @@ STAGES = 2  # shared-memory slots: a third was slower for both kernels (tools/at
 DQ_KEYS = {64: 128, 128: 64}
 
 
-def supported(q, k, causal: bool) -> bool:
-    """Whether the kernels take these inputs (on a device where flash_hopper.available())."""
-    return flash_hopper.supported(q, k, causal)
-
-
-def _swizzled():
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-
 def _stream(fetch, free, steps, stages):
     """The copying warpgroup: `fetch(step, slot)` for each step, waiting for a slot's release by both
     compute warpgroups before refilling it."""
@@ -62,46 +54,6 @@ def _stream(fetch, free, steps, stages):
         slot = lax.rem(i, stages)
         plgpu.barrier_wait(free.at[slot])
         fetch(i + stages, slot)
-
-
-def _ranges(start, free_lo, free_hi, stop, causal_free, causal_after: bool):
-    """(first, last, masked) loops over a program's visited blocks for one warpgroup. `causal_free`:
-    with `causal_after`, the first block wholly after the warpgroup's rows that needs no causal mask
-    (keys owned, queries streamed); else the end of those wholly before them (queries owned)."""
-    if causal_after:
-        lo = jnp.clip(jnp.maximum(free_lo, causal_free), start, stop)
-        hi = jnp.clip(free_hi, lo, stop)
-    else:
-        lo = jnp.clip(free_lo, start, stop)
-        hi = jnp.clip(jnp.minimum(free_hi, causal_free), lo, stop)
-    return ((start, lo, True), (lo, hi, False), (hi, stop, True))
-
-
-def _mask(causal, segments, q_first, k_first, shape, q_axis, q_seg, k_seg):
-    """Which query sees which key in a [rows, columns] block, queries along `q_axis`."""
-    seen = None
-    if causal:
-        queries = q_first + plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=plgpu.Layout.WGMMA)
-        keys = k_first + plgpu.broadcasted_iota(jnp.int32, shape, 1 - q_axis, layout=plgpu.Layout.WGMMA)
-        seen = queries >= keys
-    if segments:
-        same = (lax.broadcast_in_dim(q_seg, shape, [q_axis]) == lax.broadcast_in_dim(k_seg, shape, [1 - q_axis]))
-        seen = same if seen is None else seen & same
-    return seen
-
-
-def _plan_scalars(plan_ref, plan_smem, ready, wg, row, tile, n_blocks, segments):
-    """(start, free_lo, free_hi, stop) of this program's tile: from the plan with segment ids (the
-    copying warpgroup fetches it, every warpgroup reads it), else every block."""
-    if not segments:
-        return 0, 0, n_blocks, n_blocks
-
-    @pl.when(wg == 2)
-    def _():
-        plgpu.copy_gmem_to_smem(plan_ref.at[row, tile], plan_smem, ready)
-
-    plgpu.barrier_wait(ready)
-    return tuple(plan_smem[i] for i in range(4))
 
 
 def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, *, stages: int = STAGES):
@@ -129,7 +81,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
         row, kv_head = lax.axis_index("row"), lax.axis_index("head")
         tile = n_tiles - 1 - lax.axis_index("tile")  # the keys that most queries see first
         wg = lax.axis_index("wg")
-        start, free_lo, free_hi, stop = _plan_scalars(plan_ref, plan_smem, own_ready.at[4], wg, row, tile, n_q,
+        start, free_lo, free_hi, stop = plan_scalars(plan_ref, plan_smem, own_ready.at[4], wg, row, tile, n_q,
                                                       segments)
         if causal:  # queries before the tile's first key see none of it
             start = jnp.maximum(start, lax.div(tile * TILE, ROWS))
@@ -152,7 +104,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
                 plgpu.copy_gmem_to_smem(k_seg_ref.at[row, pl.ds(k_first, ROWS)], k_seg_own.at[wg],
                                         own_ready.at[5 + wg])
                 plgpu.barrier_wait(own_ready.at[5 + wg])
-                k_seg = _load(k_seg_own.at[wg], plgpu.Layout.WGMMA.reduce(1))
+                k_seg = load_vector(k_seg_own.at[wg], plgpu.Layout.WGMMA.reduce(1))
             plgpu.barrier_wait(own_ready.at[wg])
             plgpu.barrier_wait(own_ready.at[wg + 2])
             k_smem, v_smem = k_own.at[wg], v_own.at[wg]
@@ -170,10 +122,10 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
                     return acc_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC((ROWS, ROWS), jnp.float32))
-                lse = _load(lse_in.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                lse = load_vector(lse_in.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 if masked:
-                    q_seg = _load(q_seg_in.at[slot], plgpu.Layout.WGMMA.reduce(0)) if segments else None
-                    seen = _mask(causal, segments, i * ROWS, k_first, (ROWS, ROWS), 1, q_seg, k_seg)
+                    q_seg = load_vector(q_seg_in.at[slot], plgpu.Layout.WGMMA.reduce(0)) if segments else None
+                    seen = mask(causal, segments, i * ROWS, k_first, (ROWS, ROWS), 1, q_seg, k_seg)
                     s = jnp.where(seen, s, -jnp.inf)
                 p = jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse, s.shape, [1]))
 
@@ -184,7 +136,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
 
                 zeros = plgpu.layout_cast(jnp.zeros((ROWS, ROWS), jnp.float32), plgpu.Layout.WGMMA)
                 dv, dp = pl.run_state(dv_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-                d = _load(delta_in.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                d = load_vector(delta_in.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 ds = p * (dp - lax.broadcast_in_dim(d, dp.shape, [1]))
 
                 def dk_update(dk_ref):  # dK += dSᵀ Q
@@ -195,13 +147,12 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
                 return dk, dv
 
             causal_free = lax.div(k_first + ROWS - 1 + ROWS - 1, ROWS) if causal else 0
-            ranges = _ranges(start, free_lo, free_hi, stop, causal_free, causal_after=True)
+            loops = ranges(start, free_lo, free_hi, stop, causal_free, causal_after=True,
+                                        masks=causal or segments)
 
             def head(g, carry):
                 head_step = g * per_head
-                for first, last, masked in ranges:
-                    if not (causal or segments) and masked:
-                        continue
+                for first, last, masked in loops:
                     carry = lax.fori_loop(first, last, functools.partial(step, masked=masked, head_step=head_step),
                                           carry)
                 return carry
@@ -232,11 +183,11 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
 
             _stream(fetch, free, steps, stages)
 
-    smem = [plgpu.SMEM((2, ROWS, hd), dtype, transforms=_swizzled()),
-            plgpu.SMEM((2, ROWS, hd), dtype, transforms=_swizzled()),
+    smem = [plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled()),
+            plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled()),
             plgpu.SMEM((2, ROWS), jnp.int32),
-            plgpu.SMEM((stages, ROWS, hd), dtype, transforms=_swizzled()),
-            plgpu.SMEM((stages, ROWS, hd), dtype, transforms=_swizzled()),
+            plgpu.SMEM((stages, ROWS, hd), dtype, transforms=swizzled()),
+            plgpu.SMEM((stages, ROWS, hd), dtype, transforms=swizzled()),
             plgpu.SMEM((stages, ROWS), jnp.float32),
             plgpu.SMEM((stages, ROWS), jnp.float32),
             plgpu.SMEM((stages, ROWS), jnp.int32),
@@ -278,7 +229,7 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
         row, head = lax.axis_index("row"), lax.axis_index("head")
         tile = n_tiles - 1 - lax.axis_index("tile")  # the longest causal rows first
         wg = lax.axis_index("wg")
-        start, free_lo, free_hi, stop = _plan_scalars(plan_ref, plan_smem, own_ready.at[10], wg, row, tile, n_k,
+        start, free_lo, free_hi, stop = plan_scalars(plan_ref, plan_smem, own_ready.at[10], wg, row, tile, n_k,
                                                       segments)
         if causal:  # keys after the tile's last query are seen by none of it
             stop = jnp.minimum(stop, lax.div((tile + 1) * TILE + block_k - 1, block_k))
@@ -303,15 +254,15 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
                 plgpu.copy_gmem_to_smem(q_seg_ref.at[row, pl.ds(q_first, ROWS)], q_seg_own.at[wg],
                                         own_ready.at[8 + wg])
                 plgpu.barrier_wait(own_ready.at[8 + wg])
-                q_seg = _load(q_seg_own.at[wg], plgpu.Layout.WGMMA.reduce(1))
+                q_seg = load_vector(q_seg_own.at[wg], plgpu.Layout.WGMMA.reduce(1))
             for i in range(4):
                 plgpu.barrier_wait(own_ready.at[2 * i + wg])
-            lse = _load(lse_own.at[wg], plgpu.Layout.WGMMA.reduce(1))
+            lse = load_vector(lse_own.at[wg], plgpu.Layout.WGMMA.reduce(1))
             q_smem, do_smem = q_own.at[wg], do_own.at[wg]
             # D = rowsum(dO * O) - d lse, written out for the dK/dV kernel too.
             d = (do_smem[...].astype(jnp.float32) * o_own.at[wg][...].astype(jnp.float32)).sum(axis=1)
             if d_lse_ref is not None:
-                d = d - _load(delta_own.at[wg], plgpu.Layout.WGMMA.reduce(1))
+                d = d - load_vector(delta_own.at[wg], plgpu.Layout.WGMMA.reduce(1))
             delta_own.at[wg][...] = d
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(delta_own.at[wg], delta_ref.at[vectors])
@@ -335,8 +286,8 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
                 zeros = plgpu.layout_cast(jnp.zeros((ROWS, block_k), jnp.float32), plgpu.Layout.WGMMA)
                 s, dp = pl.run_state(scores_and_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
                 if masked:
-                    k_seg = _load(k_seg_in.at[slot], plgpu.Layout.WGMMA.reduce(0)) if segments else None
-                    seen = _mask(causal, segments, q_first, j * block_k, (ROWS, block_k), 0, q_seg, k_seg)
+                    k_seg = load_vector(k_seg_in.at[slot], plgpu.Layout.WGMMA.reduce(0)) if segments else None
+                    seen = mask(causal, segments, q_first, j * block_k, (ROWS, block_k), 0, q_seg, k_seg)
                     s = jnp.where(seen, s, -jnp.inf)
                 p = jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse, s.shape, [0]))
                 ds = p * (dp - lax.broadcast_in_dim(d, dp.shape, [0]))
@@ -349,9 +300,8 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
                 return dq
 
             dq = plgpu.layout_cast(jnp.zeros((ROWS, hd), jnp.float32), plgpu.Layout.WGMMA)
-            for first, last, masked in _ranges(start, free_lo, free_hi, my_stop, causal_free, causal_after=False):
-                if not (causal or segments) and masked:
-                    continue
+            for first, last, masked in ranges(start, free_lo, free_hi, my_stop, causal_free,
+                                                           causal_after=False, masks=causal or segments):
                 dq = lax.fori_loop(first, last, functools.partial(step, masked=masked), dq)
 
             def release(j, _):  # blocks this warpgroup's rows do not see: wait for them, then free them
@@ -380,16 +330,16 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
 
             _stream(fetch, free, steps, stages)
 
-    smem = [plgpu.SMEM((2, ROWS, hd), dtype, transforms=_swizzled()),
-            plgpu.SMEM((2, ROWS, hd), dtype, transforms=_swizzled()),
+    smem = [plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled()),
+            plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled()),
             plgpu.SMEM((2, ROWS), jnp.float32),
             plgpu.SMEM((2, ROWS), jnp.float32),
             plgpu.SMEM((2, ROWS), jnp.int32),
-            plgpu.SMEM((stages, block_k, hd), dtype, transforms=_swizzled()),
-            plgpu.SMEM((stages, block_k, hd), dtype, transforms=_swizzled()),
+            plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
+            plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
             plgpu.SMEM((stages, block_k), jnp.int32),
             plgpu.SMEM((4,), jnp.int32),
-            plgpu.SMEM((2, ROWS, hd), dtype, transforms=_swizzled())]
+            plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled())]
     barriers = [plgpu.Barrier(num_barriers=13), plgpu.Barrier(num_barriers=(3, stages)),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages)]
     args = [q, k, v, d_out, lse2, out.astype(dtype)]
