@@ -1,11 +1,12 @@
 """The Mosaic GPU flash kernels (ushard/kernels/flash_hopper.py, flash_hopper_backward.py) without a GPU.
 
 They run only on Hopper GPUs (JAX 0.10.2's Mosaic GPU interpreter stops at the wgmma accumulators),
-so their values are checked on the device: tools/attention_bench.py compares ours (these kernels,
-both ways) with float32 attention before timing, with documents and grouped heads
-(docs/benchmarks.md). Here: the visit plan they read, which decides what they compute, is exact for
-any ids; every kernel traces with this JAX's Mosaic GPU API for every variant; and off Hopper
-`flash.forward` and `flash.backward` keep the Triton kernels.
+so their values are checked on the device: tools/attention_check.py compares ours (these kernels,
+both ways) with float32 attention, with documents and grouped heads (docs/benchmarks.md). Here: the
+visit plan they read, which decides what they compute, is exact for any ids; the persistent
+forward's programs share out every tile once; every kernel lowers through this JAX's Mosaic GPU
+lowering for every variant; and off Hopper `flash.forward` and `flash.backward` keep the Triton
+kernels.
 """
 
 import jax
@@ -72,6 +73,28 @@ def test_kernel_traces_for_every_variant(causal, segments, head_dim, kv_heads):
     out, lse = jax.eval_shape(forward, q, kv, kv, ids)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (2, 512, 4), jnp.float32)
     assert "wgmma" in str(jax.make_jaxpr(forward)(q, kv, kv, ids))  # the kernel body was traced
+    assert "mosaic_gpu" in _lowered_for_gpu(forward, q, kv, kv, ids)  # and Mosaic GPU took all of it
+
+
+def _lowered_for_gpu(fn, *args) -> str:
+    """`fn` lowered for CUDA on this CPU: runs Pallas's Mosaic GPU lowering of each kernel (its
+    layouts, copies and barriers), which tracing alone does not."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("programs,heads,n_tiles,rows", [(132, 16, 16, 16), (132, 4, 2, 2), (7, 3, 5, 2)])
+def test_persistent_programs_compute_every_tile_once(programs, heads, n_tiles, rows):
+    n_work = rows * n_tiles * heads
+    programs = min(programs, n_work)
+    seen = []
+    for program in range(programs):
+        mine = [tuple(int(x) for x in flash_hopper.program_tile(program, i, programs=programs, heads=heads,
+                                                                  n_tiles=n_tiles))
+                for i in range(int(flash_hopper.tiles_of_program(program, programs, n_work)))]
+        tile_order = [tile for row, head, tile in mine if (row, head) == mine[0][:2]]
+        assert tile_order == sorted(tile_order, reverse=True)  # a row's longest causal tiles first
+        seen += mine
+    assert sorted(seen) == sorted((r, h, t) for r in range(rows) for h in range(heads) for t in range(n_tiles))
 
 
 @pytest.mark.skipif(not flash_hopper._API, reason="this JAX has no Mosaic GPU Pallas API")
@@ -95,6 +118,7 @@ def test_backward_kernels_trace_for_every_variant(causal, segments, head_dim, kv
         assert (dq.shape, dk.shape, dv.shape, delta.shape) == (q.shape, kv.shape, kv.shape, rows.shape)
     jaxpr = str(jax.make_jaxpr(backward)(q, kv, kv, q, rows, q, None, ids))
     assert jaxpr.count("wgmma") >= 7  # dK/dV: 4 products, dQ: 3
+    assert "mosaic_gpu" in _lowered_for_gpu(backward, q, kv, kv, q, rows, q, rows, ids)
 
 
 def test_supported_shapes_and_the_triton_kernels_off_hopper():

@@ -5,10 +5,16 @@ and grouped K/V heads); `flash.forward` runs this one where `supported` says it 
 Triton forward elsewhere. The backward stays `flash.backward`'s, fed by this forward's out and lse.
 
 Layout of one program (a CTA of three warpgroups), after FlashAttention-3:
-- a *tile* of 2 · `block_q` query rows of one (row, head): each of two compute warpgroups owns
-  `block_q` rows and keeps their accumulator, running max and sum in registers;
+- the forward is persistent: one program per multiprocessor, each computing a fixed share of the
+  tiles in turn (`program_tile`), so one tile's start (its queries, its first K/V blocks) and end
+  (its output stores) overlap its neighbours' work instead of waiting in a fresh program;
+- a *tile* is 2 · `block_q` query rows of one (row, head): each of two compute warpgroups owns
+  `block_q` rows and keeps their accumulator, running max and sum in registers; it fetches its rows
+  of the next tile into a second buffer during the tile's first step, and writes its results out
+  through the tile's own query buffer;
 - the third warpgroup only copies K/V blocks (and their segment ids) into a ring of `stages` shared
   memory slots with TMA, waiting for both compute warpgroups to release a slot before refilling it;
+  the ring runs on across tiles, so the next tile's first blocks arrive while this one ends;
 - the two compute warpgroups take turns on the tensor cores (a shared "schedule" barrier): while one
   runs its QKᵀ and PV matmuls the other runs its softmax, so the exponentials hide behind matmuls.
 
@@ -49,9 +55,17 @@ except ImportError:  # pragma: no cover - a JAX without Mosaic GPU
 
 # Per head dim: query rows per compute warpgroup (a wgmma's 64-row M), keys per block, K/V slots, as
 # tools/attention_bench.py --block-sweep chose them on an H200 (docs/benchmarks.md): 64-key blocks and
-# a third slot were slower. Shared memory at head dim 128: 2 x 64 query rows + 2 slots x 128 keys x
-# (K, V) in bf16 = 160 KiB; a third slot exceeds the 227 KiB a block has.
+# a third slot were slower. Shared memory at head dim 128: 2 buffers x 2 x 64 query rows + 2 slots x
+# 128 keys x (K, V) in bf16 = 192 KiB; a third slot exceeds the 227 KiB a block has.
 BLOCKS = {64: (64, 128, 2), 128: (64, 128, 2)}
+# When the device does not say how many multiprocessors it has.
+H100_MULTIPROCESSORS = 132
+# With segment ids: the copying warpgroup fetches a tile's visit range PLAN_AHEAD tiles ahead, into a
+# ring of PLANS buffers (a short tile must not hold up the next tiles' K/V copies).
+PLAN_AHEAD, PLANS = 2, 4
+# A visit range as the kernels copy it: padded to 32 int32s, since JAX 0.10's warpgroup copies move whole
+# multiples of 128 bytes (0.11 lifts that; the padding keeps every kernel lowerable on both).
+PLAN_WIDTH = 32
 
 
 def load_vector(ref, layout):
@@ -130,6 +144,11 @@ def visit_range(q_segments, k_segments, tile: int, block_k: int):
     return jnp.stack([start, free_lo, free_hi, stop], axis=-1).astype(jnp.int32)
 
 
+def kernel_plan(plan):
+    """`visit_range`'s plan padded to PLAN_WIDTH per tile, as the kernels copy it."""
+    return jnp.pad(plan, [(0, 0), (0, 0), (0, PLAN_WIDTH - plan.shape[-1])])
+
+
 def swizzled():
     """Shared memory's layout for a wgmma operand tile: 8 x 64 tiles, 128-byte swizzle."""
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -184,18 +203,41 @@ def forward(q, k, v, causal: bool, q_segments=None, k_segments=None, *, blocks: 
     block_q, block_k, stages = blocks or BLOCKS[hd]
     plan = None
     if q_segments is not None:
-        plan = visit_range(q_segments.astype(jnp.int32), k_segments.astype(jnp.int32), 2 * block_q, block_k)
+        plan = kernel_plan(visit_range(q_segments.astype(jnp.int32), k_segments.astype(jnp.int32), 2 * block_q,
+                                       block_k))
     out, lse = _call(q, k, v, plan, q_segments, k_segments, causal=causal, block_q=block_q, block_k=block_k,
-                     stages=min(stages, t // block_k))
+                     stages=min(stages, t // block_k), programs=multiprocessors())
     return out, jnp.swapaxes(lse, 1, 2)
 
 
-def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, stages):
+def multiprocessors() -> int:
+    """The GPU's streaming multiprocessors: the persistent forward runs one program on each."""
+    return getattr(jax.local_devices()[0], "core_count", None) or H100_MULTIPROCESSORS
+
+
+def tiles_of_program(program, programs: int, n_work: int):
+    """How many of the `n_work` tiles program `program` of `programs` computes."""
+    return lax.div(n_work - program + programs - 1, programs)
+
+
+def program_tile(program, i, *, programs: int, heads: int, n_tiles: int):
+    """(row, head, tile index) of program `program`'s i-th tile. Tiles are numbered head fastest,
+    then a row's tiles from the longest causal rows down, then rows, and dealt out to the programs
+    in turn: the programs at work at one time share one row's K/V in L2, and the short tiles come
+    last, where they even out the programs' ends."""
+    work = program + i * programs
+    rest = lax.div(work, heads)
+    return lax.div(rest, n_tiles), lax.rem(work, heads), n_tiles - 1 - lax.rem(rest, n_tiles)
+
+
+def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, stages, programs):
     b, t, heads, hd = q.shape
     group = heads // k.shape[2]
     dtype = q.dtype
     tile = 2 * block_q
     n_tiles, n_k = t // tile, t // block_k
+    n_work = b * n_tiles * heads
+    programs = min(programs, n_work)
     scale = LOG2E / math.sqrt(hd)  # scores to base 2 in one multiply
     segments = plan is not None
 
@@ -205,18 +247,34 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
         else:
             plan_ref = q_seg_ref = k_seg_ref = None
             out_ref, lse_ref = refs
-        (qo_smem2, k_smem, v_smem, lse_smem2, q_seg_smem2, k_seg_smem, plan_smem), barriers = scoped
-        (k_ready, v_ready, k_seg_ready, q_ready, k_free, v_free, turn) = barriers
-        row = lax.axis_index("row")
-        head = lax.axis_index("head")
-        tile_index = n_tiles - 1 - lax.axis_index("tile")  # the longest causal rows first
+        (qo_smem, k_smem, v_smem, lse_smem, q_seg_smem, k_seg_smem, plan_smem), barriers = scoped
+        (k_ready, v_ready, k_seg_ready, q_ready, q_seg_ready, plan_ready, k_free, v_free, plan_free,
+         turn) = barriers
+        program = lax.axis_index("program")
         wg = lax.axis_index("wg")
-        start, free_lo, free_hi, stop = plan_scalars(plan_ref, plan_smem, q_ready.at[4], wg, row, tile_index, n_k,
-                                                     segments)
-        if causal:  # the tile's last row sees keys up to itself
-            stop = jnp.minimum(stop, lax.div((tile_index + 1) * tile + block_k - 1, block_k))
-            start = jnp.minimum(start, stop)
-        steps = stop - start
+        n_mine = tiles_of_program(program, programs, n_work)
+        tile_of = functools.partial(program_tile, program, programs=programs, heads=heads, n_tiles=n_tiles)
+
+        def fetch_plan(i):  # by the copying warpgroup, PLAN_AHEAD tiles ahead
+            row, _, tile_index = tile_of(i)
+            buf = lax.rem(i, PLANS)
+            pl.when(i >= PLANS)(lambda: plgpu.barrier_wait(plan_free.at[buf]))
+            plgpu.copy_gmem_to_smem(plan_ref.at[row, tile_index], plan_smem.at[buf], plan_ready.at[buf])
+
+        def blocks_of(i, tile_index, reader):
+            """(start, free_lo, free_hi, stop) of the i-th tile; a compute warpgroup (`reader`)
+            releases the plan's buffer once read."""
+            start, free_lo, free_hi, stop = 0, 0, n_k, n_k
+            if segments:
+                buf = lax.rem(i, PLANS)
+                plgpu.barrier_wait(plan_ready.at[buf])
+                start, free_lo, free_hi, stop = (plan_smem.at[buf][n] for n in range(4))
+                if reader:
+                    plgpu.barrier_arrive(plan_free.at[buf])
+            if causal:  # the tile's last row sees keys up to itself
+                stop = jnp.minimum(stop, lax.div((tile_index + 1) * tile + block_k - 1, block_k))
+                start = jnp.minimum(start, stop)
+            return start, free_lo, free_hi, stop
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -225,160 +283,199 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
-            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
-            q_first = tile_index * tile + wg * block_q
-            rows = (row, pl.ds(q_first, block_q), head)
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], qo_smem, q_ready.at[wg])
-            q_seg = None
-            if segments:
-                plgpu.copy_gmem_to_smem(q_seg_ref.at[row, pl.ds(q_first, block_q)], q_seg_smem2.at[wg],
-                                        q_ready.at[2 + wg])
-                plgpu.barrier_wait(q_ready.at[2 + wg])
-                q_seg = load_vector(q_seg_smem2.at[wg], plgpu.Layout.WGMMA.reduce(1))
-            plgpu.barrier_wait(q_ready.at[wg])
 
-            # This warpgroup's own bounds inside the tile's range: its last row's causal stop, and
-            # the blocks wholly before its first row, which need no causal mask.
-            my_stop = stop
-            causal_free = n_k
-            if causal:
-                my_stop = jnp.clip(lax.div(q_first + block_q + block_k - 1, block_k), start, stop)
-                causal_free = lax.div(q_first + 1, block_k)
-
-            def slot_of(j):
-                return lax.rem(j - start, stages)
-
-            def wait_keys(j):
-                plgpu.barrier_wait(k_ready.at[slot_of(j)])
+            def fetch_queries(i):
+                """The i-th tile's query rows (and ids) of this warpgroup into buffer i % 2."""
+                row, head, tile_index = tile_of(i)
+                buf = lax.rem(i, 2)
+                q_first = tile_index * tile + wg * block_q
+                plgpu.copy_gmem_to_smem(q_ref.at[row, pl.ds(q_first, block_q), head], qo_smem.at[buf, wg],
+                                        q_ready.at[2 * buf + wg])
                 if segments:
-                    plgpu.barrier_wait(k_seg_ready.at[slot_of(j)])
+                    plgpu.copy_gmem_to_smem(q_seg_ref.at[row, pl.ds(q_first, block_q)], q_seg_smem.at[buf, wg],
+                                            q_seg_ready.at[2 * buf + wg])
 
-            def step(j, carry, masked):
-                acc, peak, total = carry
-                slot = slot_of(j)
+            def prefetch(i):
+                """The next tile's queries, into the buffer of the tile before this one, once the
+                stores of that tile's results have read it."""
+                @pl.when(i + 1 < n_mine)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    fetch_queries(i + 1)
 
-                def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            def one_tile(i, first_step):
+                row, head, tile_index = tile_of(i)
+                buf = lax.rem(i, 2)
+                start, free_lo, free_hi, stop = blocks_of(i, tile_index, reader=True)
+                q_smem, lse_out = qo_smem.at[buf, wg], lse_smem.at[buf, wg]
+                q_first = tile_index * tile + wg * block_q
+                q_seg = None
+                if segments:
+                    plgpu.barrier_wait(q_seg_ready.at[2 * buf + wg])
+                    q_seg = load_vector(q_seg_smem.at[buf, wg], plgpu.Layout.WGMMA.reduce(1))
+                plgpu.barrier_wait(q_ready.at[2 * buf + wg])
+
+                # This warpgroup's own bounds inside the tile's range: its last row's causal stop, and
+                # the blocks wholly before its first row, which need no causal mask.
+                my_stop = stop
+                causal_free = n_k
+                if causal:
+                    my_stop = jnp.clip(lax.div(q_first + block_q + block_k - 1, block_k), start, stop)
+                    causal_free = lax.div(q_first + 1, block_k)
+
+                def slot_of(j):  # key blocks go through the slots in turn, across tiles
+                    return lax.rem(first_step + j - start, stages)
+
+                def wait_keys(j):
+                    plgpu.barrier_wait(k_ready.at[slot_of(j)])
+                    if segments:
+                        plgpu.barrier_wait(k_seg_ready.at[slot_of(j)])
+
+                def step(j, carry, masked):
+                    acc, peak, total = carry
+                    slot = slot_of(j)
+
+                    def scores(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        take_turn()
+                        return acc_ref[...]
+
+                    s = pl.run_scoped(scores, plgpu.ACC((block_q, block_k), jnp.float32))
+                    pl.when(j == start)(lambda: prefetch(i))
+                    if masked:
+                        k_seg = load_vector(k_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0)) if segments else None
+                        seen = mask(causal, segments, q_first, j * block_k, (block_q, block_k), 0, q_seg, k_seg)
+                        s = jnp.where(seen, s, -jnp.inf)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    new_peak = jnp.maximum(peak, s.max(axis=1) * scale)
+                    # Only a masked block can leave a row's peak at -inf (unmasked blocks see every key).
+                    shift = jnp.where(new_peak == -jnp.inf, 0.0, new_peak) if masked else new_peak
+                    rescale = jnp.exp2(peak - shift)
+                    p = jnp.exp2(s * scale - lax.broadcast_in_dim(shift, s.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
+                    total = total * rescale + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    acc, total, new_peak, p16 = lax.optimization_barrier((acc, total, new_peak, p16))
+                    plgpu.barrier_arrive(turn)  # softmax done
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(turn)  # the tensor cores are ours again
+
+                    def values(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                        @pl.when(j + 1 < my_stop)
+                        def _():
+                            wait_keys(j + 1)
+
+                    acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, new_peak, total
+
+                acc = plgpu.layout_cast(jnp.zeros((block_q, hd), jnp.float32), plgpu.Layout.WGMMA)
+                peak = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                total = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                carry = (acc, peak, total)
+
+                @pl.when(my_stop > start)
+                def _():
+                    wait_keys(start)
+
+                pl.when(wg == 1)(take_turn)  # offset the two warpgroups by half a step
+                for first, last, masked in ranges(start, free_lo, free_hi, my_stop, causal_free, causal_after=False,
+                                                  masks=causal or segments):
+                    carry = lax.fori_loop(first, last, functools.partial(step, masked=masked), carry)
+                pl.when(my_stop == start)(lambda: prefetch(i))  # no step of this tile did it
+
+                def release(j, _):  # slots this warpgroup's rows do not need: free them, keep turns paired
+                    plgpu.barrier_arrive(k_free.at[slot_of(j)])
+                    plgpu.barrier_arrive(v_free.at[slot_of(j)])
                     take_turn()
-                    return acc_ref[...]
+                    take_turn()
 
-                s = pl.run_scoped(scores, plgpu.ACC((block_q, block_k), jnp.float32))
-                if masked:
-                    k_seg = load_vector(k_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0)) if segments else None
-                    seen = mask(causal, segments, q_first, j * block_k, (block_q, block_k), 0, q_seg, k_seg)
-                    s = jnp.where(seen, s, -jnp.inf)
-                plgpu.barrier_arrive(k_free.at[slot])
-                new_peak = jnp.maximum(peak, s.max(axis=1) * scale)
-                # Only a masked block can leave a row's peak at -inf (unmasked blocks see every key).
-                shift = jnp.where(new_peak == -jnp.inf, 0.0, new_peak) if masked else new_peak
-                rescale = jnp.exp2(peak - shift)
-                p = jnp.exp2(s * scale - lax.broadcast_in_dim(shift, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
-                total = total * rescale + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                acc, total, new_peak, p16 = lax.optimization_barrier((acc, total, new_peak, p16))
-                plgpu.barrier_arrive(turn)  # softmax done
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(turn)  # the tensor cores are ours again
+                if causal:
+                    lax.fori_loop(my_stop, stop, release, None)
+                pl.when(wg == 0)(take_turn)
 
-                def values(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                # The results go out through this tile's query buffer (its last product has read it);
+                # the next tile but one waits for these stores to have read it (`prefetch`).
+                acc, peak, total = carry
+                seen = total > 0
+                total = jnp.where(seen, total, 1.0)
+                acc = acc * lax.broadcast_in_dim(1.0 / total, acc.shape, [0])
+                q_smem[...] = acc.astype(dtype)
+                lse_out[...] = jnp.where(seen, peak * LN2 + jnp.log(total), -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem, out_ref.at[row, pl.ds(q_first, block_q), head])
+                plgpu.copy_smem_to_gmem(lse_out, lse_ref.at[row, head, pl.ds(q_first, block_q)])
+                return first_step + stop - start
 
-                    @pl.when(j + 1 < my_stop)
-                    def _():
-                        wait_keys(j + 1)
-
-                acc = pl.run_state(values)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, new_peak, total
-
-            acc = plgpu.layout_cast(jnp.zeros((block_q, hd), jnp.float32), plgpu.Layout.WGMMA)
-            peak = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            total = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            carry = (acc, peak, total)
-
-            @pl.when(my_stop > start)
-            def _():
-                wait_keys(start)
-
-            pl.when(wg == 1)(take_turn)  # offset the two warpgroups by half a step
-            for first, last, masked in ranges(start, free_lo, free_hi, my_stop, causal_free, causal_after=False,
-                                              masks=causal or segments):
-                carry = lax.fori_loop(first, last, functools.partial(step, masked=masked), carry)
-
-            def release(j, _):  # slots this warpgroup's rows do not need: free them, keep turns paired
-                plgpu.barrier_arrive(k_free.at[slot_of(j)])
-                plgpu.barrier_arrive(v_free.at[slot_of(j)])
-                take_turn()
-                take_turn()
-
-            if causal:
-                lax.fori_loop(my_stop, stop, release, None)
-            pl.when(wg == 0)(take_turn)
-
-            acc, peak, total = carry
-            seen = total > 0
-            total = jnp.where(seen, total, 1.0)
-            acc = acc * lax.broadcast_in_dim(1.0 / total, acc.shape, [0])
-            qo_smem[...] = acc.astype(dtype)
-            lse_smem[...] = jnp.where(seen, peak * LN2 + jnp.log(total), -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[rows])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[row, head, pl.ds(q_first, block_q)])
+            fetch_queries(0)
+            lax.fori_loop(0, n_mine, one_tile, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
         def _copy():
             plgpu.set_max_registers(40, action="decrease")
-            kv_head = lax.div(head, group)
 
-            def fetch(j, slot, refill=False):
-                # A refill waits for the slot's K, then its V, to be released: K and V are released
-                # apart, so K's copy can start while V is still being read.
+            def fetch(fetched, row, kv_head, j):
+                # The program's `fetched`-th key block goes to slot fetched % stages. A refill waits
+                # for the slot's K, then its V, to be released: K and V are released apart, so K's
+                # copy can start while V is still being read.
+                slot = lax.rem(fetched, stages)
+                refill = fetched >= stages
                 keys = (row, pl.ds(j * block_k, block_k), kv_head)
-                if refill:
-                    plgpu.barrier_wait(k_free.at[slot])
+                pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
                 plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
                 if segments:
                     plgpu.copy_gmem_to_smem(k_seg_ref.at[row, pl.ds(j * block_k, block_k)], k_seg_smem.at[slot],
                                             k_seg_ready.at[slot])
-                if refill:
-                    plgpu.barrier_wait(v_free.at[slot])
+                pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
 
-            for i in range(stages):
-                pl.when(i < steps)(functools.partial(fetch, start + i, i))
+            def one_tile(i, fetched):
+                row, head, tile_index = tile_of(i)
+                if segments:
+                    pl.when(i + PLAN_AHEAD < n_mine)(lambda: fetch_plan(i + PLAN_AHEAD))
+                start, _, _, stop = blocks_of(i, tile_index, reader=False)
 
-            @pl.loop(0, jnp.maximum(steps - stages, 0))
-            def _(i):
-                fetch(start + i + stages, lax.rem(i, stages), refill=True)
+                @pl.loop(start, stop)
+                def _(j):
+                    fetch(fetched + j - start, row, lax.div(head, group), j)
 
-    smem = [plgpu.SMEM((2, block_q, hd), dtype, transforms=swizzled()),
+                return fetched + stop - start
+
+            if segments:
+                for i in range(PLAN_AHEAD):
+                    pl.when(i < n_mine)(functools.partial(fetch_plan, i))
+            lax.fori_loop(0, n_mine, one_tile, jnp.int32(0))
+
+    smem = [plgpu.SMEM((2, 2, block_q, hd), dtype, transforms=swizzled()),  # [buffer, warpgroup]: Q, then out
             plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
             plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
-            plgpu.SMEM((2, block_q), jnp.float32),
-            plgpu.SMEM((2, block_q), jnp.int32),
+            plgpu.SMEM((2, 2, block_q), jnp.float32),
+            plgpu.SMEM((2, 2, block_q), jnp.int32),
             plgpu.SMEM((stages, block_k), jnp.int32),
-            plgpu.SMEM((4,), jnp.int32)]
+            plgpu.SMEM((PLANS, PLAN_WIDTH), jnp.int32)]
     barriers = [plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=5),
+                plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=4),
+                plgpu.Barrier(num_barriers=PLANS),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=PLANS),
                 plgpu.Barrier(num_arrivals=2)]
     args = [q, k, v]
     if segments:
         args += [plan, q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)]
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]
-    return launch(kernel, smem, barriers, args, out_type, grid=(heads, n_tiles, b))
+    return launch(kernel, smem, barriers, args, out_type, grid=(programs,), grid_names=("program",))
 
 
-def launch(kernel, smem, barriers, args, out_type, grid):
+def launch(kernel, smem, barriers, args, out_type, grid, grid_names=("head", "tile", "row")):
     """Runs `kernel(*in_refs, *out_refs, scoped=(smem refs, barrier refs))` as a program of three
-    warpgroups ("wg": two computing, one copying) per point of `grid` ("head", "tile", "row")."""
+    warpgroups ("wg": two computing, one copying) per point of `grid` (axes `grid_names`)."""
     def entry(*refs):
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped=(scoped[:len(smem)], scoped[len(smem):])), *smem,
                       *barriers, collective_axes="wg")
 
-    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=("head", "tile", "row"), num_threads=3,
+    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=3,
                         thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
-

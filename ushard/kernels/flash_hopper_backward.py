@@ -68,7 +68,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
     plan = None
     if segments:  # per key tile, the query blocks that meet it
         q_segments, k_segments = q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)
-        plan = flash_hopper.visit_range(k_segments, q_segments, TILE, ROWS)
+        plan = flash_hopper.kernel_plan(flash_hopper.visit_range(k_segments, q_segments, TILE, ROWS))
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scoped):
         if segments:
@@ -191,7 +191,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
             plgpu.SMEM((stages, ROWS), jnp.float32),
             plgpu.SMEM((stages, ROWS), jnp.float32),
             plgpu.SMEM((stages, ROWS), jnp.int32),
-            plgpu.SMEM((4,), jnp.int32)]
+            plgpu.SMEM((flash_hopper.PLAN_WIDTH,), jnp.int32)]
     barriers = [plgpu.Barrier(num_barriers=7), plgpu.Barrier(num_barriers=(5, stages)),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages)]
     args = [q, k, v, d_out, lse2, delta]
@@ -217,7 +217,7 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
     plan = None
     if segments:
         q_segments, k_segments = q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)
-        plan = flash_hopper.visit_range(q_segments, k_segments, TILE, block_k)
+        plan = flash_hopper.kernel_plan(flash_hopper.visit_range(q_segments, k_segments, TILE, block_k))
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, *refs, scoped):
         refs = list(refs)
@@ -338,7 +338,7 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
             plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
             plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
             plgpu.SMEM((stages, block_k), jnp.int32),
-            plgpu.SMEM((4,), jnp.int32),
+            plgpu.SMEM((flash_hopper.PLAN_WIDTH,), jnp.int32),
             plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled())]
     barriers = [plgpu.Barrier(num_barriers=13), plgpu.Barrier(num_barriers=(3, stages)),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages)]
