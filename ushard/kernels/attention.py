@@ -8,14 +8,15 @@ are); with segment ids [B, T] a token sees only keys of its own document. Two fo
   (ushard/parallel/context.py) can combine blocks held by different devices.
 
 `model.attention_impl`: "auto" picks cuDNN flash attention on GPUs in 16-bit compute, splash
-attention on TPUs (sequences a multiple of 128 tokens), XLA elsewhere. "flash" is ushard's own kernel
-for GPUs (ushard/kernels/flash.py, with flash_hopper.py's forward on Hopper: documents, GQA, an exact
-log-sum-exp for the ring's blocks); "auto" picks it inside pipeline stages, where cuDNN cannot run
-(XLA's GPU compiler crashes on it there): level with cuDNN where both run on Hopper, far faster than
-XLA's attention (docs/benchmarks.md). A document mask runs ours too under "auto": on a split sequence
-cuDNN's blocks take no mask (and XLA's hold every block's scores), and on whole sequences cuDNN takes
-the mask as a dense [T, T] array and computes every block while ours skips other documents' blocks
-(measured faster in a whole step, docs/benchmarks.md). Inside pipeline stages ours also runs a split
+attention on TPUs (sequences a multiple of 128 tokens), XLA elsewhere. "flash" is ushard's own
+kernel for GPUs (ushard/kernels/flash.py, with flash_hopper.py's forward on Hopper: documents, GQA,
+an exact log-sum-exp for the ring's blocks); "auto" picks it inside pipeline stages, where cuDNN
+cannot run (XLA's GPU compiler crashes on it there): faster than cuDNN's kernels alone on Hopper,
+level with them inside a step at the GPU's power limit, far faster than XLA's attention
+(docs/benchmarks.md). A document mask runs ours too under "auto": on a split sequence cuDNN's blocks
+take no mask (and XLA's hold every block's scores), and on whole sequences cuDNN takes the mask as a
+dense [T, T] array and computes every block while ours skips other documents' blocks (measured
+faster in a whole step, docs/benchmarks.md). Inside pipeline stages ours also runs a split
 sequence's blocks, their map's types checked (`typed`). `resolve` decides, `why` says why, `check`
 refuses a kernel the platform lacks; the `ParallelPlan` records the choice once per run.
 """
