@@ -245,6 +245,23 @@ def test_attention_bench_runs_each_kernel_and_sweep_on_tiny_shapes(monkeypatch, 
     assert capsys.readouterr().out.count("sweep mosaic") == sum(sizes.values())
 
 
+def test_attention_bench_under_load_times_each_kernel_after_a_matmul_and_sustained(monkeypatch):
+    """--under-load's path on a tiny shape (ours interpreted): a row per kernel that runs here, the
+    matmul's time taken out of the loaded one, the sustained rounds' first and last."""
+    import attention_bench
+    from ushard.kernels import flash
+
+    monkeypatch.setitem(attention_bench.SHAPES, "tiny", (1, 128, 2, 1, 64))
+    monkeypatch.setitem(flash.TUNING, 64, flash.Tuning(*(flash.Blocks(32, 32, 4, 1),) * 3))
+    times = iter([1.0e-3, 2.0e-3, 3.5e-3, 4.0e-3, 6.0e-3])  # matmul; xla alone, loaded; ours alone, loaded
+    monkeypatch.setattr(attention_bench, "timed",
+                        lambda fn, *args, **_: (jax.block_until_ready(fn(*args)), next(times))[1])
+    rows = attention_bench.under_load("tiny", ["xla", "cudnn_rows", "ours"], matmul_size=64, calls=2, rounds=2)
+    assert [r[1] for r in rows] == ["xla", "ours"]  # cuDNN's rows need documents: skipped
+    assert [round(r[2], 3) for r in rows] == [2.0, 4.0] and [round(r[3], 3) for r in rows] == [2.5, 5.0]
+    assert all(r[4] > 0 and r[5] > 0 for r in rows)
+
+
 def test_attention_check_passes_our_kernels_and_fails_a_wrong_one(monkeypatch, capsys):
     """tools/attention_check.py on tiny cases (ours in Pallas's interpreter): within tolerance, and a
     kernel whose gradients are off by 5% is caught with a non-zero exit."""

@@ -1,9 +1,10 @@
 """Causal attention on one GPU: our flash kernels against cuDNN and XLA (`jax.nn.dot_product_attention`),
 forward and forward + backward, in one process. `ours` is what `model.attention_impl=flash` runs (on
-Hopper the Mosaic GPU forward of ushard/kernels/flash_hopper.py, then the Triton backward of
-ushard/kernels/flash.py); `ours_triton` runs the Triton forward too.
+Hopper the Mosaic GPU kernels of ushard/kernels/flash_hopper*.py, elsewhere the Triton ones of
+ushard/kernels/flash.py); `ours_triton` runs the Triton kernels both ways.
 
     python3 tools/attention_bench.py [--shapes hd128,hd128_gqa,hd64] [--documents none,4] [--block-sweep]
+                                     [--no-check] [--under-load]
 
 Shapes: bench_1b's attention (B 16, T 2048, 16 heads, head dim 128), the same with 8 kv heads
 (grouped-query), head dim 64 (32 heads), and llama3_8b's on one of four GPUs (SHAPES); bf16, causal.
@@ -19,8 +20,15 @@ timing is the median over repetitions of a loop of calls dispatched back to back
 synchronised at its end (inputs are larger than the L2 cache, so repeated calls do not run from it).
 Before timing, ours is checked on the device against float32 attention on upcast inputs (two rows
 of the batch): max abs error and relative error of out, lse and the three gradients.
-`--block-sweep` also times block-size/warps/stages combinations of each of our Triton kernels, and on
-Hopper the Mosaic GPU kernels' blocks and slots.
+`--no-check` skips that check (about 25 s a case on an H200). `--block-sweep` also times
+block-size/warps/stages combinations of each of our Triton kernels, and on Hopper the Mosaic GPU
+kernels' blocks and slots.
+
+`--under-load` times forward + backward (no documents) as a training step runs it instead: after a
+bf16 8192³ matmul in each call (the matmul's own time subtracted), and over 300 calls back to back
+(the first and the last 50), then prints the GPU's SM clock and power draw (nvidia-smi). A step
+keeps the GPU at its power limit, where a kernel's time follows its energy; back-to-back loops with
+pauses between them, as above, flatter the kernel that draws more power (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import subprocess
 import time
 
 import jax
@@ -160,13 +169,14 @@ def flops(shape, documents: int) -> float:
     return full / 2 / max(documents, 1)
 
 
-def bench(name: str, documents: int, impls, sweep: bool) -> list[tuple]:
+def bench(name: str, documents: int, impls, sweep: bool, check: bool = True) -> list[tuple]:
     shape = SHAPES[name]
     b, t = shape[:2]
     segments = segment_ids(b, t, documents)
     label = f"{name} docs={documents or 'none'}"
     print(f"{label}: B {b}, T {t}, heads {shape[2]}, kv heads {shape[3]}, hd {shape[4]}, bf16, causal")
-    check_ours(label, shape, segments)
+    if check:
+        check_ours(label, shape, segments)
     q, k, v, d_out, _ = inputs(shape)
     forward_flops = flops(shape, documents)
     table = []
@@ -275,6 +285,46 @@ def block_sweep(label, shape, segments, q, k, v, d_out, forward_flops) -> list[t
     return rows
 
 
+def under_load(name: str, impls, matmul_size: int = 8192, calls: int = 50, rounds: int = 6) -> list[tuple]:
+    """(shape, impl, ms alone, ms after a matmul, ms of the first and of the last `calls` of
+    `rounds` · `calls` back to back): forward + backward without documents, as a step runs it."""
+    q, k, v, d_out, _ = inputs(SHAPES[name])
+    a = jax.random.normal(jax.random.key(5), (matmul_size, matmul_size), jnp.bfloat16)
+    matmul_alone = timed(jax.jit(lambda a: a @ a), a)
+    rows = []
+    for impl in impls:
+        fns = attention_fns(impl, None, 0)
+        if isinstance(fns, str):
+            continue
+        forward_backward = fns[1]
+
+        def after_matmul(a, q, k, v, d_out, forward_backward=forward_backward):
+            product = a @ a
+            product, q = jax.lax.optimization_barrier((product, q))  # the attention starts after it
+            return product, forward_backward(q, k, v, d_out)
+
+        alone = timed(forward_backward, q, k, v, d_out)
+        loaded = timed(jax.jit(after_matmul), a, q, k, v, d_out) - matmul_alone
+        per_round = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(calls):
+                result = forward_backward(q, k, v, d_out)
+            jax.block_until_ready(result)
+            per_round.append((time.perf_counter() - start) / calls)
+        rows.append((name, impl, alone * 1e3, loaded * 1e3, per_round[0] * 1e3, per_round[-1] * 1e3))
+    return rows
+
+
+def gpu_clock_and_power() -> str:
+    """The first GPU's SM clock and power draw now, as nvidia-smi reports them ("" without it)."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,power.limit", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return ""
+
+
 def matmul_ceiling() -> float:
     """bf16 8192³ matrix product through XLA, TFLOP/s on random data: the rate to compare with."""
     a = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
@@ -289,6 +339,9 @@ def main() -> None:
     parser.add_argument("--documents", default="none,4", help="comma-separated: none, or documents per row")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
     parser.add_argument("--block-sweep", action="store_true", help="time block/warps/stages candidates of ours")
+    parser.add_argument("--no-check", action="store_true", help="skip checking ours against float32 first")
+    parser.add_argument("--under-load", action="store_true",
+                        help="instead: forward + backward after a matmul and sustained, as a step runs them")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         parser.exit(1, f"needs a GPU (JAX's backend here is {jax.default_backend()}): ours would run in Pallas's "
@@ -296,11 +349,20 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind}, JAX {jax.__version__}")
     print(f"bf16 matmul 8192^3 through XLA: {matmul_ceiling():.0f} TFLOP/s (the ceiling to compare with)")
     impls = args.impls.split(",")
+    if args.under_load:
+        rows = [row for name in args.shapes.split(",") for row in under_load(name, impls)]
+        print(f"GPU now (SM clock, power, limit): {gpu_clock_and_power()}")
+        print("| shape | kernel | fwd+bwd ms alone | after an 8192³ matmul | first 50 of 300 | last 50 of 300 |")
+        print("|---|---|---|---|---|---|")
+        for row in rows:
+            print("| {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} |".format(*row))
+        return
     if "cudnn" in impls:
         impls.insert(impls.index("cudnn") + 1, "cudnn_rows")
     table = []
     for name, documents in itertools.product(args.shapes.split(","), args.documents.split(",")):
-        table += bench(name, 0 if documents == "none" else int(documents), impls, args.block_sweep)
+        table += bench(name, 0 if documents == "none" else int(documents), impls, args.block_sweep,
+                       check=not args.no_check)
     print("\nTFLOP/s: causal FLOPs (half of 4·B·H·T²·hd), of the visible pairs only with documents; "
           "fwd+bwd 3.5x the forward")
     print("| shape | kernel | forward ms | forward TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |")
