@@ -34,9 +34,11 @@ Beside these, named terms for what the compiler holds around the weights and the
 - The held dtype: XLA:CPU computes bfloat16 matmuls in float32 and drops the round trips this makes,
   so on CPU everything of the compute dtype is held (and traced) in float32 (`held_dtype`).
   On TPUs (and GPUs) the compute dtype is held as it is.
-- Fused attention: where the plan runs a fused kernel (splash on TPUs, cuDNN on GPUs), the trace runs
-  a stand-in with flash attention's residuals (`traced_attention`): never XLA's [T, T] scores, which
-  "auto" would mean on the host the trace runs on.
+- Fused attention: where the plan runs a fused kernel (splash on TPUs, cuDNN or ours on GPUs), the
+  trace runs a stand-in with flash attention's residuals (`traced_attention`): never XLA's [T, T]
+  scores, which "auto" would mean on the host the trace runs on. Its output and log-sum-exp carry the
+  fused kernels' name (`kernels.attention.FUSED_ATTENTION`), so a policy that keeps fused attention
+  (dots_attention) keeps them in the trace as the kernels' are kept on the device.
 - The logits' gradient (`logits_gradient`, TPU only): the TPU compiler materialises the gradient of the
   [tokens, vocabulary] logits as the backward pass starts, while every saved activation (the logits
   among them), the vocabulary's buffers and the gradients are live: a third phase (`MemoryEstimate.phases`).
@@ -72,9 +74,6 @@ against a compile; CPU and TPU estimates are unchanged):
   no gradient, and the layer pulled back holds nothing beyond its saved activations and the stream's
   gradient (`MemoryEstimate.gradients_apart`: the gradients count in a phase of their own, the pass's
   end). The trace's weight casts are then ZeRO-3's kept weights, not a second copy (`kept_weights`).
-- cuDNN attention under a policy that keeps fused attention (dots_attention; `cudnn_kept`): every
-  layer's output and softmax statistics, which the trace's stand-in, being no cuDNN primitive, does
-  not show.
 The rows they were fitted to, and the kind of row they do not match (remat "full" over long sequences
 under fsdp), are in docs/benchmarks.md ("The planner's memory on GPUs").
 
@@ -101,14 +100,12 @@ import jax
 import jax.numpy as jnp
 from jax._src import ad_checkpoint
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend.core import Primitive
 
 from ushard.config import MESH_AXES
 from ushard.kernels.attention import traced_off_the_chip
 from ushard.mesh import build_mesh
 from ushard.models import dispatch
 from ushard.models.definition import model_definition
-from ushard.models.stack import REMAT_POLICIES
 from ushard.parallel.expert import EXPERT_MATMUL, receive_rows
 from ushard.parallel.pipeline import ring_size
 from ushard.sharding import Layout, Seams, use_layout
@@ -429,7 +426,7 @@ def saved_activations(setup, work: DeviceWork, layer: int, chunk: tuple[int, int
     activations without remat and, under a pipeline, a chunk's (stack, outer) residuals."""
     pipeline, remat = setup.layout.pipeline, setup.model_config.remat
     if pipeline is None:
-        return device_residual_bytes(setup, work, remat, setup.model_config.n_layers) + cudnn_kept(setup, work)
+        return device_residual_bytes(setup, work, remat, setup.model_config.n_layers)
     stack, outer = chunk
     if pipeline.name != "1f1b":
         # GPipe and circular: autodiff of the tick loop stacks every tick's residuals, the stage's for
@@ -443,24 +440,6 @@ def saved_activations(setup, work: DeviceWork, layer: int, chunk: tuple[int, int
     # residuals it is writing, or while it computes them one layer's activations, as the backward slot
     # holds another layer's. Embedding, head and loss run on one microbatch at a time.
     return 2 * ring_size(work.stages) * stack + max(stack, layer) + outer
-
-
-def cudnn_kept(setup, work: DeviceWork) -> int:
-    """What a remat policy that keeps fused attention's forward (`models.stack._is_fused_attention`:
-    dots_attention and its kin) keeps of cuDNN's on GPUs: every layer's output [rows, length, heads,
-    head_dim] and softmax statistics [rows, heads, length] (float32), the outputs of JAX's
-    `dot_product_attention_fwd` primitive. The trace's stand-in (`traced_attention`) is no such
-    primitive, so the policy recomputes it there and saves neither. Whole sequences without a pipeline
-    only (the stand-in of the ring's blocks is its own custom VJP)."""
-    cfg = setup.model_config
-    policy = REMAT_POLICIES[cfg.remat]
-    if (setup.plan.platform != "gpu" or traced_attention(setup) != "cudnn" or setup.layout.pipeline is not None
-            or work.context is not None or policy is None or not policy(Primitive("dot_product_attention_fwd"))):
-        return 0
-    heads = cfg.n_heads // work.tensor_ways
-    output = work.rows * work.length * heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
-    statistics = work.rows * heads * work.length * 4
-    return cfg.n_layers * (output + statistics)
 
 
 def ticks(pipeline, stages: int) -> int:

@@ -232,10 +232,11 @@ def by_halves(blocks: BlockKernel, q, k, v, segment_ids):
 
     def attend_forward(q, k, v, segments):
         out, lse = varying(forward(q, k, v, segments), stage_axes)
-        if blocks is not FLASH_SHAPES:  # (the estimate's stand-in for cuDNN: estimate.cudnn_kept counts that)
-            # Named, so that a remat policy can keep them (models/stack.py's dots_attention): a Pallas
-            # kernel's primitive is no "attention" one, and unnamed they were recomputed in the backward.
-            out, lse = checkpoint_name(out, FUSED_ATTENTION), checkpoint_name(lse, FUSED_ATTENTION)
+        # Named, so that a remat policy can keep them (models/stack.py's dots_attention): a Pallas
+        # kernel's primitive is no "attention" one, and unnamed they were recomputed in the backward.
+        # The memory estimate's stand-in for cuDNN (FLASH_SHAPES) is named too, so its trace keeps
+        # what cuDNN's own primitive keeps under that policy: the output and softmax statistics.
+        out, lse = checkpoint_name(out, FUSED_ATTENTION), checkpoint_name(lse, FUSED_ATTENTION)
         return out, (q, k, v, segments, out, lse)
 
     def attend_backward(residuals, d_out):
