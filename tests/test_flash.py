@@ -86,6 +86,29 @@ def test_backward_matches_autodiff_with_both_cotangents(layout, causal):
         close(got, want, f"d{name}")
 
 
+@pytest.mark.parametrize("used", ["out", "lse"])
+def test_an_output_without_a_cotangent_is_skipped_not_zero_filled(monkeypatch, used):
+    """A caller using only one of `attention`'s outputs: the unused one's cotangent reaches the
+    backward as nothing (lse's: `d_lse` None, no zero array for the kernels to load), and the
+    gradients are autodiff's of the used output."""
+    q, k, v, d_out, d_lse = inputs(3)
+    segments = LAYOUTS["packed"]
+    given = []
+
+    def spy(*args, **kwargs):
+        given.append(args[9])  # d_lse
+        return backward(*args, **kwargs)
+
+    backward = flash.backward
+    monkeypatch.setattr(flash, "backward", spy)
+    index, cotangent = (0, d_out) if used == "out" else (1, d_lse)
+    _, pullback = jax.vjp(lambda *a: flash.attention(*a, segments, True, tuning=SMALL)[index], q, k, v)
+    _, want_pullback = jax.vjp(lambda *a: reference(*a, segments, segments, True)[index], q, k, v)
+    for name, got, want in zip("qkv", jax.jit(pullback)(cotangent), want_pullback(cotangent)):
+        close(got, want, f"d{name}")
+    assert (given[0] is None) == (used == "out")
+
+
 def test_backward_with_shuffled_ids():
     """Ids in no order (the range test skips little): BlockKernel's backward without an lse cotangent."""
     q, k, v, d_out, _ = inputs(2)

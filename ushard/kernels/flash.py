@@ -43,6 +43,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -497,6 +498,7 @@ def _attention(q, k, v, segment_ids, causal, tuning):
 
 
 def _attention_forward(q, k, v, segment_ids, causal, tuning):
+    q, k, v, segment_ids = custom_vjp_primal_tree_values((q, k, v, segment_ids))
     out, lse = forward(q, k, v, causal, segment_ids, segment_ids, tuning=tuning)
     return (out, lse), (q, k, v, segment_ids, out, lse)
 
@@ -504,8 +506,12 @@ def _attention_forward(q, k, v, segment_ids, causal, tuning):
 def _attention_backward(causal, tuning, residuals, cotangents):
     q, k, v, segment_ids, out, lse = residuals
     d_out, d_lse = cotangents
+    # A caller that uses out only gives lse no cotangent: the kernels then skip it (a zero array
+    # would be transposed and loaded for nothing).
+    d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
+    d_out = jnp.zeros_like(out) if isinstance(d_out, SymbolicZero) else d_out
     dq, dk, dv = backward(q, k, v, out, lse, d_out, causal, segment_ids, segment_ids, d_lse, tuning=tuning)
     return dq, dk, dv, None
 
 
-_attention.defvjp(_attention_forward, _attention_backward)
+_attention.defvjp(_attention_forward, _attention_backward, symbolic_zeros=True)
