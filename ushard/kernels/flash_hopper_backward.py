@@ -79,7 +79,9 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
         smem, (own_ready, ready, free) = scoped
         k_own, v_own, k_seg_own, q_in, do_in, lse_in, delta_in, q_seg_in, plan_smem = smem
         row, kv_head = lax.axis_index("row"), lax.axis_index("head")
-        tile = n_tiles - 1 - lax.axis_index("tile")  # the keys that most queries see first
+        # The keys that most queries see first (under a causal mask the first keys: queries from the
+        # tile's own on see it), so the last programs to start are the shortest.
+        tile = lax.axis_index("tile")
         wg = lax.axis_index("wg")
         start, free_lo, free_hi, stop = plan_scalars(plan_ref, plan_smem, own_ready.at[4], wg, row, tile, n_q,
                                                       segments)
