@@ -43,8 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_check import ours_and_reference  # tools/, this script's folder
 from ushard.kernels import flash, flash_hopper, flash_hopper_backward
-from ushard.kernels.attention import BlockKernel, by_halves, xla_block
+from ushard.kernels.attention import BlockKernel, by_halves
 
 SHAPES = {  # batch, length, heads, kv heads, head dim
     "hd128": (16, 2048, 16, 16, 128),
@@ -131,20 +132,7 @@ def check_ours(name: str, shape, segments, rows: int = 2) -> str:
     random cotangents of out and lse): 'max abs / relative' error of out, lse, dq, dk, dv."""
     q, k, v, d_out, d_lse = (x[:rows] for x in inputs(shape, seed=1))
     seg = None if segments is None else segments[:rows]
-
-    @jax.jit
-    def ours(q, k, v, d_out, d_lse):
-        outputs, pullback = jax.vjp(lambda *a: flash.attention(*a, seg, True), q, k, v)
-        return (*outputs, *pullback((d_out, d_lse)))
-
-    @jax.jit
-    def reference(q, k, v, d_out, d_lse):
-        index = jnp.arange(q.shape[1])[None]
-        outputs, pullback = jax.vjp(lambda *a: xla_block(*a, index, index, seg, seg), q, k, v)
-        return (*outputs, *pullback((d_out, d_lse)))
-
-    got = ours(q, k, v, d_out, d_lse)
-    want = reference(*(x.astype(jnp.float32) for x in (q, k, v, d_out)), d_lse)
+    got, want = ours_and_reference(q, k, v, d_out, d_lse, seg, causal=True)
     parts, worst = [], 0.0
     for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)

@@ -49,16 +49,10 @@ def segment_ids(batch: int, length: int, documents, seed: int = 0):
     return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) // (length // documents), (batch, length))
 
 
-def errors(case, seed: int = 1) -> dict:
-    """Relative error of out, lse, dq, dk, dv against float32 attention for one case."""
-    b, t, heads, kv_heads, hd, causal, documents = case
-    keys = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(keys[0], (b, t, heads, hd), jnp.bfloat16)
-    k, v = (jax.random.normal(key, (b, t, kv_heads, hd), jnp.bfloat16) for key in keys[1:3])
-    d_out = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
-    d_lse = jax.random.normal(keys[4], q.shape[:3], jnp.float32)
-    ids = segment_ids(b, t, documents)
-    positions = jnp.arange(t)[None]
+def ours_and_reference(q, k, v, d_out, d_lse, ids, causal: bool) -> tuple[tuple, tuple]:
+    """(ours, float32 reference): out, lse, dq, dk, dv of our kernels (`flash.attention`) on q, k, v
+    and of float32 attention (`xla_block`) on them upcast, each pulled back along (d_out, d_lse)."""
+    positions = jnp.arange(q.shape[1])[None]
 
     def reference(q, k, v):
         return xla_block(q, k, v, positions, positions if causal else jnp.zeros_like(positions), ids, ids)
@@ -72,6 +66,18 @@ def errors(case, seed: int = 1) -> dict:
 
     got = jax.jit(lambda *a: outputs_and_grads(ours, *a))(q, k, v)
     want = jax.jit(lambda *a: outputs_and_grads(reference, *a))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    return got, want
+
+
+def errors(case, seed: int = 1) -> dict:
+    """Relative error of out, lse, dq, dk, dv against float32 attention for one case."""
+    b, t, heads, kv_heads, hd, causal, documents = case
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (b, t, heads, hd), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, t, kv_heads, hd), jnp.bfloat16) for key in keys[1:3])
+    d_out = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    d_lse = jax.random.normal(keys[4], q.shape[:3], jnp.float32)
+    got, want = ours_and_reference(q, k, v, d_out, d_lse, segment_ids(b, t, documents), causal)
     result = {}
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
