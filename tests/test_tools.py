@@ -17,7 +17,7 @@ sys.path.insert(0, TOOLS)
 import ceilings  # noqa: E402
 import permute_schedule  # noqa: E402
 import pipeline_schedule  # noqa: E402
-from hlo_ops import HloOps  # noqa: E402
+from hlo_ops import HloOps, kernel_class  # noqa: E402
 
 # A scheduled module in the form `compiled.as_text()` prints on GPUs: a Triton GEMM fusion, a cuBLAS call
 # (whose kernels bear cuBLAS's names, not the instruction's) and an elementwise fusion.
@@ -67,6 +67,14 @@ def test_kernels_attributed_by_name_and_library_kernels_by_schedule_order():
     fast = [dict(e, dur=0.0005) if e["name"].startswith("nvjet") else dict(e, dur=0.0001) for e in kernels]
     first_line = HloOps(MODULE).table(fast, steps=2, top=5)[1].split()
     assert first_line[1:4] == ["1", "393", "transpose(jvp())/ab,cb->ac/dot_general"], first_line
+
+
+def test_kernel_classes_by_the_names_a_gpu_profile_shows():
+    # Names from an H200 profile of bench_1b: every Mosaic GPU kernel launches under one name.
+    assert kernel_class("entry_mosaic_gpu_kernel") == "pallas"
+    assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3") == "attention"
+    assert kernel_class("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT") == "matmul"
+    assert kernel_class("loop_convert_fusion_15") == "other"
 
 
 def test_tuple_shapes_past_five_elements_and_trace_op_names_are_read():

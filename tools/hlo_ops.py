@@ -130,8 +130,12 @@ def _add(slot: list, event: dict, steps: int) -> None:
 
 
 def kernel_class(name: str) -> str:
-    """A GPU kernel's rough class by its name: matmul, attention, copy, collective or other."""
+    """A GPU kernel's rough class by its name: matmul, attention, pallas, copy, collective or other.
+    Every Mosaic GPU kernel launches as `entry_mosaic_gpu_kernel`, so ours (attention, grouped
+    matmuls) share the class "pallas"; the by-HLO-operation table tells them apart."""
     low = name.lower()
+    if "mosaic_gpu" in low:
+        return "pallas"
     if any(k in low for k in ("gemm", "cublas", "matmul", "sm90_xmma", "nvjet", "triton_gemm", "cutlass")):
         return "matmul"
     if any(k in low for k in ("fmha", "flash", "cudnn", "attention", "sdpa")):

@@ -4,7 +4,7 @@
 
 Traces `--steps` steps after a warm-up with `jax.profiler.trace(..., create_perfetto_trace=True)`,
 then sums the device-side durations in the trace by kernel name and prints the largest, per step,
-with a rough class for each (matmul, attention, other fusion), then the same time by HLO operation
+with a rough class for each (matmul, attention, our Pallas kernels, other fusion), then the same time by HLO operation
 (tools/hlo_ops.py), with the FLOP rate of each group of matmuls.
 """
 
