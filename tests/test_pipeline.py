@@ -29,6 +29,7 @@ from ushard.parallel.pipeline import (
     one_f_one_b_table,
     ring_size,
     run_stages,
+    when_updating,
 )
 from ushard.sharding import Layout, use_layout
 from ushard.training.step import BATCH_FIELDS
@@ -187,6 +188,41 @@ def test_one_f_one_b_matches_autodiff_of_the_plain_stack(toy):
     np.testing.assert_allclose(got_sums["error"], sums["error"], rtol=1e-6)
     assert float(got_sums["rows"]) == TOY_ROWS
     assert tree_relative_difference((d_outer, d_stack), grads) < 1e-6
+
+
+def test_when_updating_writes_the_state_inside_the_conditional_only_where_the_slot_works():
+    """1F1B's ring and gradient accumulators go through the slot's conditional: on the stage whose
+    slot works, fn's result and its update of one row; on the idle one, zeros and the state as it
+    came. Compiled, nothing selects between row-shaped arrays outside it (that select, and the zeros
+    the idle branch returned for a row, were copies of every residual in every tick); branch-free,
+    the predicate masks the same update."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("stage",))
+    state = jnp.arange(2 * 7 * 13 * 5, dtype=jnp.float32).reshape(2, 7, 13, 5)  # [stage, rows, 13, 5]
+
+    def fn(works, state, x):
+        row = jnp.sin(x) * 3  # [13, 5]
+        new = state.at[4].set(row if works is True else jnp.where(works, row, state[4]))
+        return x.sum(axis=1), new  # [13]
+
+    def body(state, branch_free):
+        works = jax.lax.axis_index("stage") == 0
+        x = jnp.full((13, 5), 0.5)
+        result, state = when_updating(works, fn, state[0], x, axis="stage", branch_free=branch_free)
+        return result[None], state[None]
+
+    for branch_free in (False, True):
+        run = jax.jit(jax.shard_map(lambda s, b=branch_free: body(s, b), mesh=mesh, in_specs=jax.P("stage"),
+                                    out_specs=jax.P("stage")))
+        result, new = run(state)
+        np.testing.assert_array_equal(result[0], np.full(13, 2.5, np.float32))
+        np.testing.assert_array_equal(result[1], np.zeros(13, np.float32))
+        expected = np.array(state)
+        expected[0, 4] = np.sin(0.5) * 3
+        np.testing.assert_allclose(new, expected, rtol=1e-6)
+        if not branch_free:
+            hlo = run.lower(state).compile().as_text()
+            assert "conditional(" in hlo
+            assert not re.findall(r"= \w+\[13,5\]\S* select\(", hlo)
 
 
 # --------------------------------------------------------------------------- the model against one device

@@ -469,23 +469,35 @@ class StageSlots:
         index = jax.lax.axis_index(self.axis)
         chunk, f, mb, entered, received = self._local(chunks, f, (mb, entered, received))
         ring = jax.tree.map(lambda a: a[0, :, 0], ring)
+        slot = jnp.maximum(f, 0) % self.keep
+
+        def run(works, ring, chunk, activation, mb):  # the residuals go straight into their slot
+            out, residuals = self._forward_with_residuals(chunk, activation, mb)
+            return out, put(ring, slot, residuals, works)
+
         with self._inside():
             activation = jax.tree.map(lambda a, r: jnp.where(index == 0, a, r), entered, received)
-            out, residuals = when(f != IDLE, self._forward_with_residuals, chunk, activation, mb, axis=self.manual,
-                                  branch_free=self.branch_free)
-            ring = put(ring, jnp.maximum(f, 0) % self.keep, residuals, f != IDLE)
+            out, ring = when_updating(f != IDLE, run, ring, chunk, activation, mb, axis=self.manual,
+                                      branch_free=self.branch_free)
         sent = jax.lax.ppermute(out, self.axis, self.forward_pairs)
         return *jax.tree.map(lambda a: a[None, None], (out, sent)), jax.tree.map(lambda a: a[None, :, None], ring)
 
     def _backward_body(self, chunks, b, mb, ring, d_out, d_received, d_chunks):
         index = jax.lax.axis_index(self.axis)
         chunk, b, mb, d_out, d_received = self._local(chunks, b, (mb, d_out, d_received))
-        kept = take(jax.tree.map(lambda a: a[0, :, 0], ring), jnp.maximum(b, 0) % self.keep)
+        ring = jax.tree.map(lambda a: a[0, :, 0], ring)
+        slot = jnp.maximum(b, 0) % self.keep
+
+        def pull(works, d_chunks, chunk, ring, d_out):  # the residuals read, the gradients added, in place
+            d_chunk, d_in = self._grads(chunk, take(ring, slot), d_out)
+            if works is not True:
+                d_chunk = keep_if(works, d_chunk)
+            return d_in, jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype)[None, None, None], d_chunks, d_chunk)
+
         with self._inside():
             d_out = jax.tree.map(lambda h, r: jnp.where(index == self.stages - 1, h, r), d_out, d_received)
-            d_chunk, d_in = when(b != IDLE, self._grads, chunk, kept, d_out, axis=self.manual,
-                                 branch_free=self.branch_free)
-        d_chunks = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype)[None, None, None], d_chunks, d_chunk)
+            d_in, d_chunks = when_updating(b != IDLE, pull, d_chunks, chunk, ring, d_out, axis=self.manual,
+                                           branch_free=self.branch_free)
         d_sent = jax.lax.ppermute(d_in, self.axis, self.backward_pairs)
         return *jax.tree.map(lambda a: a[None, None], (d_in, d_sent)), d_chunks
 
@@ -543,8 +555,10 @@ def take(tree, index):
 
 def put(tree, index, value, where):
     """Row `index` of every [n, ...] leaf set to `value` where `where` holds (one row read and
-    written, not the whole buffer)."""
+    written, not the whole buffer; `where` True: written, not read)."""
     index = jnp.maximum(index, 0)
+    if where is True:
+        return jax.tree.map(lambda buf, v: buf.at[index].set(v), tree, value)
     return jax.tree.map(lambda buf, v: buf.at[index].set(jnp.where(where, v, buf[index])), tree, value)
 
 
@@ -563,6 +577,27 @@ def when(predicate, fn, *operands, axis, branch_free: bool = False):
     if branch_free:
         return jax.tree.map(lambda a, z: jnp.where(predicate, a, z), varying(fn(*operands), axis), zeros)
     return jax.lax.cond(predicate, lambda *ops: varying(fn(*ops), axis), lambda *_: zeros, *operands)
+
+
+def when_updating(predicate, fn, state, *operands, axis, branch_free: bool = False):
+    """(result, state) = fn(works, state, *operands) where `predicate` holds; elsewhere zeros shaped
+    like the result and `state` as it came, at no cost then (`when`'s conditional and its limits).
+
+    `state` (1F1B's ring of kept residuals, its gradient accumulators) goes through the conditional,
+    so the branch writes into it in place. A result returned from the branch and written into the
+    state outside was a copy of every residual and gradient in every tick, and the idle branch's zeros
+    another. `works` is True inside the conditional; `branch_free`, fn always runs and `works` is the
+    predicate, with which fn masks its own update (one row of the ring rather than all of it)."""
+    zeros = zeros_of(lambda *ops: fn(True, *ops)[0], state, *operands, axis=axis)
+    if branch_free:
+        result, state = fn(predicate, state, *operands)
+        return jax.tree.map(lambda a, z: jnp.where(predicate, a, z), varying(result, axis), zeros), state
+
+    def works(state, *ops):
+        result, state = fn(True, state, *ops)
+        return varying(result, axis), varying(state, axis)
+
+    return jax.lax.cond(predicate, works, lambda state, *_: (zeros, state), state, *operands)
 
 
 def slots_branch_free(layout: Layout) -> bool:
