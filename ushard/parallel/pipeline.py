@@ -557,26 +557,21 @@ def put(tree, index, value, where):
     """Row `index` of every [n, ...] leaf set to `value` where `where` holds (one row read and
     written, not the whole buffer; `where` True: written, not read)."""
     index = jnp.maximum(index, 0)
-    if where is True:
-        return jax.tree.map(lambda buf, v: buf.at[index].set(v), tree, value)
-    return jax.tree.map(lambda buf, v: buf.at[index].set(jnp.where(where, v, buf[index])), tree, value)
+    return jax.tree.map(lambda buf, v: buf.at[index].set(v if where is True else jnp.where(where, v, buf[index])),
+                        tree, value)
 
 
 def when(predicate, fn, *operands, axis, branch_free: bool = False):
-    """fn(*operands) where `predicate` holds, zeros shaped like its result elsewhere, at no cost then.
+    """fn(*operands) where `predicate` holds, zeros shaped like its result elsewhere, at no cost then
+    (`when_updating` without a state).
 
     A `lax.cond` whose predicate differs between stages: nothing inside may communicate over the stage
     axis (the compiler's collectives over the other mesh axes are fine, every device of such a group
     takes the same branch). `branch_free`: fn runs either way and its result is selected, for layers
     whose own transfers XLA cannot compile inside a conditional (`slots_branch_free`); an idle slot
     then costs its work."""
-    # The zeros are made outside the branches: zeros made inside one get a sharding of their own,
-    # which the compiler refuses when it differs from the other branch's ("Inconsistent conditional
-    # sharding").
-    zeros = zeros_of(fn, *operands, axis=axis)
-    if branch_free:
-        return jax.tree.map(lambda a, z: jnp.where(predicate, a, z), varying(fn(*operands), axis), zeros)
-    return jax.lax.cond(predicate, lambda *ops: varying(fn(*ops), axis), lambda *_: zeros, *operands)
+    return when_updating(predicate, lambda works, state, *ops: (fn(*ops), state), (), *operands, axis=axis,
+                         branch_free=branch_free)[0]
 
 
 def when_updating(predicate, fn, state, *operands, axis, branch_free: bool = False):
@@ -588,6 +583,9 @@ def when_updating(predicate, fn, state, *operands, axis, branch_free: bool = Fal
     state outside was a copy of every residual and gradient in every tick, and the idle branch's zeros
     another. `works` is True inside the conditional; `branch_free`, fn always runs and `works` is the
     predicate, with which fn masks its own update (one row of the ring rather than all of it)."""
+    # The zeros are made outside the branches: zeros made inside one get a sharding of their own,
+    # which the compiler refuses when it differs from the other branch's ("Inconsistent conditional
+    # sharding").
     zeros = zeros_of(lambda *ops: fn(True, *ops)[0], state, *operands, axis=axis)
     if branch_free:
         result, state = fn(predicate, state, *operands)
