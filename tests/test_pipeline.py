@@ -7,6 +7,7 @@ others cover and the model-level memory check without a split sequence are `slow
 (`python -m pytest -m slow tests/test_pipeline.py`).
 """
 
+import dataclasses
 import itertools
 import re
 
@@ -20,15 +21,20 @@ from helpers import assert_same_training, per_device_bytes, run_config, tree_rel
 from ushard import build
 from ushard.config import MESH_AXES
 from ushard.mesh import build_mesh
+from ushard.parallel import pipeline as pipeline_module
 from ushard.parallel.pipeline import (
     IDLE,
     PipelineSchedule,
+    accumulate,
     bubble_fraction,
     forward_table,
+    keeps_layer_rows,
+    layer_rows,
     one_f_one_b,
     one_f_one_b_table,
     ring_size,
     run_stages,
+    stacked,
     when_updating,
 )
 from ushard.sharding import Layout, use_layout
@@ -313,6 +319,49 @@ def test_pipeline_matches_one_device(one_device, stdlib_batches, name):
 @pytest.mark.parametrize("name", SWEEP)
 def test_pipeline_sweep_matches_one_device(one_device, stdlib_batches, name):
     check_layout(SWEEP[name], one_device, stdlib_batches)
+
+
+UNROLLED = {"model.scan_unroll": 4}  # each of 2 stages' 4 layers, as XLA's GPU compiler unrolls them
+
+
+@pytest.mark.parametrize("settings", [pipelined("1f1b", 2, 8, UNROLLED),
+                                      pipelined("1f1b", 2, 8, {**UNROLLED, **RING}, sequence=2, tensor=2)],
+                         ids=["alone", "sequence2_tensor2_ring"])
+def test_one_f_one_b_keeps_its_ring_in_layer_rows_where_the_layer_loop_unrolls(one_device, stdlib_batches,
+                                                                              monkeypatch, settings):
+    """The rows are what GPUs run, forced here on CPU with the loop unrolled by scan_unroll: the same
+    training as one device, and no residual or gradient stacked over the stage's 4 layers ([4, ...])
+    is concatenated in the step (35 times without the rows, alone). Microbatches of 2 rows, so no
+    other array starts with a 4. With a split sequence the slots are branch-free."""
+    monkeypatch.setattr(pipeline_module, "keeps_layer_rows", lambda layout: True)
+    got = run_config(small_config(**settings), devices_for(settings), stdlib_batches)
+    assert_same_training(got, one_device)
+    assert not re.findall(r"= \w+\[4,[\d,]*\]\S* concatenate\(", got["hlo"])
+
+
+def test_the_ring_keeps_layer_rows_on_gpus_without_expert_parallelism():
+    layout = pipeline_layout("1f1b", 2, 4)
+    assert not keeps_layer_rows(layout)  # CPU: the layer loop stays a loop
+    assert keeps_layer_rows(dataclasses.replace(layout, platform="gpu"))
+    assert not keeps_layer_rows(dataclasses.replace(layout, platform="tpu"))
+    mesh = build_mesh({axis: 1 for axis in MESH_AXES} | {"pipeline": 2, "expert": 2}, devices=jax.devices()[:4])
+    with_experts = Layout.create(mesh, pipeline=PipelineSchedule("1f1b", 4))
+    assert not keeps_layer_rows(dataclasses.replace(with_experts, platform="gpu"))
+
+
+def test_layer_rows_restack_and_accumulate_layer_by_layer():
+    layers = 3
+    stacked_residual, other = jnp.arange(3 * 4 * 2.0).reshape(3, 4, 2), jnp.ones((5, 2))
+    rows = layer_rows([stacked_residual, other, jnp.float32(2)], layers)
+    assert len(rows[0]) == layers and rows[1] is other
+    np.testing.assert_array_equal(stacked(rows)[0], stacked_residual)
+    assert layer_rows([stacked_residual], 0)[0] is stacked_residual
+    acc = jnp.full((1, 1, 1, 3, 4, 2), 0.5)
+    expected = acc + stacked_residual[None, None, None]
+    for layers_apart in (layers, 0):
+        np.testing.assert_array_equal(accumulate(acc, stacked_residual, True, layers_apart), expected)
+        np.testing.assert_array_equal(accumulate(acc, stacked_residual, jnp.bool_(True), layers_apart), expected)
+        np.testing.assert_array_equal(accumulate(acc, stacked_residual, jnp.bool_(False), layers_apart), acc)
 
 
 # --------------------------------------------------------------------------- mixture of experts in the stages

@@ -404,6 +404,7 @@ class StageSlots:
         self.chained, self.keep, self.layout, self.axis = chained, keep, layout, axis
         self.manual, self.groups = (axis, *groups.axes), groups
         self.branch_free = slots_branch_free(layout)
+        self.rows = keeps_layer_rows(layout)
         self.pullback_tree = None  # set while tracing the forward slot: the pullback's structure,
         self.weight_at = None  # and for each of its leaves, the weight it is (or None)
         stages = layout.size("layers")
@@ -439,6 +440,10 @@ class StageSlots:
         self.weight_at = [next((i for i, w in enumerate(weight_leaves) if leaf is w), None) for leaf in leaves]
         return out, [leaf for leaf, at in zip(leaves, self.weight_at) if at is None]
 
+    def _row_layers(self, chunk) -> int:
+        """The layers whose rows the ring keeps apart (`layer_rows`); 0: residuals kept stacked."""
+        return layers_of(chunk) if self.rows else 0
+
     def _grads(self, weights, residuals, d_out):
         """(d weights, d activation) from a microbatch's kept residuals."""
         weight_leaves, kept = jax.tree.leaves(weights), iter(residuals)
@@ -463,7 +468,7 @@ class StageSlots:
         with self._inside():
             residuals = zeros_of(lambda *a: self._forward_with_residuals(*a)[1], chunk, activation, mb,
                                  axis=self.manual)
-        return jax.tree.map(lambda a: a[None, None], residuals)
+        return jax.tree.map(lambda a: a[None, None], layer_rows(residuals, self._row_layers(chunk)))
 
     def _forward_body(self, chunks, f, mb, entered, received, ring):
         index = jax.lax.axis_index(self.axis)
@@ -473,7 +478,7 @@ class StageSlots:
 
         def run(works, ring, chunk, activation, mb):  # the residuals go straight into their slot
             out, residuals = self._forward_with_residuals(chunk, activation, mb)
-            return out, put(ring, slot, residuals, works)
+            return out, put(ring, slot, layer_rows(residuals, self._row_layers(chunk)), works)
 
         with self._inside():
             activation = jax.tree.map(lambda a, r: jnp.where(index == 0, a, r), entered, received)
@@ -489,10 +494,9 @@ class StageSlots:
         slot = jnp.maximum(b, 0) % self.keep
 
         def pull(works, d_chunks, chunk, ring, d_out):  # the residuals read, the gradients added, in place
-            d_chunk, d_in = self._grads(chunk, take(ring, slot), d_out)
-            if works is not True:
-                d_chunk = keep_if(works, d_chunk)
-            return d_in, jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype)[None, None, None], d_chunks, d_chunk)
+            d_chunk, d_in = self._grads(chunk, stacked(take(ring, slot)), d_out)
+            add = functools.partial(accumulate, works=works, layers=self._row_layers(chunk))
+            return d_in, jax.tree.map(add, d_chunks, d_chunk)
 
         with self._inside():
             d_out = jax.tree.map(lambda h, r: jnp.where(index == self.stages - 1, h, r), d_out, d_received)
@@ -500,6 +504,57 @@ class StageSlots:
                                            branch_free=self.branch_free)
         d_sent = jax.lax.ppermute(d_in, self.axis, self.backward_pairs)
         return *jax.tree.map(lambda a: a[None, None], (d_in, d_sent)), d_chunks
+
+
+def keeps_layer_rows(layout: Layout) -> bool:
+    """Whether 1F1B's ring holds each residual stacked over the stage's layers as its layers' rows
+    (`layer_rows`), and its accumulators add layer by layer: on GPUs, not elsewhere.
+
+    XLA's GPU compiler unrolls the stage's layer loop, so there a stacked residual is a concatenate of
+    the layers' outputs, built every tick, that the rows never build. Where the loop stays a loop (CPU,
+    TPU), it writes its stack in place, and rows would only add copies (the stack for the pullback).
+    Not with `expert` split inside the stage (an auto axis there): XLA resharded a row between the
+    residual and its ring buffer by collective-permutes inside the slot's conditional, where stages
+    taking different branches deadlock (XLA:CPU, JAX 0.10.2)."""
+    return layout.platform == "gpu" and layout.mesh.shape["expert"] == 1
+
+
+def layers_of(chunk) -> int:
+    """How many layers a stage's chunk of stacked weights holds (their leading axis)."""
+    return jax.tree.leaves(chunk)[0].shape[0]
+
+
+def layer_rows(residuals, layers: int) -> list:
+    """The ring's layout of a slot's residuals: each one stacked over the stage's layers (what
+    `jax.vjp` of the layers' scan keeps, [layers, ...]) as a list of its layers' rows.
+
+    Written and read row by row, the stack is never built: XLA forwards a slice of a concatenation to
+    the operand it came from. Stored whole, every tick concatenated each residual's layers into the
+    ring (a slow many-operand fusion) and the backward pass sliced them out again."""
+    if not layers:
+        return residuals
+    return [[a[i] for i in range(layers)] if a.ndim and a.shape[0] == layers else a for a in residuals]
+
+
+def stacked(rows: list) -> list:
+    """`layer_rows` undone: the residuals as the pullback takes them."""
+    return [jnp.stack(r) if isinstance(r, list) else r for r in rows]
+
+
+def accumulate(acc, grad, works, layers: int):
+    """acc [1, 1, 1, ...] + grad where `works` holds (True, or a traced scalar: a branch-free slot
+    masks its own update); layer by layer where `layers` is set and grad is stacked over them
+    ([layers, ...]; in place, never building the stack, as `layer_rows`)."""
+    def add(acc, grad):
+        grad = grad.astype(acc.dtype)[None, None, None]
+        return acc + (grad if works is True else jnp.where(works, grad, 0))
+
+    if not (layers and grad.ndim and grad.shape[0] == layers):
+        return add(acc, grad)
+    for i in range(layers):
+        row = add(jax.lax.index_in_dim(acc, i, axis=3, keepdims=False), grad[i])
+        acc = jax.lax.dynamic_update_index_in_dim(acc, row, i, axis=3)
+    return acc
 
 
 def keep_if(condition, tree):
