@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import small_config
+from ushard.aot import callees, computations
 from ushard.config import MESH_AXES
 from ushard.data.sources import component_documents
 from ushard.kernels.attention import xla_block
@@ -86,6 +87,21 @@ def run_config(config, devices, batches):
         result["aux"].append({k: float(v) for k, v in metrics["aux"].items()})
     result["params"] = jax.device_get(state.params)
     return result
+
+
+def collectives_in_branches(hlo_text: str, kind: str) -> int:
+    """How many `kind` collectives (e.g. "collective-permute") a compiled program runs inside the
+    branches of its conditionals, at any depth."""
+    by_name, _ = computations(hlo_text)
+    todo = [c for instructions in by_name.values() for i in instructions if i.opcode == "conditional"
+            for c in callees(i.rest)]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name not in seen and name in by_name:
+            seen.add(name)
+            todo.extend(c for i in by_name[name] for c in callees(i.rest))
+    return sum(i.opcode in (kind, f"{kind}-start") for name in seen for i in by_name[name])
 
 
 def tree_relative_difference(a, b) -> float:

@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_MOE, small_config
-from helpers import assert_same_training, per_device_bytes, run_config, tree_relative_difference
+from helpers import (
+    assert_same_training,
+    collectives_in_branches,
+    per_device_bytes,
+    run_config,
+    tree_relative_difference,
+)
 from ushard import build
 from ushard.config import MESH_AXES
 from ushard.mesh import build_mesh
@@ -38,6 +44,7 @@ from ushard.parallel.pipeline import (
     when_updating,
 )
 from ushard.sharding import Layout, use_layout
+from ushard.training.loop import Trainer
 from ushard.training.step import BATCH_FIELDS
 
 # --------------------------------------------------------------------------- the schedule tables
@@ -339,14 +346,11 @@ def test_one_f_one_b_keeps_its_ring_in_layer_rows_where_the_layer_loop_unrolls(o
     assert not re.findall(r"= \w+\[4,[\d,]*\]\S* concatenate\(", got["hlo"])
 
 
-def test_the_ring_keeps_layer_rows_on_gpus_without_expert_parallelism():
+def test_the_ring_keeps_layer_rows_on_gpus_only():
     layout = pipeline_layout("1f1b", 2, 4)
     assert not keeps_layer_rows(layout)  # CPU: the layer loop stays a loop
     assert keeps_layer_rows(dataclasses.replace(layout, platform="gpu"))
     assert not keeps_layer_rows(dataclasses.replace(layout, platform="tpu"))
-    mesh = build_mesh({axis: 1 for axis in MESH_AXES} | {"pipeline": 2, "expert": 2}, devices=jax.devices()[:4])
-    with_experts = Layout.create(mesh, pipeline=PipelineSchedule("1f1b", 4))
-    assert not keeps_layer_rows(dataclasses.replace(with_experts, platform="gpu"))
 
 
 def test_layer_rows_restack_and_accumulate_layer_by_layer():
@@ -432,6 +436,21 @@ def test_moe_pipeline_matches_one_device(request, stdlib_batches, name):
         assert w_up[0] == "pipeline" and w_up[1] == "expert", w_up
         assert re.search(r" all-to-all(?:-start)?\(", got["hlo"])
     assert re.search(r"= \S+ collective-permute(?:-start)?\(", got["hlo"])
+
+
+def test_moe_one_f_one_b_keeps_layer_rows_with_the_experts_split_in_the_stages(stdlib_batches, one_device_moe_moving,
+                                                                               monkeypatch):
+    """The rows forced on CPU, the loop unrolled, expert=2 inside the stages: no collective-permute in
+    the slots' conditionals (a row fetched from the device holding its layer was one, naming devices
+    of stages that took the other branch: a deadlock), and the same training as one device."""
+    monkeypatch.setattr(pipeline_module, "keeps_layer_rows", lambda layout: True)
+    settings = pipelined("1f1b", 2, 4, {**MOE, "model.scan_unroll": 2}, expert=2, fsdp=2)
+    config = small_config("tiny_moe", **settings)
+    trainer = Trainer(config, devices=devices_for(settings), batches=stdlib_batches)
+    state = trainer.steps.init(config.train.seed)
+    hlo = trainer.steps.train_step.lower(state, trainer.global_batches(1)[0]).compile().as_text()
+    assert not collectives_in_branches(hlo, "collective-permute")
+    assert_same_training(run_config(config, devices_for(settings), stdlib_batches), one_device_moe_moving)
 
 
 # --------------------------------------------------------------------------- memory

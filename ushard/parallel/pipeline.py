@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ushard.sharding import Layout, merge_rows, split_rows, use_layout, varying
+from ushard.sharding import Layout, current_layout, merge_rows, split_rows, use_layout, varying
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
 IDLE = -1
@@ -468,7 +468,8 @@ class StageSlots:
         with self._inside():
             residuals = zeros_of(lambda *a: self._forward_with_residuals(*a)[1], chunk, activation, mb,
                                  axis=self.manual)
-        return jax.tree.map(lambda a: a[None, None], layer_rows(residuals, self._row_layers(chunk)))
+            residuals = layer_rows(residuals, self._row_layers(chunk))
+        return jax.tree.map(lambda a: a[None, None], residuals)
 
     def _forward_body(self, chunks, f, mb, entered, received, ring):
         index = jax.lax.axis_index(self.axis)
@@ -512,11 +513,8 @@ def keeps_layer_rows(layout: Layout) -> bool:
 
     XLA's GPU compiler unrolls the stage's layer loop, so there a stacked residual is a concatenate of
     the layers' outputs, built every tick, that the rows never build. Where the loop stays a loop (CPU,
-    TPU), it writes its stack in place, and rows would only add copies (the stack for the pullback).
-    Not with `expert` split inside the stage (an auto axis there): XLA resharded a row between the
-    residual and its ring buffer by collective-permutes inside the slot's conditional, where stages
-    taking different branches deadlock (XLA:CPU, JAX 0.10.2)."""
-    return layout.platform == "gpu" and layout.mesh.shape["expert"] == 1
+    TPU), it writes its stack in place, and rows would only add copies (the stack for the pullback)."""
+    return layout.platform == "gpu"
 
 
 def layers_of(chunk) -> int:
@@ -533,7 +531,18 @@ def layer_rows(residuals, layers: int) -> list:
     ring (a slow many-operand fusion) and the backward pass sliced them out again."""
     if not layers:
         return residuals
-    return [[a[i] for i in range(layers)] if a.ndim and a.shape[0] == layers else a for a in residuals]
+
+    def rows(a):
+        # Each device holds every layer's row. Left to itself the compiler may split the layers over an
+        # auto axis (`expert`), and then fetched each row by a collective-permute inside the slot's
+        # conditional, which names devices of stages that took the other branch: a deadlock.
+        layout = current_layout()
+        if layout is not None:
+            unsplit = P(None, *[P.UNCONSTRAINED] * (a.ndim - 1))
+            a = jax.lax.with_sharding_constraint(a, NamedSharding(layout.mesh, unsplit))
+        return [a[i] for i in range(layers)]
+
+    return [rows(a) if a.ndim and a.shape[0] == layers else a for a in residuals]
 
 
 def stacked(rows: list) -> list:
