@@ -27,7 +27,6 @@ from helpers import (
 from ushard import build
 from ushard.config import MESH_AXES
 from ushard.mesh import build_mesh
-from ushard.parallel import pipeline as pipeline_module
 from ushard.parallel.pipeline import (
     IDLE,
     PipelineSchedule,
@@ -328,29 +327,30 @@ def test_pipeline_sweep_matches_one_device(one_device, stdlib_batches, name):
     check_layout(SWEEP[name], one_device, stdlib_batches)
 
 
-UNROLLED = {"model.scan_unroll": 4}  # each of 2 stages' 4 layers, as XLA's GPU compiler unrolls them
+UNROLLED = {"model.scan_unroll": 4}  # each of 2 stages' 4 layers unrolled, as configs/bench_1b.py's 16
 
 
 @pytest.mark.parametrize("settings", [pipelined("1f1b", 2, 8, UNROLLED),
                                       pipelined("1f1b", 2, 8, {**UNROLLED, **RING}, sequence=2, tensor=2)],
                          ids=["alone", "sequence2_tensor2_ring"])
 def test_one_f_one_b_keeps_its_ring_in_layer_rows_where_the_layer_loop_unrolls(one_device, stdlib_batches,
-                                                                              monkeypatch, settings):
-    """The rows are what GPUs run, forced here on CPU with the loop unrolled by scan_unroll: the same
-    training as one device, and no residual or gradient stacked over the stage's 4 layers ([4, ...])
-    is concatenated in the step (35 times without the rows, alone). Microbatches of 2 rows, so no
-    other array starts with a 4. With a split sequence the slots are branch-free."""
-    monkeypatch.setattr(pipeline_module, "keeps_layer_rows", lambda layout: True)
+                                                                              settings):
+    """The same training as one device, and no residual or gradient stacked over the stage's 4 layers
+    ([4, ...]) is concatenated in the step (35 times with the ring stacked, alone). Microbatches of
+    2 rows, so no other array starts with a 4. With a split sequence the slots are branch-free."""
     got = run_config(small_config(**settings), devices_for(settings), stdlib_batches)
     assert_same_training(got, one_device)
     assert not re.findall(r"= \w+\[4,[\d,]*\]\S* concatenate\(", got["hlo"])
 
 
-def test_the_ring_keeps_layer_rows_on_gpus_only():
+def test_the_ring_keeps_layer_rows_where_the_stages_layers_are_unrolled():
     layout = pipeline_layout("1f1b", 2, 4)
-    assert not keeps_layer_rows(layout)  # CPU: the layer loop stays a loop
-    assert keeps_layer_rows(dataclasses.replace(layout, platform="gpu"))
-    assert not keeps_layer_rows(dataclasses.replace(layout, platform="tpu"))
+    assert not keeps_layer_rows(layout, 4)  # a loop of one layer a trip (model.scan_unroll=1)
+    unrolled = dataclasses.replace(layout, pipeline=dataclasses.replace(layout.pipeline, layer_unroll=4))
+    assert keeps_layer_rows(unrolled, 4) and keeps_layer_rows(unrolled, 2)
+    assert not keeps_layer_rows(unrolled, 8)
+    config = small_config(**pipelined("1f1b", 2, 4, UNROLLED))
+    assert build(config, jax.devices()[:2]).plan.pipeline.layer_unroll == 4
 
 
 def test_layer_rows_restack_and_accumulate_layer_by_layer():
@@ -438,12 +438,11 @@ def test_moe_pipeline_matches_one_device(request, stdlib_batches, name):
     assert re.search(r"= \S+ collective-permute(?:-start)?\(", got["hlo"])
 
 
-def test_moe_one_f_one_b_keeps_layer_rows_with_the_experts_split_in_the_stages(stdlib_batches, one_device_moe_moving,
-                                                                               monkeypatch):
-    """The rows forced on CPU, the loop unrolled, expert=2 inside the stages: no collective-permute in
-    the slots' conditionals (a row fetched from the device holding its layer was one, naming devices
-    of stages that took the other branch: a deadlock), and the same training as one device."""
-    monkeypatch.setattr(pipeline_module, "keeps_layer_rows", lambda layout: True)
+def test_moe_one_f_one_b_keeps_layer_rows_with_the_experts_split_in_the_stages(stdlib_batches, one_device_moe_moving):
+    """The ring in layer rows (the stages' 2 layers unrolled) with expert=2 inside the stages: no
+    collective-permute in the slots' conditionals (a row fetched from the device holding its layer was
+    one, naming devices of stages that took the other branch: a deadlock), and the same training as
+    one device."""
     settings = pipelined("1f1b", 2, 4, {**MOE, "model.scan_unroll": 2}, expert=2, fsdp=2)
     config = small_config("tiny_moe", **settings)
     trainer = Trainer(config, devices=devices_for(settings), batches=stdlib_batches)

@@ -62,7 +62,8 @@ class ParallelPlan:
         stages, ways = mesh_shape["pipeline"], mesh_shape["sequence"]
         pipeline = None
         if stages > 1:
-            pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats)
+            pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats,
+                                        m.scan_unroll)
         choose = functools.partial(_choice, m.attention_impl, platform, m.compute_dtype, t.seq_len,
                                    head_dim=model.head_dim, split=ways > 1, documents=bool(m.document_mask))
         attention = choose(in_stage=False)

@@ -57,6 +57,7 @@ class PipelineSchedule:
     name: str = "gpipe"
     microbatches: int = 1
     repeats: int = 1
+    layer_unroll: int = 1  # layers per trip of a stage's layer loop (model.scan_unroll): `keeps_layer_rows`
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -404,7 +405,6 @@ class StageSlots:
         self.chained, self.keep, self.layout, self.axis = chained, keep, layout, axis
         self.manual, self.groups = (axis, *groups.axes), groups
         self.branch_free = slots_branch_free(layout)
-        self.rows = keeps_layer_rows(layout)
         self.pullback_tree = None  # set while tracing the forward slot: the pullback's structure,
         self.weight_at = None  # and for each of its leaves, the weight it is (or None)
         stages = layout.size("layers")
@@ -442,7 +442,8 @@ class StageSlots:
 
     def _row_layers(self, chunk) -> int:
         """The layers whose rows the ring keeps apart (`layer_rows`); 0: residuals kept stacked."""
-        return layers_of(chunk) if self.rows else 0
+        layers = layers_of(chunk)
+        return layers if keeps_layer_rows(self.layout, layers) else 0
 
     def _grads(self, weights, residuals, d_out):
         """(d weights, d activation) from a microbatch's kept residuals."""
@@ -507,14 +508,15 @@ class StageSlots:
         return *jax.tree.map(lambda a: a[None, None], (d_in, d_sent)), d_chunks
 
 
-def keeps_layer_rows(layout: Layout) -> bool:
-    """Whether 1F1B's ring holds each residual stacked over the stage's layers as its layers' rows
-    (`layer_rows`), and its accumulators add layer by layer: on GPUs, not elsewhere.
+def keeps_layer_rows(layout: Layout, layers: int) -> bool:
+    """Whether 1F1B's ring holds each residual stacked over a stage's `layers` as its layers' rows
+    (`layer_rows`), and its accumulators add layer by layer: where the stage's layer loop is unrolled
+    (`PipelineSchedule.layer_unroll` covers them).
 
-    XLA's GPU compiler unrolls the stage's layer loop, so there a stacked residual is a concatenate of
-    the layers' outputs, built every tick, that the rows never build. Where the loop stays a loop (CPU,
-    TPU), it writes its stack in place, and rows would only add copies (the stack for the pullback)."""
-    return layout.platform == "gpu"
+    Unrolled, a stacked residual is a concatenate of the layers' outputs, built every tick, that the
+    rows never build. A loop writes its stack in place, and rows would only add copies (the stack the
+    pullback takes)."""
+    return layout.pipeline is not None and layout.pipeline.layer_unroll >= layers
 
 
 def layers_of(chunk) -> int:
