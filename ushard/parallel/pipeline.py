@@ -529,14 +529,15 @@ def layer_rows(residuals, layers: int) -> list:
     `jax.vjp` of the layers' scan keeps, [layers, ...]) as a list of its layers' rows.
 
     Written and read row by row, the stack is never built: XLA forwards a slice of a concatenation to
-    the operand it came from. Stored whole, every tick concatenated each residual's layers into the
-    ring (a slow many-operand fusion) and the backward pass sliced them out again."""
+    the operand it came from. Stored whole with the layers unrolled, every tick concatenated each
+    residual's layers into the ring (a slow many-operand fusion) and the backward pass sliced them out
+    again."""
     if not layers:
         return residuals
 
     def rows(a):
         # Each device holds every layer's row. Left to itself the compiler may split the layers over an
-        # auto axis (`expert`), and then fetched each row by a collective-permute inside the slot's
+        # auto axis (`expert`) and then fetch each row by a collective-permute inside the slot's
         # conditional, which names devices of stages that took the other branch: a deadlock.
         layout = current_layout()
         if layout is not None:
