@@ -445,6 +445,8 @@ def test_moe_one_f_one_b_keeps_layer_rows_with_the_experts_split_in_the_stages(s
     one device."""
     settings = pipelined("1f1b", 2, 4, {**MOE, "model.scan_unroll": 2}, expert=2, fsdp=2)
     config = small_config("tiny_moe", **settings)
+    # Compiled and checked before run_config runs it: with a permute inside a branch the run hangs in
+    # XLA:CPU's rendezvous instead of failing, so run_config's own compile comes too late to say why.
     trainer = Trainer(config, devices=devices_for(settings), batches=stdlib_batches)
     state = trainer.steps.init(config.train.seed)
     hlo = trainer.steps.train_step.lower(state, trainer.global_batches(1)[0]).compile().as_text()

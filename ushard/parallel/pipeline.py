@@ -534,12 +534,12 @@ def layer_rows(residuals, layers: int) -> list:
     again."""
     if not layers:
         return residuals
+    layout = current_layout()
 
     def rows(a):
         # Each device holds every layer's row. Left to itself the compiler may split the layers over an
         # auto axis (`expert`) and then fetch each row by a collective-permute inside the slot's
         # conditional, which names devices of stages that took the other branch: a deadlock.
-        layout = current_layout()
         if layout is not None:
             unsplit = P(None, *[P.UNCONSTRAINED] * (a.ndim - 1))
             a = jax.lax.with_sharding_constraint(a, NamedSharding(layout.mesh, unsplit))
