@@ -108,7 +108,7 @@ def typed(blocks: BlockKernel) -> BlockKernel:
 
 
 # The kernels whose whole-sequence form takes a sliding window (`whole_sequence`'s `window`).
-WINDOWED = ("xla", "cudnn", "splash")
+WINDOWED = ("xla", "cudnn", "splash", "flash")
 
 
 def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False, head_dim: int = 128,
