@@ -229,17 +229,18 @@ def test_a_length_that_is_not_a_multiple_of_the_blocks_is_refused():
         flash.forward(q[..., :48], k[..., :48], v[..., :48], True)
 
 
-@pytest.mark.parametrize("hd,dtype", [(128, jnp.bfloat16), (64, jnp.float16)])
-def test_kernels_lower_to_triton(monkeypatch, hd, dtype):
+@pytest.mark.parametrize("hd,dtype,window", [(128, jnp.bfloat16, 0), (64, jnp.float16, 0), (256, jnp.bfloat16, 0),
+                                             (128, jnp.bfloat16, 100)])
+def test_kernels_lower_to_triton(monkeypatch, hd, dtype, window):
     """Every kernel, with and without documents, lowers to Triton's IR for a CUDA GPU, at the table's
-    block sizes (the Triton compiler itself runs only on a GPU)."""
+    block sizes (the Triton compiler itself runs only on a GPU); with a window too."""
     monkeypatch.setattr(flash, "_interpret", lambda: False)
     q = jax.ShapeDtypeStruct((B, 256, HEADS, hd), dtype)
     kv = jax.ShapeDtypeStruct((B, 256, KV_HEADS, hd), dtype)
     lse = jax.ShapeDtypeStruct((B, 256, HEADS), jnp.float32)
     for segments in (None, jax.ShapeDtypeStruct((B, 256), jnp.int32)):
         def step(q, k, v, segments, d_out, d_lse):
-            outputs, pullback = jax.vjp(lambda *a: flash.attention(*a, segments), q, k, v)
+            outputs, pullback = jax.vjp(lambda *a: flash.attention(*a, segments, window=window), q, k, v)
             return outputs, pullback((d_out, d_lse))
 
         text = jax.jit(step).trace(q, kv, kv, segments, q, lse).lower(lowering_platforms=("cuda",)).as_text()

@@ -162,8 +162,10 @@ def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: 
         else:
             return f"{name} (cuDNN takes 16-bit compute only)"
         if resolved == "xla":
+            from ushard.kernels.flash import TUNING
+
             reason += (f"; ushard's flash needs 16-bit compute, sequences a multiple of {LANES} tokens and head "
-                       f"dims of 64 or 128")
+                       f"dims of {' or '.join(str(d) for d in sorted(TUNING))}")
         return f"{name} ({reason})"
     if resolved == "xla" and platform == "tpu":
         return f"{name} (splash needs sequences a multiple of {LANES} tokens)"
