@@ -195,6 +195,7 @@ def bench(name: str, documents: int, impls, sweep: bool, check: bool = True, win
             continue
         table.append((label, impl, t_fwd * 1e3, forward_flops / t_fwd / 1e12, t_both * 1e3,
                       3.5 * forward_flops / t_both / 1e12))
+        print("  row: {} | {} | {:.3f} | {:.0f} | {:.3f} | {:.0f}".format(*table[-1]), flush=True)  # if cut short
     if sweep:
         table += block_sweep(label, shape, segments, q, k, v, d_out, forward_flops)
     return table
