@@ -122,12 +122,19 @@ def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False
         # Where cuDNN cannot run, ours if it can: far faster than XLA's, whose blocks hold every
         # block's scores (a split 32k sequence with documents asked for 356 GiB; docs/benchmarks.md).
         # With documents ours also beats cuDNN on whole sequences: cuDNN takes the mask as a dense
-        # [T, T] array and computes every block, ours skips other documents' blocks.
+        # [T, T] array and computes every block, ours skips other documents' blocks. With a sliding
+        # window both skip the blocks outside it, and ours measured faster on the Mosaic GPU
+        # kernels' head dims (Hopper); at head dim 256 ours runs on the Triton kernels, far slower
+        # than cuDNN's (docs/benchmarks.md).
         fits = flash_fits(length, head_dim, window)
+        if not in_stage and not split and documents:
+            return "flash" if fits else "cudnn"
+        if not in_stage and not split and window:
+            from ushard.kernels.flash_hopper import BLOCKS as MOSAIC_HEAD_DIMS
+
+            return "flash" if fits and head_dim in MOSAIC_HEAD_DIMS else "cudnn"
         if not in_stage and not documents:
             return "cudnn"
-        if not in_stage and not split:
-            return "flash" if fits else "cudnn"
         return "flash" if fits else "xla"
     if platform == "tpu" and length % LANES == 0 and (not window or "splash" in WINDOWED):
         return "splash"
@@ -159,6 +166,8 @@ def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: 
             reason = "cuDNN's blocks of a split sequence take no document mask"
         elif documents:
             reason = "cuDNN computes every block of a document mask, ours skips other documents' blocks"
+        elif window and resolved == "flash":
+            reason = "a sliding window: ours skips the blocks outside it, measured faster than cuDNN's window"
         else:
             return f"{name} (cuDNN takes 16-bit compute only)"
         if resolved == "xla":
