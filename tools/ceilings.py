@@ -29,7 +29,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ushard.config import load_config  # noqa: E402
-from ushard.metrics import flops_per_token, peak_flops  # noqa: E402
+from ushard.metrics import peak_flops  # noqa: E402
 from ushard.models.config import ModelConfig  # noqa: E402
 from ushard.models.definition import ModelDef  # noqa: E402
 
@@ -143,7 +143,7 @@ def main() -> None:
     moved = elementwise_bytes(m, tokens, model.num_params())
     moved_ms = {part: b / bandwidth * 1e3 for part, b in moved.items()}
     floor_ms = matmul_ms + m.n_layers * train_ms + sum(moved_ms.values())
-    step_flops = flops_per_token(m, model.num_matmul_params(), t.seq_len) * tokens
+    step_flops = model.flops_per_token(t.seq_len) * tokens
     peak = peak_flops()
     print("\nfloor of one step: matmuls {:.1f} + attention {:.1f} + other work {:.1f} ms ({}) = {:.1f} ms".format(
         matmul_ms, m.n_layers * train_ms, sum(moved_ms.values()),
