@@ -1,7 +1,9 @@
 """Attention kernels: the contract, the XLA implementation, and the one place that picks a kernel.
 
 Causal attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd] (grouped-query heads as they
-are); with segment ids [B, T] a token sees only keys of its own document. Two forms:
+are); with segment ids [B, T] a token sees only keys of its own document; with a `window` w > 0
+(sliding-window attention, Hugging Face's `sliding_window`: Mistral, Gemma 3) the query at position i
+sees key j only if i - w < j <= i, itself and the w - 1 keys before it (0: no window). Two forms:
 - whole sequence (`whole_sequence`): what a layer runs when its sequence is on one device;
 - block (`BlockKernel`, `xla_block`): a block of queries against a block of keys from anywhere in the
   sequence, with the log-sum-exp of each query's visible scores, so that context parallelism
@@ -57,6 +59,8 @@ class BlockKernel:
     dv)`: flash attention's backward, where out and lse are the queries' final ones over all blocks,
     so the block's gradients are its exact share of the whole attention's. A query that sees no key
     of a block must get an lse far below any real one (its weight in the merge is then 0).
+    Both halves take `window` (keyword, 0: none; module docstring), and raise NotImplementedError for
+    one they cannot mask (`windows` says whether they can).
     `segments`: whether it takes segment ids (else it runs only without a document mask). `typed`:
     whether its outputs carry `shard_map`'s varying-axes types (cuDNN's do; a Pallas kernel's do
     not, and the ring's shard_map then skips that check).
@@ -66,6 +70,20 @@ class BlockKernel:
     backward: Callable
     segments: bool = False
     typed: bool = True
+    windows: bool = False
+
+
+def windowed(window: int) -> dict:
+    """The keyword a block kernel's half takes for `window`: none without one, so that kernels written
+    before windows existed (the tests' stand-ins) keep working."""
+    return {"window": window} if window else {}
+
+
+def diagonal_only(causal: bool, window: int) -> None:
+    """ValueError for a window on a block that is not causal: a block kernel counts the window from
+    its diagonal (query i and key i at one position), which only a causal block has."""
+    if window and not causal:
+        raise ValueError("a block kernel takes a sliding window on causal (diagonal) blocks only")
 
 
 def typed(blocks: BlockKernel) -> BlockKernel:
@@ -75,25 +93,29 @@ def typed(blocks: BlockKernel) -> BlockKernel:
     if blocks.typed:
         return blocks
 
-    def call(half, *args, causal):
+    def call(half, *args, causal, window):
         axes = frozenset().union(*(varying_axes(a) for a in args if a is not None))
         args = varying(args, axes)
-        return varying(half(*args[:-2], causal, *args[-2:]), axes)
+        return varying(half(*args[:-2], causal, *args[-2:], **windowed(window)), axes)
 
-    def forward(q, k, v, causal, q_segments, k_segments):
-        return call(blocks.forward, q, k, v, q_segments, k_segments, causal=causal)
+    def forward(q, k, v, causal, q_segments, k_segments, window=0):
+        return call(blocks.forward, q, k, v, q_segments, k_segments, causal=causal, window=window)
 
-    def backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
-        return call(blocks.backward, q, k, v, out, lse, d_out, q_segments, k_segments, causal=causal)
+    def backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments, window=0):
+        return call(blocks.backward, q, k, v, out, lse, d_out, q_segments, k_segments, causal=causal, window=window)
 
-    return BlockKernel(forward, backward, segments=blocks.segments, typed=True)
+    return BlockKernel(forward, backward, segments=blocks.segments, typed=True, windows=blocks.windows)
+
+
+# The kernels whose whole-sequence form takes a sliding window (`whole_sequence`'s `window`).
+WINDOWED = ("xla", "cudnn", "splash")
 
 
 def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False, head_dim: int = 128,
-            split: bool = False, documents: bool = False) -> str:
+            split: bool = False, documents: bool = False, window: int = 0) -> str:
     """The kernel `impl` means on `platform` for `dtype`, sequences of `length` tokens and heads of
     `head_dim`, inside a pipeline stage or not, with the sequence split by context parallelism or not,
-    with a document mask or not (module docstring)."""
+    with a document mask or not, with a sliding `window` or not (module docstring)."""
     if impl != "auto":
         return impl
     if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
@@ -101,28 +123,35 @@ def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False
         # block's scores (a split 32k sequence with documents asked for 356 GiB; docs/benchmarks.md).
         # With documents ours also beats cuDNN on whole sequences: cuDNN takes the mask as a dense
         # [T, T] array and computes every block, ours skips other documents' blocks.
-        fits = flash_fits(length, head_dim)
+        fits = flash_fits(length, head_dim, window)
         if not in_stage and not documents:
             return "cudnn"
         if not in_stage and not split:
             return "flash" if fits else "cudnn"
         return "flash" if fits else "xla"
-    return "splash" if platform == "tpu" and length % LANES == 0 else "xla"
+    if platform == "tpu" and length % LANES == 0 and (not window or "splash" in WINDOWED):
+        return "splash"
+    return "xla"
 
 
-def flash_fits(length: int, head_dim: int) -> bool:
-    """Whether ushard's flash kernel has blocks for this sequence length and head dim."""
+def flash_fits(length: int, head_dim: int, window: int = 0) -> bool:
+    """Whether ushard's flash kernel has blocks for this sequence length and head dim (and masks
+    this `window`)."""
     from ushard.kernels.flash import TUNING
 
-    return length % LANES == 0 and head_dim in TUNING
+    return length % LANES == 0 and head_dim in TUNING and (not window or "flash" in WINDOWED)
 
 
 def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: bool = False,
-        documents: bool = False) -> str:
+        documents: bool = False, window: int = 0) -> str:
     """`resolved` in words, with the reason it runs (the start-up report prints it)."""
     name = NAMES[resolved]
     if impl != "auto":
         return f"{name} (model.attention_impl={impl!r})"
+    if window and resolved == "xla" and platform in ("gpu", "tpu"):
+        fused = [NAMES[k] for k in WINDOWED if k != "xla" and PLATFORMS[k][0] == platform]
+        if not fused:
+            return f"{name} (no fused kernel of this platform takes a sliding window yet)"
     if platform == "gpu" and resolved in ("xla", "flash"):
         if in_stage:
             reason = "cuDNN cannot run inside pipeline stages: XLA's GPU compiler crashes on it"
@@ -158,10 +187,16 @@ def check(impl: str, platform: str, seq_len: int, pipeline_stages: int = 1) -> N
                         f"blocks' size); it is {seq_len}.")
 
 
-def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool) -> tuple[BlockKernel | None, str]:
+def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool,
+                 window: int = 0) -> tuple[BlockKernel | None, str]:
     """The fused kernel that runs the blocks of a `length`-token sequence split `ways` ways, for the
     resolved `impl`, or None for XLA blocks (`xla_block`); and what runs them, in words (the start-up
     report says it, so a fallback is never silent)."""
+    if window and impl != "xla":
+        # The ring's fused blocks are called without their tokens' positions (a block of another
+        # device's keys is one full block to them), so they cannot place a window in it; XLA's
+        # blocks take the positions (`xla_block`), and the ring skips the devices out of reach.
+        return None, f"XLA attention ({NAMES[impl]}'s blocks of a split sequence take no sliding window yet)"
     if impl == "cudnn":
         if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
             return None, "XLA attention (cuDNN takes 16-bit inputs only)"
@@ -184,25 +219,32 @@ def block_kernel(impl: str, dtype, length: int, ways: int, documents: bool) -> t
     return None, "XLA attention"
 
 
-def whole_sequence(q, k, v, segment_ids, impl: str):
-    """Causal attention over whole sequences by the resolved kernel `impl` ("xla", "cudnn", "splash", "flash")."""
+def whole_sequence(q, k, v, segment_ids, impl: str, window: int = 0):
+    """Causal attention over whole sequences by the resolved kernel `impl` ("xla", "cudnn", "splash",
+    "flash"), within a sliding `window` if > 0 (module docstring)."""
+    if window < 0:
+        raise ValueError(f"attention's window is a number of keys, 0 for none; got {window}.")
     if impl == "cudnn" and _traced_off_the_chip:
-        return by_halves(FLASH_SHAPES, q, k, v, segment_ids)
+        return by_halves(FLASH_SHAPES, q, k, v, segment_ids, window)
     if impl == "splash":
         from ushard.kernels.splash import splash_attention
 
-        return splash_attention(q, k, v, segment_ids)
+        return splash_attention(q, k, v, segment_ids, window=window)
     if impl == "flash":
         from ushard.kernels.flash import FLASH_BLOCKS
 
-        return by_halves(FLASH_BLOCKS, q, k, v, segment_ids)
+        return by_halves(FLASH_BLOCKS, q, k, v, segment_ids, window)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, T]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+    # JAX's window (left, right) counts the keys on either side of the query; cuDNN's is the same
+    # (pos - w, pos] as ours.
+    local = (window - 1, 0) if window else None
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
+                                        implementation=impl)
 
 
-def by_halves(blocks: BlockKernel, q, k, v, segment_ids):
+def by_halves(blocks: BlockKernel, q, k, v, segment_ids, window: int = 0):
     """Causal attention over whole sequences by a fused kernel's forward and backward halves (`blocks`),
     joined by a custom VJP rather than by autodiff through the kernel. Under a layout each half runs in
     a shard_map of its own, each device on its rows and heads (a Pallas kernel is not partitioned by
@@ -211,11 +253,14 @@ def by_halves(blocks: BlockKernel, q, k, v, segment_ids):
     untyped map (it lost the stage axis from the gradients' types, docs/dev-notes.md)."""
     layout = current_layout()
 
+    if window and not blocks.windows:
+        raise NotImplementedError("this attention kernel takes no sliding window yet")
+
     def forward(q, k, v, segments):
-        return blocks.forward(q, k, v, True, segments, segments)
+        return blocks.forward(q, k, v, True, segments, segments, **windowed(window))
 
     def backward(q, k, v, out, lse, d_out, segments):
-        return blocks.backward(q, k, v, out, lse, d_out, True, segments, segments)
+        return blocks.backward(q, k, v, out, lse, d_out, True, segments, segments, **windowed(window))
 
     if layout is not None:
         q_spec, kv_spec, tokens = layout.spec(Q_NAMES), layout.spec(KV_NAMES), layout.spec(TOKEN_NAMES)
@@ -268,26 +313,29 @@ def traced_off_the_chip():
         _traced_off_the_chip = before
 
 
-def _flash_shapes_forward(q, k, v, causal, q_segments, k_segments):
+def _flash_shapes_forward(q, k, v, causal, q_segments, k_segments, window=0):
+    diagonal_only(causal, window)
     length = jnp.arange(q.shape[1])[None]
-    out, lse = xla_block(q, k, v, length, length if causal else jnp.zeros_like(length), q_segments, k_segments)
+    out, lse = xla_block(q, k, v, length, length if causal else jnp.zeros_like(length), q_segments, k_segments,
+                         window)
     return out.astype(q.dtype), lse
 
 
-def _flash_shapes_backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments):
+def _flash_shapes_backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments, window=0):
     return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
 
 
-FLASH_SHAPES = BlockKernel(_flash_shapes_forward, _flash_shapes_backward, segments=True)
+FLASH_SHAPES = BlockKernel(_flash_shapes_forward, _flash_shapes_backward, segments=True, windows=True)
 
 
-def xla_block(q, k, v, q_index, k_index, q_segments, k_segments):
+def xla_block(q, k, v, q_index, k_index, q_segments, k_segments, window: int = 0):
     """Queries q [B, Tq, heads, hd] over keys and values [B, Tk, kv_heads, hd] from anywhere in the
     sequence: (out [B, Tq, heads, hd], lse [B, Tq, heads]), both float32, lse the log-sum-exp of each
     query's visible scores. Differentiable in both outputs (the ring's XLA path differentiates lse).
 
     A query sees a key whose index in the unsplit row (`q_index` [1, Tq], `k_index` [1, Tk]) is not
-    after its own and, unless the segments are None, whose segment id ([B, Tq], [B, Tk]) is its own. A
+    after its own, with a `window` w > 0 fewer than w before it, and, unless the segments are None,
+    whose segment id ([B, Tq], [B, Tk]) is its own. A
     query that sees no key here gets out = 0 and lse = -inf, so combining blocks ignores it.
     """
     b, tq, h, hd = q.shape
@@ -295,6 +343,8 @@ def xla_block(q, k, v, q_index, k_index, q_segments, k_segments):
     grouped = q.reshape(b, tq, kv_heads, h // kv_heads, hd)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
     visible = q_index[:, :, None] >= k_index[:, None, :]
+    if window:
+        visible = visible & (q_index[:, :, None] - k_index[:, None, :] < window)
     if q_segments is not None:
         visible = visible & (q_segments[:, :, None] == k_segments[:, None, :])
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)

@@ -15,7 +15,7 @@ import math
 
 import jax.numpy as jnp
 
-from ushard.kernels.attention import BlockKernel
+from ushard.kernels.attention import BlockKernel, diagonal_only
 
 
 def _cudnn():
@@ -34,24 +34,28 @@ def _no_documents(*segments):
         raise ValueError("the ring's cuDNN blocks take no segment ids")
 
 
-def _forward(q, k, v, causal, q_segments=None, k_segments=None):
-    """(out [B, T, heads, hd] in q's dtype, lse [B, T, heads] float32) of one block."""
+def _forward(q, k, v, causal, q_segments=None, k_segments=None, window=0):
+    """(out [B, T, heads, hd] in q's dtype, lse [B, T, heads] float32) of one block; `window`: cuDNN's
+    `sliding_window_length`, the same (pos - w, pos] as ours."""
     _no_documents(q_segments, k_segments)
+    diagonal_only(causal, window)
     out, lse = _cudnn().dot_product_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]), mask_type=_mask(causal),
-                                              qkv_layout="BTNH", return_residual=True)
+                                              qkv_layout="BTNH", return_residual=True,
+                                              sliding_window_length=window or None)
     return out, jnp.swapaxes(lse, 1, 2)  # cuDNN's statistics are [B, heads, T]
 
 
-def _backward(q, k, v, out, lse, d_out, causal, q_segments=None, k_segments=None):
+def _backward(q, k, v, out, lse, d_out, causal, q_segments=None, k_segments=None, window=0):
     """(dq, dk, dv) of one block, given the queries' final output and lse over every block."""
     _no_documents(q_segments, k_segments)
+    diagonal_only(causal, window)
     fa = _cudnn()
     unused = jnp.zeros(0, q.dtype)  # no bias, sequence lengths, offsets or page tables
     return fa._dot_product_attention_bwd_p_wrapper.bind(
         q, k, v, unused, unused, unused, unused, unused, unused, unused,
         jnp.swapaxes(lse, 1, 2), out.astype(q.dtype), d_out.astype(q.dtype),
         scale=1 / math.sqrt(q.shape[-1]), seed=0, dropout_rate=0.0, variadic_args=(False, False),
-        mask_type=_mask(causal), layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
+        mask_type=_mask(causal), layout=fa.AttentionLayout.BTNH.value, sliding_window_length=window or None)
 
 
-CUDNN_BLOCKS = BlockKernel(forward=_forward, backward=_backward)
+CUDNN_BLOCKS = BlockKernel(forward=_forward, backward=_backward, windows=True)

@@ -305,12 +305,14 @@ def _forward_call(q, k, v, causal, q_segments, k_segments, tuning: Tuning | None
                           compiler_params=_params(blocks), interpret=_interpret(), name="ushard_flash_forward")(*args)
 
 
-def forward(q, k, v, causal, q_segments=None, k_segments=None, *, tuning: Tuning | None = None):
+def forward(q, k, v, causal, q_segments=None, k_segments=None, window=0, *, tuning: Tuning | None = None):
     """(out [B, T, heads, hd] in q's dtype, lse [B, T, heads] float32) of queries q [B, T, heads, hd]
     over keys and values [B, T, kv_heads, hd] (`kernels.attention.BlockKernel.forward`). On Hopper
     GPUs the Mosaic GPU forward (flash_hopper.py) runs where it takes the shapes; elsewhere, and
     whenever `tuning` is given, the Triton forward here. `tuning`: block sizes other than TUNING's
     (the tests' small ones, the bench's sweep)."""
+    if window:
+        raise NotImplementedError("ushard's flash attention takes no sliding window yet")
     if on_hopper(q, k, tuning):
         _check(q, k, v, q_segments, k_segments, None)
         return flash_hopper.forward(q, k, v, causal, q_segments, k_segments)
@@ -473,10 +475,12 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
     return dq, dk, dv
 
 
-def backward(q, k, v, out, lse, d_out, causal, q_segments=None, k_segments=None, d_lse=None, *,
+def backward(q, k, v, out, lse, d_out, causal, q_segments=None, k_segments=None, d_lse=None, window=0, *,
              tuning: Tuning | None = None):
     """(dq, dk, dv) of one block of keys, given the queries' final out and lse over every block
     (`kernels.attention.BlockKernel.backward`), and `d_lse`, the cotangent of lse, if it has one."""
+    if window:
+        raise NotImplementedError("ushard's flash attention takes no sliding window yet")
     return _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_lse, tuning)
 
 

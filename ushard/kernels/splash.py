@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ushard.kernels.attention import BlockKernel, by_halves
+from ushard.kernels.attention import BlockKernel, by_halves, diagonal_only
 
 BLOCKS = (512, 256, 128)  # block sizes tried, largest first: 512 compiles at T=8192, d=128 in 16 MiB VMEM
 
@@ -41,13 +41,24 @@ def _splash():
     return splash_attention
 
 
-def _kernel(heads: int, length: int, interpret: bool, causal: bool = True, save_residuals: bool = False):
-    """The splash kernel for one row: q [heads, T, hd], k and v [kv_heads, T, hd], causal or full."""
+def _mask(length: int, causal: bool, window: int):
+    """One head's mask: causal, full, or (`window` > 0) causal within the window, which splash's
+    LocalMask gives as the w - 1 keys left of the query and none right of it. Its block info then
+    leaves the blocks wholly outside the window out of the loops, as the causal mask does above it."""
+    splash, shape = _splash(), (length, length)
+    if window:
+        return splash.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    return splash.CausalMask(shape) if causal else splash.FullMask(shape)
+
+
+def _kernel(heads: int, length: int, interpret: bool, causal: bool = True, save_residuals: bool = False,
+            window: int = 0):
+    """The splash kernel for one row: q [heads, T, hd], k and v [kv_heads, T, hd], causal (within a
+    `window` if > 0) or full."""
     splash, b = _splash(), block_size(length)
     sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                               block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
-    shape = (length, length)
-    mask = splash.MultiHeadMask([splash.CausalMask(shape) if causal else splash.FullMask(shape)] * heads)
+    mask = splash.MultiHeadMask([_mask(length, causal, window)] * heads)
     return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, save_residuals=save_residuals,
                                   interpret=interpret)
 
@@ -64,9 +75,10 @@ def splash_blocks(interpret: bool = False) -> BlockKernel:
     def documents(q_segments, k_segments):
         return None if q_segments is None else _splash().SegmentIds(q=q_segments, kv=k_segments)
 
-    def forward(q, k, v, causal, q_segments=None, k_segments=None):
+    def forward(q, k, v, causal, q_segments=None, k_segments=None, window=0):
+        diagonal_only(causal, window)
         heads, length, head_dim = q.shape[2], q.shape[1], q.shape[3]
-        kernel = _kernel(heads, length, interpret, causal, save_residuals=True)
+        kernel = _kernel(heads, length, interpret, causal, save_residuals=True, window=window)
         q = q * (1.0 / math.sqrt(head_dim))  # the kernel does not scale the scores
 
         def row(q, k, v, q_segments, k_segments):
@@ -75,11 +87,12 @@ def splash_blocks(interpret: bool = False) -> BlockKernel:
         out, (lse,) = jax.vmap(row)(_heads_major(q), _heads_major(k), _heads_major(v), q_segments, k_segments)
         return _heads_major(out).astype(q.dtype), jnp.swapaxes(lse, 1, 2)
 
-    def backward(q, k, v, out, lse, d_out, causal, q_segments=None, k_segments=None):
+    def backward(q, k, v, out, lse, d_out, causal, q_segments=None, k_segments=None, window=0):
         from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import _splash_attention_bwd
 
+        diagonal_only(causal, window)
         heads, length, head_dim = q.shape[2], q.shape[1], q.shape[3]
-        kernel = _kernel(heads, length, interpret, causal)
+        kernel = _kernel(heads, length, interpret, causal, window=window)
         options = kernel.kwargs
         scale = 1.0 / math.sqrt(head_dim)
 
@@ -96,12 +109,13 @@ def splash_blocks(interpret: bool = False) -> BlockKernel:
                                    q_segments, k_segments)
         return tuple(_heads_major(g) for g in (dq * scale, dk, dv))
 
-    return BlockKernel(forward=forward, backward=backward, segments=True, typed=False)
+    return BlockKernel(forward=forward, backward=backward, segments=True, typed=False, windows=True)
 
 
-def splash_attention(q, k, v, segment_ids=None, interpret: bool = False):
+def splash_attention(q, k, v, segment_ids=None, interpret: bool = False, window: int = 0):
     """Causal attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd] by splash attention,
-    tokens attending only within their segment (`segment_ids` [B, T]; None: no document masking).
+    tokens attending only within their segment (`segment_ids` [B, T]; None: no document masking) and,
+    with `window` > 0, to the window's keys only (kernels.attention).
     Under a layout, each device runs the kernel on its rows and heads; without one, on everything
     (`kernels.attention.by_halves`)."""
-    return by_halves(splash_blocks(interpret), q, k, v, segment_ids)
+    return by_halves(splash_blocks(interpret), q, k, v, segment_ids, window)

@@ -27,6 +27,13 @@ so the masks follow the original order. With zig-zag, every ring step after the 
 two of the four quarter blocks (which two depends on whether the visiting block comes from an earlier
 device), and both are computed branch-free; the first step skips the fully masked quarter.
 
+Sliding windows (`window` w > 0: a query sees itself and the w - 1 keys before it). The kernel masks
+them by the tokens' original indices, as it masks causality. Around the ring only the steps whose
+block some device's queries can reach are visited (`_reach`, from the static chunk layout): each of
+those blocks comes by one `ppermute` over as many devices as it must jump, and in the backward pass
+its dK, dV jump with it and then home. "all_gather" mode masks only. The fused blocks take no window
+yet (they are called without their tokens' positions): with one, the ring runs XLA blocks.
+
 Packed data: a query sees a key when the key's original index is not after the query's and both
 carry the same segment id; the segment ids travel with the keys. A block in which a query sees no
 key gives that query lse = -inf and adds nothing.
@@ -109,29 +116,42 @@ class _Ring:
         chunk = jnp.where(t < half, device, 2 * self.size - 1 - device)
         return (chunk * half + t % half)[None]
 
-    def shift(self, tree):
-        """Every array of `tree` sent one device on around the ring."""
-        perm = [(j, (j + 1) % self.size) for j in range(self.size)]
+    def shift(self, tree, hops: int = 1):
+        """Every array of `tree` sent `hops` devices on around the ring."""
+        perm = [(j, (j + hops) % self.size) for j in range(self.size)]
         return jax.tree.map(lambda x: jax.lax.ppermute(x, self.axes, perm), tree)
+
+    def chunks(self, device: int, length: int):
+        """The (first, last) original token indices of each contiguous run of a device's `length`
+        local tokens (`device` a Python int: for static planning)."""
+        if not self.zigzag:
+            return [(device * length, (device + 1) * length - 1)]
+        half = length // 2
+        return [(c * half, (c + 1) * half - 1) for c in (device, 2 * self.size - 1 - device)]
 
     def gather(self, tree):
         """Every array of `tree` [B, T, ...] (None stays None) gathered from all devices, [B, n T, ...]."""
         return jax.tree.map(lambda x: jax.lax.all_gather(x, self.axes, axis=1, tiled=True), tree)
 
 
-def attention(q, k, v, segment_ids, kernel, fused: BlockKernel | None = None):
+def attention(q, k, v, segment_ids, kernel, fused: BlockKernel | None = None, window: int = 0):
     """Causal attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd], the sequence split over
     the active layout's `act_length` axes, each device running `kernel` on its blocks.
 
     `segment_ids` [B, T] (or None: no document masking). The other dimensions keep the layout's
     shardings (batch over data/fsdp, heads over tensor), so this composes with those axes. `fused`,
     where given, runs the blocks in the zig-zag order instead, in either mode (with a document mask
-    only if it takes segment ids); everything else runs on `kernel`.
+    only if it takes segment ids); everything else runs on `kernel`. `window` > 0: sliding-window
+    attention (module docstring); `kernel` then takes it (`xla_block`'s `window`), `fused` is unused.
     """
     layout = current_layout()
     mode, keep_kv = (layout.plan.context_mode, layout.plan.context_keep_kv) if layout.plan else ("ring", False)
     ring = _Ring(layout.axes("act_length"), layout.size("act_length"), layout.zigzag)
-    body = functools.partial(_ring_attention, keep=keep_kv) if mode == "ring" else _gathered_attention
+    steps = None
+    if window:
+        kernel, fused = functools.partial(kernel, window=window), None
+        steps = _reach(ring, q.shape[1] // ring.size, window)
+    body = functools.partial(_ring_attention, keep=keep_kv, steps=steps) if mode == "ring" else _gathered_attention
     check_vma = True
     if fused is not None and layout.zigzag and (segment_ids is None or fused.segments):
         body = functools.partial(_fused_attention, gather=mode == "all_gather", keep=keep_kv)
@@ -343,7 +363,48 @@ def _unpacked(visit):
     return lambda kv, *args: visit((kv[0][:, :, 0], kv[0][:, :, 1], kv[1]), *args)
 
 
-def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
+def _reach(ring, length: int, window: int) -> tuple[int, ...] | None:
+    """The ring steps s (1 .. n-1) at which some device's queries can see a key of the block s
+    devices back within `window`, from each device's `length` local tokens; None if that is every
+    step. A static plan: the chunks' places are known at trace time, and a step is one collective
+    that every device takes part in, so a step is left out only if no device needs it."""
+    n = ring.size
+
+    def sees(queries, keys):  # some query - key distance in [0, window)
+        return queries[1] >= keys[0] and queries[0] - keys[1] < window
+
+    def needed(s):
+        return any(sees(qs, ks) for me in range(n) for qs in ring.chunks(me, length)
+                   for ks in ring.chunks((me - s) % n, length))
+
+    steps = tuple(s for s in range(1, n) if needed(s))
+    return None if len(steps) == n - 1 else steps
+
+
+def _hop_walk(ring, home, visit, steps, carry=None, received=None, send=None):
+    """`_walk` over the home block and the blocks `steps` (sorted, from `_reach`) devices back only,
+    unrolled: each block comes by one transfer over the devices it jumps (or from `received`, the
+    blocks an earlier walk returned). `send(carry, hops)`: the part of carry that travels with the
+    block (a backward pass's dK, dV) sent along with it, and home after the last. Returns (carry,
+    the blocks received, in order)."""
+    me, n = ring.index(), ring.size
+    hops = [b - a for a, b in zip((0, *steps), (*steps, n))]
+    carry = visit(home, me, True, carry)
+    block, kept = home, []
+    for i, s in enumerate(steps):
+        if send is not None:
+            carry = send(carry, hops[i])
+        block = ring.shift(block, hops[i]) if received is None else received[i]
+        kept.append(block)
+        carry = visit(block, (me - s) % n, False, carry)
+    if send is not None and steps:
+        carry = send(carry, hops[-1])
+    return carry, tuple(kept)
+
+
+def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False, steps: tuple[int, ...] | None = None):
+    """The ring over XLA blocks (module docstring); `steps`: only those ring steps (`_reach`), else all."""
+
     @jax.custom_vjp
     def attend(q, k, v, segments):
         return forward(q, k, v, segments)[0]
@@ -352,7 +413,11 @@ def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
         def visit(kv, src, diagonal, acc):
             return _merge(acc, _blocks(kernel, ring, diagonal, q, segments, kv, src))
 
-        (out, lse), received = _walk(ring, (k, v, segments), visit, _Passed(ring), keep=keep)
+        if steps is None:
+            (out, lse), received = _walk(ring, (k, v, segments), visit, _Passed(ring), keep=keep)
+        else:
+            (out, lse), received = _hop_walk(ring, (k, v, segments), visit, steps)
+            received = received if keep else None
         out = out.astype(q.dtype)
         return out, (q, k, v, segments, out, lse, received)
 
@@ -362,7 +427,7 @@ def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
         # The softmax backward's row term: sum over head_dim of dO * O, with the final output.
         d_lse_total = jnp.sum(d_out * out.astype(jnp.float32), axis=-1)
 
-        def visit(kv, src, diagonal, grads):
+        def block_grads(kv, src, diagonal, grads):
             """Recomputes this block's partials and pulls back the final output's gradient: a partial
             (o_p, lse_p) enters the output with weight w = exp(lse_p - lse), so its cotangents are
             w * dO and w * (rowsum(dO * o_p) - rowsum(dO * O))."""
@@ -376,11 +441,24 @@ def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False):
             dq, dk, dv = pull_back(cotangents)
             if grads is not None:
                 dq, dk, dv = dq + grads[0], dk + grads[1], dv + grads[2]
+            return dq, dk, dv
+
+        def visit(kv, src, diagonal, grads):
             # dK, dV of this block travel on with it and reach their own device after the last step.
+            dq, dk, dv = block_grads(kv, src, diagonal, grads)
             return (dq, *ring.shift((dk, dv)))
 
+        def send(grads, hops):
+            return (grads[0], *ring.shift(grads[1:], hops))
+
         # The gradients travel with the blocks, so they ride the same ring: `visit` shifts them itself.
-        if keep:
+        if steps is not None:
+            if keep:
+                (dq, dk, dv), _ = _hop_walk(ring, (k, v, segments), block_grads, steps, received=received, send=send)
+            else:
+                (dq, dk, dv), _ = _hop_walk(ring, _sent_again((k, v, segments)), _unpacked(block_grads), steps,
+                                            send=send)
+        elif keep:
             (dq, dk, dv), _ = _walk(ring, (k, v, segments), visit, _Kept(received))
         else:
             (dq, dk, dv), _ = _walk(ring, _sent_again((k, v, segments)), _unpacked(visit), _Passed(ring))
