@@ -107,7 +107,7 @@ def test_logits_match_transformers(checkpoints, kind):
         assert (cfg.sliding_window, cfg.sliding_window_pattern, cfg.local_rope_theta) == (GEMMA_WINDOW, 3, 1e4)
         assert cfg.rope_scaling.type == "linear" and model_definition(cfg).stacks() == (
             ("blocks", 6, 3), ("tail_blocks", 2, 1))
-        for changes in ({"sliding_window": 0}, {"sliding_window": 2 * GEMMA_WINDOW}, {"local_rope_theta": 1e6},
+        for changes in ({"sliding_window": 64}, {"sliding_window": 2 * GEMMA_WINDOW}, {"local_rope_theta": 1e6},
                         {"query_pre_attn_scalar": 0.0}):
             assert relative_error(with_settings(imported, **changes)(TOKENS), expected) > 1e-3, changes
 

@@ -34,17 +34,16 @@ def causal_attention(q, k, v, segment_ids, impl: str, window: int = 0):
     layout = current_layout()
     in_stage = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside a pipeline stage's shard_map
     ways = 1 if layout is None else layout.size("act_length")
-    windowed = {"window": window} if window else {}  # TEMPORARY until the kernels take a window
     if layout is not None and layout.plan is not None:
         impl = layout.plan.attention_for(in_stage, window)
     else:
         platform = layout.platform if layout is not None else jax.default_backend()
         impl = kernels.resolve(impl, platform, q.dtype, q.shape[1], in_stage, head_dim=q.shape[-1], split=ways > 1,
-                               documents=segment_ids is not None, **windowed)
+                               documents=segment_ids is not None, window=window)
     if ways > 1:
-        block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None, **windowed)
-        return layout.seams.context_attention(q, k, v, segment_ids, kernels.xla_block, block, **windowed)
-    return kernels.whole_sequence(q, k, v, segment_ids, impl, **windowed)
+        block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None, window=window)
+        return layout.seams.context_attention(q, k, v, segment_ids, kernels.xla_block, block, window=window)
+    return kernels.whole_sequence(q, k, v, segment_ids, impl, window=window)
 
 
 def cached_attention(q, k_cache, v_cache, length, window: int = 0):

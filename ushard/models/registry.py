@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from ushard.errors import UserError
 from ushard.models import gemma3, llama, qwen3
 from ushard.models.family import Family
@@ -22,4 +24,5 @@ def family_for_model_type(model_type, directory: str) -> Family:
         if model_type in f.hf.model_types:
             return f
     known = ", ".join(t for f in FAMILIES.values() for t in f.hf.model_types)
-    raise UserError(f"{directory}: config.json's model_type={model_type!r} is not supported: ushard imports {known}.")
+    raise UserError(f"{directory}: config.json's model_type={json.dumps(model_type)} is not supported: ushard imports "
+                    f"{known}.")

@@ -87,6 +87,7 @@ def settings(hf: dict, directory: str) -> dict:
 def config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict:
     """config.json as transformers 4.50+ and 5 both read it (the top-level RoPE spelling)."""
     pattern = cfg.sliding_window_pattern
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     types = [GLOBAL if not cfg.sliding_window or (pattern and (i + 1) % pattern == 0) else LOCAL
              for i in range(cfg.n_layers)]
     return {
@@ -96,7 +97,8 @@ def config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict:
         "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": rope_json(cfg.rope_scaling), "rope_local_base_freq": cfg.local_rope_theta or cfg.rope_theta,
         "sliding_window": cfg.sliding_window or max_positions, "layer_types": types,
-        "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim, "final_logit_softcapping": None,
+        # transformers 5 takes a whole number only (Gemma's are).
+        "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar, "final_logit_softcapping": None,
         "attn_logit_softcapping": None, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
         "max_position_embeddings": max_positions, "torch_dtype": dtype,
     }
