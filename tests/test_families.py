@@ -23,7 +23,9 @@ from ushard.errors import UserError
 from ushard.models.definition import model_definition
 from ushard.trained import TrainedModel
 
-VOCAB = 128
+from test_hf import FINETUNE, cli, first_batch, first_loss, text_file, transformers_loss  # noqa: F401
+
+VOCAB = 300  # at least the byte tokenizer's 257, for the fine-tuning run
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             head_dim=24, rms_norm_eps=1e-6)  # head_dim independent of hidden_size / heads (16)
 KINDS = ("qwen3", "qwen3_tied", "qwen3_moe", "gemma3")
@@ -171,3 +173,31 @@ def test_a_family_refuses_the_settings_of_another():
         model_definition(ModelConfig(family="gemma3", moe=MoEConfig(num_experts=4)))
     with pytest.raises(UserError, match="model.family='gpt2' is not a model family ushard has; choose one of: llama"):
         model_definition(ModelConfig(family="gpt2"))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gemma3"])
+def test_finetune_from_a_converted_checkpoint_starts_at_transformers_loss(checkpoints, text_file, tmp_path, kind):
+    """docs/finetuning.md's recipe: convert, train with the printed settings, export."""
+    import transformers
+
+    directory, model = checkpoints[kind]
+    converted, run, exported = (str(tmp_path / name) for name in ("converted", "run", "exported"))
+    status, out, err = cli("convert", "--from-hf", directory, "--to", converted)
+    assert status == 0, err
+    settings = [a for a in out.split() if a.startswith("--config.model.")]
+    assert f"--config.model.family={cfg_family(kind)}" in settings
+    sizes = [a for a in FINETUNE if not a.startswith(("--config.model.", "--config.train.seq_len"))]
+    status, out, err = cli("train", *sizes, *settings, "--config.train.seq_len=32", f"--config.data.paths={text_file}",
+                           f"--config.checkpoint.init_from={converted}", "--workdir", run)
+    assert status == 0, err
+    expected = transformers_loss(model, first_batch(text_file))
+    assert abs(first_loss(run) - expected) <= 1e-5 * expected
+    status, _, err = cli("convert", "--from", run, "--to-hf", exported)
+    assert status == 0, err
+    trained = ushard.load_model(run, log=lambda *_: None)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    assert relative_error(trained(TOKENS), torch_logits(reloaded, TOKENS)) <= 1e-4
+
+
+def cfg_family(kind: str) -> str:
+    return "gemma3" if kind == "gemma3" else "qwen3"
