@@ -360,7 +360,7 @@ def _elementwise_bytes(s: Shape, tokens: float) -> tuple[float, float]:
     tokens (tools/ceilings.py's `elementwise_bytes`, the same count): norms with their residual adds,
     rotary, SwiGLU; plus the loss (3 passes over the logits) in the backward share."""
     row, mlp_row = s.compute_bytes * tokens * s.d_model, s.compute_bytes * tokens * s.d_ff
-    qk_rows = s.compute_bytes * tokens * (s.d_model + s.kv_heads * s.head_dim)
+    qk_rows = s.compute_bytes * tokens * (s.heads + s.kv_heads) * s.head_dim
     forward = s.layers * (8 * row + 2 * qk_rows + 3 * mlp_row)
     backward = s.layers * (12 * row + 2 * qk_rows + 5 * mlp_row) + 3 * s.compute_bytes * tokens * s.vocab
     return forward, backward
@@ -371,8 +371,8 @@ def _saved_bytes_per_token_layer(s: Shape) -> float:
     the "dots" policies, only the layer's input for "full"."""
     if s.remat == "full":
         return s.compute_bytes * s.d_model
-    kv = s.kv_heads * s.head_dim
-    return s.compute_bytes * (4 * s.d_model + 2 * kv + 2 * s.d_ff)
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return s.compute_bytes * (3 * s.d_model + q + 2 * kv + 2 * s.d_ff)
 
 
 def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
