@@ -17,14 +17,15 @@ import jax
 import numpy as np
 import pytest
 
+import test_hf
 import ushard
+from test_hf import FINETUNE, cli, first_batch, first_loss, relative_error, torch_logits, transformers_loss
 from ushard import hf
 from ushard.errors import UserError
 from ushard.models.definition import model_definition
 from ushard.trained import TrainedModel
 
-from test_hf import FINETUNE, cli, first_batch, first_loss, text_file, transformers_loss  # noqa: F401
-
+text_file = test_hf.text_file  # the fixture, shared
 VOCAB = 300  # at least the byte tokenizer's 257, for the fine-tuning run
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             head_dim=24, rms_norm_eps=1e-6)  # head_dim independent of hidden_size / heads (16)
@@ -40,8 +41,9 @@ def torch_model(kind: str):
 
     torch.manual_seed(KINDS.index(kind))
     if kind.startswith("qwen3") and kind != "qwen3_moe":
-        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**BASE, num_hidden_layers=2, tie_word_embeddings=kind == "qwen3_tied",
-                                                   rope_theta=1e6))
+        tied = kind == "qwen3_tied"
+        config = tf.Qwen3Config(**BASE, num_hidden_layers=2, tie_word_embeddings=tied, rope_theta=1e6)
+        model = tf.Qwen3ForCausalLM(config)
     elif kind == "qwen3_moe":
         model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
             **BASE, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -62,17 +64,6 @@ def torch_model(kind: str):
             else:
                 weight.copy_(torch.randn_like(weight) / weight.shape[-1] ** 0.5)
     return model.eval()
-
-
-def torch_logits(model, tokens) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
-
-
-def relative_error(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
 
 
 @pytest.fixture(scope="module")

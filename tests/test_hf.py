@@ -336,8 +336,8 @@ def edited(saved, tmp_path, **changes) -> str:
     ({"mlp_bias": True}, r"mlp_bias=true is not supported"),
     ({"hidden_act": "gelu"}, r"hidden_act=\"gelu\" is not supported: this family's MLP uses silu"),
     ({"model_type": "mistral", "sliding_window": 4096}, r"sliding_window=4096 is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling\.rope_type=\"yarn\" is not supported: "
-                                                              r"ushard computes RoPE of types default, llama3, linear\."),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     r"rope_scaling\.rope_type=\"yarn\" is not supported: ushard computes RoPE of types default, llama3, linear\."),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      r"rope_parameters\.rope_type=\"dynamic\""),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},

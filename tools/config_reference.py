@@ -47,7 +47,8 @@ DESCRIPTIONS = {
     "model.n_layers": "transformer blocks",
     "model.n_heads": "query heads",
     "model.head_dim": "the size of one attention head (even); 0: d_model / n_heads",
-    "model.sliding_window": "gemma3: a local layer's query sees itself and this many - 1 tokens before it; 0: no window",
+    "model.sliding_window": "gemma3: a local layer's query sees itself and this many - 1 tokens before it; "
+                            "0: no window",
     "model.sliding_window_pattern": "gemma3: every this-many-th layer attends globally, the others locally; 0: none "
                                     "globally",
     "model.local_rope_theta": "gemma3: the local layers' RoPE base (unscaled); 0: rope_theta",
