@@ -1,19 +1,16 @@
-"""Hugging Face checkpoints in and out: Llama 2, Llama 3 and 3.1-3.3, Mistral, Mixtral.
+"""Hugging Face checkpoints in and out, for every model family (ushard/models/registry.py).
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
-listed by `model.safetensors.index.json`. ushard's Llama computes the same function as transformers'
-`LlamaForCausalLM` given the same weights (rotate-half RoPE, 1/sqrt(head_dim) scale, RMSNorm weight
-after normalising), so import and export are a renaming of tensors plus transposes and reshapes: HF
-stores a linear layer as [out, in], ushard as [in, ...out] with heads split out, layers stacked.
-Mixtral is that model with an MoE block (ushard/models/moe.py) in every layer, routed as transformers'
-`MixtralForCausalLM` routes: softmax over all experts in float32, the top k, their gates renormalised
-to sum 1, no drops; each expert's HF tensors are one slice of the stacked experts' weights.
+listed by `model.safetensors.index.json`. Each family computes the same function as its transformers
+class given the same weights, so import and export are a renaming of tensors plus transposes and
+reshapes: HF stores a linear layer as [out, in], ushard as [in, ...out] with heads split out, layers
+stacked. What differs by family (config.json both ways, the tensors' names, the refusals) is the
+family's `HFMap` (ushard/models/<family>/hf.py); this module holds what they share:
 
-- `model_config` reads the architecture from config.json (both spellings of the RoPE settings:
-  top-level `rope_theta` / `rope_scaling` as published checkpoints have them, and transformers 5's
-  `rope_parameters`) and refuses, in one sentence naming the field, what ushard cannot compute.
-- `tensor_map` is the name map, as data: each HF tensor, the ushard parameter it fills and how their
-  axes line up. The fused layout (`model.fused_mlp`) holds two HF tensors in one
+- `model_config` reads the architecture from config.json through the family of its `model_type`,
+  which refuses, in one sentence naming the field, what ushard cannot compute.
+- `tensor_map` is the family's name map, as data: each HF tensor, the ushard parameter it fills and
+  how their axes line up. The fused layout (`model.fused_mlp`) holds two HF tensors in one
   parameter, side by side along one axis.
 - `load_params` creates each parameter straight into its sharding: `jax.make_array_from_callback`
   asks for every local device's block, read from the memory-mapped safetensors by slicing, so a host
