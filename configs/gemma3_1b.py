@@ -4,7 +4,7 @@ From config.json: vocab_size 262144, hidden_size 1152, intermediate_size 6912, n
 num_attention_heads 4, num_key_value_heads 1, head_dim 256, query_pre_attn_scalar 256, sliding_window
 512 with sliding_window_pattern 6 (26 layers: four cycles of five local layers and a global one, then
 two local layers), rope_local_base_freq 10000, rope_theta 1000000 without scaling, rms_norm_eps 1e-6,
-tie_word_embeddings true, hidden_activation gelu_pytorch_tanh. On one H200: 8k-token sequences, 8 a
+tie_word_embeddings true, hidden_activation gelu_pytorch_tanh. On one H200: 8k-token sequences, 4 a
 step; FLOPs and MFU count the local layers' attention over their windows (ushard/models/family.py).
 """
 
@@ -32,7 +32,7 @@ def get_config():
     c.model.remat = "dots_attention"
     c.model.fused_mlp = True
     c.train.steps = 1000
-    c.train.batch_size = 8
+    c.train.batch_size = 4  # the logits of 262144 tokens take 4 GiB a sequence in bfloat16
     c.train.seq_len = 8192
     c.train.lr = 3e-4
     c.train.warmup_steps = 100
