@@ -229,17 +229,18 @@ def test_a_length_that_is_not_a_multiple_of_the_blocks_is_refused():
         flash.forward(q[..., :48], k[..., :48], v[..., :48], True)
 
 
-@pytest.mark.parametrize("hd,dtype", [(128, jnp.bfloat16), (64, jnp.float16)])
-def test_kernels_lower_to_triton(monkeypatch, hd, dtype):
+@pytest.mark.parametrize("hd,dtype,window", [(128, jnp.bfloat16, 0), (64, jnp.float16, 0), (256, jnp.bfloat16, 0),
+                                             (128, jnp.bfloat16, 100)])
+def test_kernels_lower_to_triton(monkeypatch, hd, dtype, window):
     """Every kernel, with and without documents, lowers to Triton's IR for a CUDA GPU, at the table's
-    block sizes (the Triton compiler itself runs only on a GPU)."""
+    block sizes (the Triton compiler itself runs only on a GPU); with a window too."""
     monkeypatch.setattr(flash, "_interpret", lambda: False)
     q = jax.ShapeDtypeStruct((B, 256, HEADS, hd), dtype)
     kv = jax.ShapeDtypeStruct((B, 256, KV_HEADS, hd), dtype)
     lse = jax.ShapeDtypeStruct((B, 256, HEADS), jnp.float32)
     for segments in (None, jax.ShapeDtypeStruct((B, 256), jnp.int32)):
         def step(q, k, v, segments, d_out, d_lse):
-            outputs, pullback = jax.vjp(lambda *a: flash.attention(*a, segments), q, k, v)
+            outputs, pullback = jax.vjp(lambda *a: flash.attention(*a, segments, window=window), q, k, v)
             return outputs, pullback((d_out, d_lse))
 
         text = jax.jit(step).trace(q, kv, kv, segments, q, lse).lower(lowering_platforms=("cuda",)).as_text()
@@ -271,3 +272,65 @@ def test_remat_dots_attention_keeps_our_forward_instead_of_recomputing_it():
     unnamed = jax.checkpoint_policies.save_from_both_policies(REMAT_POLICIES["dots_no_batch"],
                                                               lambda prim, *_, **__: "attention" in prim.name)
     assert forward_kernels(unnamed) > 1.5 * once
+
+
+# --- sliding windows ---------------------------------------------------------------------------------
+
+
+def windowed_reference(q, k, v, segments, window):
+    index = jnp.arange(q.shape[1])[None]
+    return xla_block(q, k, v, index, index, segments, segments, window)
+
+
+@pytest.mark.parametrize("window", [1, 20, 33, 64, 100])
+@pytest.mark.parametrize("layout", ["none", "packed", "shuffled"])
+def test_window_forward_and_backward_match_xla_block(layout, window):
+    """Windows inside one block, across block boundaries, a block's length and most of the row; with
+    documents packed and shuffled. Both cotangents, as `test_backward_matches_autodiff_with_both_cotangents`."""
+    q, k, v, d_out, d_lse = inputs(10 + window)
+    segments = LAYOUTS[layout]
+    (out, lse), pullback = jax.vjp(lambda *a: flash.attention(*a, segments, True, tuning=SMALL, window=window),
+                                   q, k, v)
+    (want_out, want_lse), want_pullback = jax.vjp(lambda *a: windowed_reference(*a, segments, window), q, k, v)
+    close(out, want_out, "out")
+    close(lse, want_lse, "lse")
+    for name, got, want in zip("qkv", jax.jit(pullback)((d_out, d_lse)), want_pullback((d_out, d_lse))):
+        close(got, want, f"d{name}")
+
+
+def test_window_blocks_outside_it_are_not_visited():
+    """32-token blocks, window 33: a query block sees its own block and the one before (the window's
+    first key is 32 back from its first query, in the block before), never two back; a key block the
+    same two query blocks. The visit plan with documents of the whole row gives the same counts."""
+    q, k, v, d_out, _ = inputs(6)
+    n, group = T // 32, HEADS // KV_HEADS
+    two = np.minimum(np.arange(1, n + 1), 2)
+    whole_row = jnp.zeros((B, T), jnp.int32)
+    for segments in (None, whole_row):
+        out, lse, visits = flash._forward_call(q, k, v, True, segments, segments, EVEN, count=True, window=33)
+        np.testing.assert_array_equal(visits, np.broadcast_to(two, (B, HEADS, n)))
+        _, (dkdv_visits, dq_visits) = flash._backward_call(q, k, v, out, lse, d_out, True, segments, segments, None,
+                                                           EVEN, count=True, window=33)
+        np.testing.assert_array_equal(dq_visits, np.broadcast_to(two, (B, HEADS, n)))
+        np.testing.assert_array_equal(dkdv_visits, np.broadcast_to(group * two[::-1], (B, KV_HEADS, n)))
+    # A window of one block's length inside each block's diagonal: one block each, the diagonal.
+    _, _, visits = flash._forward_call(q, k, v, True, None, None, EVEN, count=True, window=1)
+    np.testing.assert_array_equal(visits, np.ones((B, HEADS, n)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_dim_256_forward_and_backward(dtype):
+    """Head dim 256 on TUNING's blocks (the Triton kernels; the Mosaic GPU ones take 64 and 128)."""
+    assert 256 in flash.TUNING
+    rng = np.random.default_rng(11)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    q, k, v, d_out = normal(1, 128, 2, 256), normal(1, 128, 1, 256), normal(1, 128, 1, 256), normal(1, 128, 2, 256)
+    (out, lse), pullback = jax.vjp(lambda *a: flash.attention(*a, None, True), q, k, v)
+    upcast = [x.astype(jnp.float32) for x in (q, k, v)]
+    (want_out, want_lse), want_pullback = jax.vjp(lambda *a: windowed_reference(*a, None, 0), *upcast)
+    got_grads = jax.jit(pullback)((d_out, jnp.zeros_like(lse)))
+    want_grads = want_pullback((d_out.astype(jnp.float32), jnp.zeros_like(want_lse)))
+    tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+    for name, got, want in zip(["out", "dq", "dk", "dv"], [out, *got_grads], [want_out, *want_grads]):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.linalg.norm(got - want) <= tolerance * np.linalg.norm(want), name

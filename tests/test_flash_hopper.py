@@ -121,6 +121,40 @@ def test_backward_kernels_trace_for_every_variant(causal, segments, head_dim, kv
     assert "mosaic_gpu" in _lowered_for_gpu(backward, q, kv, kv, q, rows, q, rows, ids)
 
 
+@pytest.mark.skipif(not flash_hopper._API, reason="this JAX has no Mosaic GPU Pallas API")
+@pytest.mark.parametrize("segments", [False, True])
+def test_windowed_kernels_lower_for_the_gpu(segments):
+    """A sliding window's bounds and masks (forward, dQ, dK/dV) through Mosaic GPU's lowering; the
+    values are checked on the device (tools/attention_check.py)."""
+    q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 1024), jnp.int32) if segments else None
+
+    def both(q, k, v, ids):
+        out, lse = flash_hopper.forward(q, k, v, True, ids, ids, window=300)
+        lse2 = jnp.swapaxes(lse, 1, 2)
+        dq, delta = flash_hopper_backward.dq(q, k, v, out, lse2, out, True, ids, ids, window=300)
+        return out, dq, *flash_hopper_backward.dkdv(q, k, v, out, lse2, delta, True, ids, ids, window=300)
+
+    assert "mosaic_gpu" in _lowered_for_gpu(both, q, kv, kv, ids)
+
+
+def test_window_bounds_cover_the_window_and_free_only_whole_blocks():
+    """The Mosaic GPU kernels' window bounds against brute force over positions: a query block's
+    first visited key block holds its first query's first key; the free blocks start where every
+    key is within the window of its last query; a key block's query blocks stop after the last that
+    sees its last key."""
+    window, block = 300, 64
+    for q_first in range(0, 2048, 128):
+        start = int(flash_hopper.window_start(q_first, window, block))
+        assert start * block <= max(q_first - window + 1, 0) < (start + 1) * block
+        q_last = q_first + 63
+        free = int(flash_hopper.window_free(q_last, window, block))
+        assert free * block >= q_last - window + 1 and (free - 1) * block < max(q_last - window + 1, 0) + 1
+        stop = int(flash_hopper.window_stop(q_first + 127, window, block, 32))
+        assert stop == min(32, (q_first + 127 + window - 1) // block + 1)
+
+
 def test_supported_shapes_and_the_triton_kernels_off_hopper():
     q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     assert flash_hopper.supported(q, q)

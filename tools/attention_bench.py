@@ -4,7 +4,7 @@ Hopper the Mosaic GPU kernels of ushard/kernels/flash_hopper*.py, elsewhere the 
 ushard/kernels/flash.py); `ours_triton` runs the Triton kernels both ways.
 
     python3 tools/attention_bench.py [--shapes hd128,hd128_gqa,hd64] [--documents none,4] [--block-sweep]
-                                     [--no-check] [--under-load]
+                                     [--no-check] [--under-load] [--windows 0,1024]
 
 Shapes: bench_1b's attention (B 16, T 2048, 16 heads, head dim 128), the same with 8 kv heads
 (grouped-query), head dim 64 (32 heads), and llama3_8b's on one of four GPUs (SHAPES); bf16, causal.
@@ -14,7 +14,9 @@ least work any kernel can do).
 
 FLOPs: 4·B·heads·T²·hd for a full forward, half of it causal, and the backward 2.5 times the forward
 (fwd+bwd 3.5 times). With documents only the FLOPs of the visible pairs count (a quarter of the
-causal ones for 4 documents), so a kernel that computes the masked blocks shows it in its rate.
+causal ones for 4 documents), so a kernel that computes the masked blocks shows it in its rate; so
+with a sliding window (`--windows`, 0 for none: ours, cuDNN and XLA take it), whose visible pairs
+are min(i + 1, w) for query i.
 Backward passes take a random cotangent through `jax.vjp` (never the gradient of a sum). Each
 timing is the median over repetitions of a loop of calls dispatched back to back, each loop
 synchronised at its end (inputs are larger than the L2 cache, so repeated calls do not run from it).
@@ -57,6 +59,11 @@ SHAPES = {  # batch, length, heads, kv heads, head dim
     "llama3_8b": (1, 8192, 32, 8, 128),
     "llama3_8b_tensor4": (4, 8192, 8, 2, 128),
     "llama3_8b_mha": (1, 8192, 32, 32, 128),
+    # bench_1b's heads at 8k and 32k tokens a row (the same tokens a step as its batch of 16 x 2k).
+    "bench_1b_8k": (4, 8192, 16, 16, 128),
+    "bench_1b_32k": (1, 32768, 16, 16, 128),
+    # Head dim 256 (Gemma's), which ours runs on the Triton kernels.
+    "hd256": (4, 4096, 8, 8, 256),
 }
 IMPLS = ("cudnn", "xla", "ours", "ours_triton")
 
@@ -83,7 +90,7 @@ def segment_ids(batch: int, length: int, documents: int):
     return jnp.broadcast_to(jnp.repeat(jnp.arange(documents, dtype=jnp.int32), length // documents), (batch, length))
 
 
-def attention_fns(impl: str, segments, documents: int, tuning=None):
+def attention_fns(impl: str, segments, documents: int, tuning=None, window: int = 0):
     """impl -> (forward(q, k, v) -> out, forward_backward(q, k, v, d_out) -> (out, dq, dk, dv)), or
     a string saying why it does not run here."""
     if impl in ("ours", "ours_triton"):
@@ -92,11 +99,11 @@ def attention_fns(impl: str, segments, documents: int, tuning=None):
             # given runs the Triton kernels; none, on Hopper, the Mosaic GPU ones.
             forced = tuning or (flash.TUNING[q.shape[-1]] if impl == "ours_triton" else None)
             halves = BlockKernel(functools.partial(flash.forward, tuning=forced),
-                                 functools.partial(flash.backward, tuning=forced))
-            return by_halves(halves, q, k, v, segments)
+                                 functools.partial(flash.backward, tuning=forced), windows=True)
+            return by_halves(halves, q, k, v, segments, window)
     elif impl == "cudnn_rows":
-        if not documents:
-            return "only with documents"
+        if not documents or window:
+            return "only with documents, without a window"
 
         def forward(q, k, v):
             b, t = q.shape[:2]
@@ -106,8 +113,11 @@ def attention_fns(impl: str, segments, documents: int, tuning=None):
     else:
         mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
 
+        local = (window - 1, 0) if window else None
+
         def forward(q, k, v):
-            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
+                                                implementation=impl)
 
     def forward_backward(q, k, v, d_out):
         out, pullback = jax.vjp(forward, q, k, v)
@@ -127,12 +137,12 @@ def inputs(shape, seed: int = 0):
     return q, k, v, d_out, d_lse
 
 
-def check_ours(name: str, shape, segments, rows: int = 2) -> str:
+def check_ours(name: str, shape, segments, rows: int = 2, window: int = 0) -> str:
     """Ours against float32 `xla_block` on upcast inputs, on the first `rows` rows (fresh inputs,
     random cotangents of out and lse): 'max abs / relative' error of out, lse, dq, dk, dv."""
     q, k, v, d_out, d_lse = (x[:rows] for x in inputs(shape, seed=1))
     seg = None if segments is None else segments[:rows]
-    got, want = ours_and_reference(q, k, v, d_out, d_lse, seg, causal=True)
+    got, want = ours_and_reference(q, k, v, d_out, d_lse, seg, causal=True, window=window)
     parts, worst = [], 0.0
     for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
@@ -150,26 +160,30 @@ def check_ours(name: str, shape, segments, rows: int = 2) -> str:
     return verdict
 
 
-def flops(shape, documents: int) -> float:
-    """Forward FLOPs of causal attention (over the documents' visible pairs if any)."""
+def flops(shape, documents: int, window: int = 0) -> float:
+    """Forward FLOPs of causal attention (over the documents' visible pairs if any; within the
+    window's, min(i + 1, w) for query i, if `window`)."""
     b, t, heads, _, hd = shape
     full = 4 * b * heads * t * t * hd
+    if window:
+        pairs = sum(min(i + 1, window) for i in range(t))
+        return 4 * b * heads * pairs * hd / max(documents, 1)  # documents and windows: not exact
     return full / 2 / max(documents, 1)
 
 
-def bench(name: str, documents: int, impls, sweep: bool, check: bool = True) -> list[tuple]:
+def bench(name: str, documents: int, impls, sweep: bool, check: bool = True, window: int = 0) -> list[tuple]:
     shape = SHAPES[name]
     b, t = shape[:2]
     segments = segment_ids(b, t, documents)
-    label = f"{name} docs={documents or 'none'}"
+    label = f"{name} docs={documents or 'none'}" + (f" window={window}" if window else "")
     print(f"{label}: B {b}, T {t}, heads {shape[2]}, kv heads {shape[3]}, hd {shape[4]}, bf16, causal")
     if check:
-        check_ours(label, shape, segments)
+        check_ours(label, shape, segments, rows=1, window=window)
     q, k, v, d_out, _ = inputs(shape)
-    forward_flops = flops(shape, documents)
+    forward_flops = flops(shape, documents, window)
     table = []
     for impl in impls:
-        fns = attention_fns(impl, segments, documents)
+        fns = attention_fns(impl, segments, documents, window=window)
         if isinstance(fns, str):
             continue
         try:
@@ -181,6 +195,7 @@ def bench(name: str, documents: int, impls, sweep: bool, check: bool = True) -> 
             continue
         table.append((label, impl, t_fwd * 1e3, forward_flops / t_fwd / 1e12, t_both * 1e3,
                       3.5 * forward_flops / t_both / 1e12))
+        print("  row: {} | {} | {:.3f} | {:.0f} | {:.3f} | {:.0f}".format(*table[-1]), flush=True)  # if cut short
     if sweep:
         table += block_sweep(label, shape, segments, q, k, v, d_out, forward_flops)
     return table
@@ -328,6 +343,7 @@ def main() -> None:
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
     parser.add_argument("--block-sweep", action="store_true", help="time block/warps/stages candidates of ours")
     parser.add_argument("--no-check", action="store_true", help="skip checking ours against float32 first")
+    parser.add_argument("--windows", default="0", help="comma-separated sliding windows, 0 for none")
     parser.add_argument("--under-load", action="store_true",
                         help="instead: forward + backward after a matmul and sustained, as a step runs them")
     args = parser.parse_args()
@@ -348,9 +364,10 @@ def main() -> None:
     if "cudnn" in impls:
         impls.insert(impls.index("cudnn") + 1, "cudnn_rows")
     table = []
-    for name, documents in itertools.product(args.shapes.split(","), args.documents.split(",")):
+    for name, documents, window in itertools.product(args.shapes.split(","), args.documents.split(","),
+                                                     args.windows.split(",")):
         table += bench(name, 0 if documents == "none" else int(documents), impls, args.block_sweep,
-                       check=not args.no_check)
+                       check=not args.no_check, window=int(window))
     print("\nTFLOP/s: causal FLOPs (half of 4·B·H·T²·hd), of the visible pairs only with documents; "
           "fwd+bwd 3.5x the forward")
     print("| shape | kernel | forward ms | forward TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |")

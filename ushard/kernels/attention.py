@@ -108,7 +108,7 @@ def typed(blocks: BlockKernel) -> BlockKernel:
 
 
 # The kernels whose whole-sequence form takes a sliding window (`whole_sequence`'s `window`).
-WINDOWED = ("xla", "cudnn", "splash")
+WINDOWED = ("xla", "cudnn", "splash", "flash")
 
 
 def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False, head_dim: int = 128,
@@ -162,8 +162,10 @@ def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: 
         else:
             return f"{name} (cuDNN takes 16-bit compute only)"
         if resolved == "xla":
+            from ushard.kernels.flash import TUNING
+
             reason += (f"; ushard's flash needs 16-bit compute, sequences a multiple of {LANES} tokens and head "
-                       f"dims of 64 or 128")
+                       f"dims of {' or '.join(str(d) for d in sorted(TUNING))}")
         return f"{name} ({reason})"
     if resolved == "xla" and platform == "tpu":
         return f"{name} (splash needs sequences a multiple of {LANES} tokens)"

@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ushard.kernels import flash_hopper, flash_hopper_backward
-from ushard.kernels.attention import BlockKernel
+from ushard.kernels.attention import BlockKernel, diagonal_only
 
 LOG2E = math.log2(math.e)
 
@@ -79,6 +79,10 @@ class Tuning(NamedTuple):
 TUNING = {
     64: Tuning(forward=Blocks(128, 64, 4, 3), dkdv=Blocks(64, 64, 4, 3), dq=Blocks(64, 64, 4, 3)),
     128: Tuning(forward=Blocks(128, 128, 8, 3), dkdv=Blocks(32, 64, 4, 3), dq=Blocks(64, 64, 4, 2)),
+    # Head dim 256 (Gemma's): the Triton kernels only (the Mosaic GPU ones have no slots for it).
+    # Halved blocks keep a program's tiles in shared memory at twice the width; starting points,
+    # not yet swept.
+    256: Tuning(forward=Blocks(64, 64, 8, 2), dkdv=Blocks(32, 32, 4, 2), dq=Blocks(64, 32, 4, 2)),
 }
 
 
@@ -111,8 +115,9 @@ def _fit(blocks: Blocks, length: int, kernel: str) -> Blocks:
     return blocks._replace(block_q=sizes[0], block_k=sizes[1])
 
 
-def _check(q, k, v, q_segments, k_segments, tuning: Tuning | None) -> Tuning:
+def _check(q, k, v, q_segments, k_segments, tuning: Tuning | None, causal: bool = True, window: int = 0) -> Tuning:
     """The tuning for these inputs, after refusing what the kernels cannot take."""
+    diagonal_only(causal, window)
     b, t, heads, hd = q.shape
     if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != hd or heads % k.shape[2]:
         raise ValueError(f"flash attention takes q [B, T, heads, hd] and k, v [B, T, kv_heads, hd] with heads a "
@@ -132,29 +137,51 @@ def _check(q, k, v, q_segments, k_segments, tuning: Tuning | None) -> Tuning:
 # --- which blocks a program visits -------------------------------------------------------------------
 
 
-def _causal_ranges(own, causal: bool, by_key: bool, own_size: int, loop_size: int, n_loop: int):
+def _causal_ranges(own, causal: bool, by_key: bool, own_size: int, loop_size: int, n_loop: int, window: int = 0):
     """Without segment ids: the (start, stop, masked) loops over blocks of `loop_size` for the
     program owning block `own` (a query block, or a key block if `by_key`). The causal ones: keys
-    up to the first query need no mask; keys after the last are never visited."""
+    up to the first query need no mask; keys after the last are never visited. With a `window`,
+    neither are keys w or more before the last query (queries w or more after the last key), and
+    keys within w of every query need no window mask (`window_bounds`)."""
     if not causal:
         return ((0, n_loop, False),)
-    first = own * own_size
-    if by_key:  # query blocks from the first that reaches this key block; unmasked once past its last key
-        start = lax.div(first, loop_size)
-        free = lax.div(first + own_size - 1 + loop_size - 1, loop_size)
-        return (free, n_loop, False), (start, free, True)
-    free = lax.div(first + 1, loop_size)
-    stop = lax.div(first + own_size - 1, loop_size) + 1
-    return (0, free, False), (free, stop, True)
+    start, free_lo, free_hi, stop = window_bounds(own * own_size, own_size, loop_size, n_loop, by_key, window)
+    return (free_lo, free_hi, False), (start, free_lo, True), (free_hi, stop, True)
 
 
-def visit_plan(q_segments, k_segments, causal: bool, block_q: int, block_k: int, by_key: bool = False):
+def window_bounds(first, own_size: int, loop_size: int, n_loop: int, by_key: bool, window: int = 0):
+    """(start, free_lo, free_hi, stop), start <= free_lo <= free_hi <= stop, over the blocks of
+    `loop_size` that a causal owner of `own_size` rows from `first` visits: [start, stop) holds every
+    block some pair of it sees, [free_lo, free_hi) those whose every pair is seen (no mask). Queries
+    own (keys loop) unless `by_key`; `window` 0: no window. Blocks outside [start, stop) are never
+    visited, which is what makes a window cheap: a query block visits about w / loop_size + 1 blocks."""
+    last = first + own_size - 1
+    if by_key:  # keys [first, last] own; the queries that see one of them are in [first, last + w - 1]
+        start, free_lo = lax.div(first, loop_size), lax.div(last + loop_size - 1, loop_size)
+        stop = free_hi = n_loop
+        if window:
+            stop = jnp.minimum(n_loop, lax.div(last + window - 1, loop_size) + 1)
+            free_hi = jnp.minimum(n_loop, lax.div(first + window, loop_size))  # query blocks wholly < first + w
+    else:  # queries [first, last] own; the keys one of them sees are in [first - w + 1, last]
+        start = free_lo = 0
+        free_hi, stop = lax.div(first + 1, loop_size), lax.div(last, loop_size) + 1
+        if window:
+            start = lax.div(jnp.maximum(first - window + 1, 0), loop_size)
+            free_lo = lax.div(jnp.maximum(last - window + 1, 0) + loop_size - 1, loop_size)  # key blocks > last - w
+    free_lo = jnp.clip(free_lo, start, stop)
+    return start, free_lo, jnp.clip(free_hi, free_lo, stop), stop
+
+
+def visit_plan(q_segments, k_segments, causal: bool, block_q: int, block_k: int, by_key: bool = False,
+               window: int = 0):
     """The blocks each program visits when segment ids are given: (order [B, n_own, n_loop] int32,
     counts [B, n_own, 2] int32). A program owns a query block (a key block if `by_key`) and visits,
     in order, `order[..., :counts[..., 1]]`, of which the first `counts[..., 0]` need no mask. A
     block is visited when the two blocks' id ranges meet and (causal) some key is not after some
     query; it needs no mask when both blocks hold one and the same id and (causal) every key is
-    before every query. The kernels load this plan; the tests read it back."""
+    before every query. With a `window` (causal only) a block is visited if some query - key
+    distance is under it, and needs no mask only if every one is. The kernels load this plan; the
+    tests read it back."""
     meet, one_id = flash_hopper.blocks_meet(q_segments, k_segments, block_q, block_k)  # [B, nq, nk]
     nq, nk = meet.shape[1:]
     if causal:
@@ -162,6 +189,9 @@ def visit_plan(q_segments, k_segments, causal: bool, block_q: int, block_k: int,
         k_first = jnp.arange(nk)[None, :] * block_k
         meet = meet & (k_first <= q_first + block_q - 1)
         one_id = one_id & (k_first + block_k - 1 <= q_first)
+        if window:
+            meet = meet & (q_first - (k_first + block_k - 1) < window)
+            one_id = one_id & (q_first + block_q - 1 - k_first < window)
     free = meet & one_id
     if by_key:
         meet, free = jnp.swapaxes(meet, 1, 2), jnp.swapaxes(free, 1, 2)
@@ -183,15 +213,16 @@ def _run_loops(step, carry, ranges, order_ref):
     return carry
 
 
-def _ranges(own, causal, by_key, blocks: Blocks, length: int, counts_ref):
+def _ranges(own, causal, by_key, blocks: Blocks, length: int, counts_ref, window: int = 0):
     own_size, loop_size = (blocks.block_k, blocks.block_q) if by_key else (blocks.block_q, blocks.block_k)
     if counts_ref is None:
-        return _causal_ranges(own, causal, by_key, own_size, loop_size, length // loop_size)
+        return _causal_ranges(own, causal, by_key, own_size, loop_size, length // loop_size, window)
     free, visited = counts_ref[0], counts_ref[1]
     return (0, free, False), (free, visited, True)
 
 
-def _mask(q_first, k_first, block_q: int, block_k: int, causal: bool, q_seg, k_seg, by_key: bool = False):
+def _mask(q_first, k_first, block_q: int, block_k: int, causal: bool, q_seg, k_seg, by_key: bool = False,
+          window: int = 0):
     """Which query of the block sees which key (positions from `q_first`, `k_first`): [block_q,
     block_k], or [block_k, block_q] if `by_key` (the dkdv kernel's scores are transposed)."""
     shape, q_axis = ((block_k, block_q), 1) if by_key else ((block_q, block_k), 0)
@@ -200,6 +231,8 @@ def _mask(q_first, k_first, block_q: int, block_k: int, causal: bool, q_seg, k_s
         queries = q_first + lax.broadcasted_iota(jnp.int32, shape, q_axis)
         keys = k_first + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
         seen = queries >= keys
+        if window:
+            seen = seen & (queries - keys < window)
     if q_seg is not None:
         same = (k_seg[:, None] == q_seg[None, :]) if by_key else (q_seg[:, None] == k_seg[None, :])
         seen = same if seen is None else seen & same
@@ -223,7 +256,7 @@ def _plan_refs(refs, segments: bool):
 # --- forward -------------------------------------------------------------------------------------------
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal, blocks: Blocks, length, segments, count):
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal, blocks: Blocks, length, segments, count, window):
     q_seg_ref, k_seg_ref, order_ref, counts_ref, refs = _plan_refs(refs, segments)
     o_ref, lse_ref, *visits_ref = refs
     bq, bk = blocks.block_q, blocks.block_k
@@ -239,9 +272,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal, blocks: Blocks, length, 
         s = _dot(q, k, (1, 1)) * scale  # [bq, bk], base 2
         if masked:
             k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(k_first, bk)]
-            s = jnp.where(_mask(qb * bq, k_first, bq, bk, causal, q_seg, k_seg), s, -jnp.inf)
+            s = jnp.where(_mask(qb * bq, k_first, bq, bk, causal, q_seg, k_seg, window=window), s, -jnp.inf)
         new_peak = jnp.maximum(peak, jnp.max(s, axis=1))
-        # Unmasked blocks come first, so only a masked block can leave a row's peak at -inf.
+        # Unmasked blocks see every key, so only a masked block can leave a row's peak at -inf.
         shift = jnp.where(new_peak == -jnp.inf, 0.0, new_peak) if masked else new_peak
         rescale = jnp.exp2(peak - shift)
         p = jnp.exp2(s - shift[:, None])
@@ -252,7 +285,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal, blocks: Blocks, length, 
 
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
              jnp.zeros((bq,), jnp.float32), jnp.int32(0))
-    ranges = _ranges(qb, causal, False, blocks, length, counts_ref)
+    ranges = _ranges(qb, causal, False, blocks, length, counts_ref, window)
     acc, peak, total, n = _run_loops(step, carry, ranges, order_ref)
     seen = total > 0
     total = jnp.where(seen, total, 1.0)
@@ -262,10 +295,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal, blocks: Blocks, length, 
         visits_ref[0][...] = n
 
 
-def _query_block_plan(q_segments, k_segments, causal, bq, bk, t, own):
+def _query_block_plan(q_segments, k_segments, causal, bq, bk, t, own, window=0):
     """(BlockSpecs, arrays) of the segment ids and the visit plan, for kernels whose programs own a
     query block (`own(i)`: the block program i owns) on a grid (query blocks, heads, rows)."""
-    order, counts = visit_plan(q_segments, k_segments, causal, bq, bk)
+    order, counts = visit_plan(q_segments, k_segments, causal, bq, bk, window=window)
     specs = [pl.BlockSpec((None, bq), lambda i, h, r: (r, own(i))),
              pl.BlockSpec((None, t), lambda i, h, r: (r, 0)),
              pl.BlockSpec((None, None, order.shape[-1]), lambda i, h, r: (r, own(i), 0)),
@@ -273,9 +306,10 @@ def _query_block_plan(q_segments, k_segments, causal, bq, bk, t, own):
     return specs, [q_segments.astype(jnp.int32), k_segments.astype(jnp.int32), order, counts]
 
 
-def _forward_call(q, k, v, causal, q_segments, k_segments, tuning: Tuning | None = None, count: bool = False):
+def _forward_call(q, k, v, causal, q_segments, k_segments, tuning: Tuning | None = None, count: bool = False,
+                  window: int = 0):
     """(out, lse), plus the number of key blocks each (row, head, query block) visited if `count`."""
-    tuning = _check(q, k, v, q_segments, k_segments, tuning)
+    tuning = _check(q, k, v, q_segments, k_segments, tuning, causal, window)
     b, t, heads, hd = q.shape
     group = heads // k.shape[2]
     blocks = _fit(tuning.forward, t, "forward")
@@ -291,7 +325,7 @@ def _forward_call(q, k, v, causal, q_segments, k_segments, tuning: Tuning | None
                 pl.BlockSpec((None, t, None, hd), lambda i, h, r: (r, 0, lax.div(h, group), 0))]
     args = [q, k, v]
     if segments:
-        more_specs, more_args = _query_block_plan(q_segments, k_segments, causal, bq, bk, t, own)
+        more_specs, more_args = _query_block_plan(q_segments, k_segments, causal, bq, bk, t, own, window)
         in_specs, args = in_specs + more_specs, args + more_args
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, t, heads), jnp.float32)]
     out_specs = [pl.BlockSpec((None, bq, None, hd), lambda i, h, r: (r, own(i), h, 0)),
@@ -300,7 +334,7 @@ def _forward_call(q, k, v, causal, q_segments, k_segments, tuning: Tuning | None
         out_shape.append(jax.ShapeDtypeStruct((b, heads, nq), jnp.int32))
         out_specs.append(pl.BlockSpec((None, None, None), lambda i, h, r: (r, h, own(i))))
     kernel = functools.partial(_forward_kernel, causal=causal, blocks=blocks, length=t, segments=segments,
-                               count=count)
+                               count=count, window=window)
     return pl.pallas_call(kernel, grid=(nq, heads, b), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           compiler_params=_params(blocks), interpret=_interpret(), name="ushard_flash_forward")(*args)
 
@@ -310,13 +344,12 @@ def forward(q, k, v, causal, q_segments=None, k_segments=None, window=0, *, tuni
     over keys and values [B, T, kv_heads, hd] (`kernels.attention.BlockKernel.forward`). On Hopper
     GPUs the Mosaic GPU forward (flash_hopper.py) runs where it takes the shapes; elsewhere, and
     whenever `tuning` is given, the Triton forward here. `tuning`: block sizes other than TUNING's
-    (the tests' small ones, the bench's sweep)."""
-    if window:
-        raise NotImplementedError("ushard's flash attention takes no sliding window yet")
+    (the tests' small ones, the bench's sweep). `window` > 0: causal attention within a sliding window
+    (kernels.attention), whose out-of-window blocks are never visited."""
     if on_hopper(q, k, tuning):
-        _check(q, k, v, q_segments, k_segments, None)
-        return flash_hopper.forward(q, k, v, causal, q_segments, k_segments)
-    out, lse = _forward_call(q, k, v, causal, q_segments, k_segments, tuning)
+        _check(q, k, v, q_segments, k_segments, None, causal, window)
+        return flash_hopper.forward(q, k, v, causal, q_segments, k_segments, window=window)
+    out, lse = _forward_call(q, k, v, causal, q_segments, k_segments, tuning, window=window)
     return out, lse
 
 
@@ -324,7 +357,7 @@ def forward(q, k, v, causal, q_segments=None, k_segments=None, window=0, *, tuni
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, blocks: Blocks, length, group,
-                 segments, count):
+                 segments, count, window):
     q_seg_ref, k_seg_ref, order_ref, counts_ref, refs = _plan_refs(refs, segments)
     dk_ref, dv_ref, *visits_ref = refs
     bq, bk = blocks.block_q, blocks.block_k
@@ -332,7 +365,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal,
     scale = 1 / math.sqrt(k_ref.shape[-1])
     k, v = k_ref[...], v_ref[...]
     k_seg = None if k_seg_ref is None else k_seg_ref[...]
-    ranges = _ranges(kb, causal, True, blocks, length, counts_ref)
+    ranges = _ranges(kb, causal, True, blocks, length, counts_ref, window)
 
     def head(h, carry):  # the query heads of this kv head's group, one after another
         def step(qb, carry, masked):
@@ -343,7 +376,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal,
             s = _dot(k, q, (1, 1)) * (scale * LOG2E)  # [bk, bq]: scores transposed, base 2
             if masked:
                 q_seg = None if q_seg_ref is None else q_seg_ref[rows]
-                s = jnp.where(_mask(q_first, kb * bk, bq, bk, causal, q_seg, k_seg, by_key=True), s, -jnp.inf)
+                seen = _mask(q_first, kb * bk, bq, bk, causal, q_seg, k_seg, by_key=True, window=window)
+                s = jnp.where(seen, s, -jnp.inf)
             p = jnp.exp2(s - lse_ref[rows, h][None, :])
             dv = dv + _dot(p.astype(do.dtype), do)
             dp = _dot(v, do, (1, 1))
@@ -362,7 +396,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal,
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, blocks: Blocks, length, segments,
-               count):
+               count, window):
     q_seg_ref, k_seg_ref, order_ref, counts_ref, refs = _plan_refs(refs, segments)
     dq_ref, *visits_ref = refs
     bq, bk = blocks.block_q, blocks.block_k
@@ -378,12 +412,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, b
         s = _dot(q, k, (1, 1)) * (scale * LOG2E)
         if masked:
             k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(k_first, bk)]
-            s = jnp.where(_mask(qb * bq, k_first, bq, bk, causal, q_seg, k_seg), s, -jnp.inf)
+            s = jnp.where(_mask(qb * bq, k_first, bq, bk, causal, q_seg, k_seg, window=window), s, -jnp.inf)
         p = jnp.exp2(s - lse[:, None])
         ds = p * (_dot(do, v, (1, 1)) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k), n + 1
 
-    ranges = _ranges(qb, causal, False, blocks, length, counts_ref)
+    ranges = _ranges(qb, causal, False, blocks, length, counts_ref, window)
     dq, n = _run_loops(step, (jnp.zeros(q.shape, jnp.float32), jnp.int32(0)), ranges, order_ref)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
     if count:
@@ -391,11 +425,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, b
 
 
 def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_lse=None,
-                   tuning: Tuning | None = None, count: bool = False):
+                   tuning: Tuning | None = None, count: bool = False, window: int = 0):
     """(dq, dk, dv), plus each program's visited blocks if `count`: (dkdv's [B, kv_heads, nk] summed
     over the group's heads, dq's [B, heads, nq]). The Mosaic GPU kernels where `on_hopper`."""
     hopper = on_hopper(q, k, tuning) and not count
-    tuning = _check(q, k, v, q_segments, k_segments, tuning)
+    tuning = _check(q, k, v, q_segments, k_segments, tuning, causal, window)
     b, t, heads, hd = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
@@ -411,8 +445,10 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
         # comes out of the dQ kernel
         lse2 = jnp.swapaxes(lse2, 1, 2)
         d_lse = None if d_lse is None else jnp.swapaxes(d_lse, 1, 2)
-        dq, delta = flash_hopper_backward.dq(q, k, v, d_out, lse2, out, causal, q_segments, k_segments, d_lse=d_lse)
-        dk, dv = flash_hopper_backward.dkdv(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments)
+        dq, delta = flash_hopper_backward.dq(q, k, v, d_out, lse2, out, causal, q_segments, k_segments, d_lse=d_lse,
+                                             window=window)
+        dk, dv = flash_hopper_backward.dkdv(q, k, v, d_out, lse2, delta, causal, q_segments, k_segments,
+                                            window=window)
         return dq, dk, dv
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     if d_lse is not None:
@@ -428,7 +464,7 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
     in_specs = [whole_group, key_block, key_block, whole_group, group_rows, group_rows]
     args = [q, k, v, d_out, lse2, delta]
     if segments:
-        order, counts = visit_plan(q_segments, k_segments, causal, bq, bk, by_key=True)
+        order, counts = visit_plan(q_segments, k_segments, causal, bq, bk, by_key=True, window=window)
         in_specs += [pl.BlockSpec((None, t), lambda i, g, r: (r, 0)),
                      pl.BlockSpec((None, bk), lambda i, g, r: (r, i)),
                      pl.BlockSpec((None, None, order.shape[-1]), lambda i, g, r: (r, i, 0)),
@@ -440,7 +476,7 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
         out_shape.append(jax.ShapeDtypeStruct((b, kv_heads, nk), jnp.int32))
         out_specs.append(pl.BlockSpec((None, None, None), lambda i, g, r: (r, g, i)))
     kernel = functools.partial(_dkdv_kernel, causal=causal, blocks=blocks, length=t, group=group,
-                               segments=segments, count=count)
+                               segments=segments, count=count, window=window)
     dk, dv, *dkdv_visits = pl.pallas_call(
         kernel, grid=(nk, kv_heads, b), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=_params(blocks), interpret=_interpret(), name="ushard_flash_dkdv")(*args)
@@ -459,14 +495,15 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
     in_specs = [query_block, whole_kv, whole_kv, query_block, query_rows, query_rows]
     args = [q, k, v, d_out, lse2, delta]
     if segments:
-        more_specs, more_args = _query_block_plan(q_segments, k_segments, causal, bq, bk, t, own)
+        more_specs, more_args = _query_block_plan(q_segments, k_segments, causal, bq, bk, t, own, window)
         in_specs, args = in_specs + more_specs, args + more_args
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [query_block]
     if count:
         out_shape.append(jax.ShapeDtypeStruct((b, heads, nq), jnp.int32))
         out_specs.append(pl.BlockSpec((None, None, None), lambda i, h, r: (r, h, own(i))))
-    kernel = functools.partial(_dq_kernel, causal=causal, blocks=blocks, length=t, segments=segments, count=count)
+    kernel = functools.partial(_dq_kernel, causal=causal, blocks=blocks, length=t, segments=segments, count=count,
+                               window=window)
     dq, *dq_visits = pl.pallas_call(
         kernel, grid=(nq, heads, b), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=_params(blocks), interpret=_interpret(), name="ushard_flash_dq")(*args)
@@ -478,43 +515,42 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
 def backward(q, k, v, out, lse, d_out, causal, q_segments=None, k_segments=None, d_lse=None, window=0, *,
              tuning: Tuning | None = None):
     """(dq, dk, dv) of one block of keys, given the queries' final out and lse over every block
-    (`kernels.attention.BlockKernel.backward`), and `d_lse`, the cotangent of lse, if it has one."""
-    if window:
-        raise NotImplementedError("ushard's flash attention takes no sliding window yet")
-    return _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_lse, tuning)
+    (`kernels.attention.BlockKernel.backward`), and `d_lse`, the cotangent of lse, if it has one;
+    `window` as the forward's."""
+    return _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_lse, tuning, window=window)
 
 
-FLASH_BLOCKS = BlockKernel(forward, backward, segments=True, typed=False)
+FLASH_BLOCKS = BlockKernel(forward, backward, segments=True, typed=False, windows=True)
 
 
 # --- whole sequences -----------------------------------------------------------------------------------
 
 
-def attention(q, k, v, segment_ids=None, causal=True, *, tuning: Tuning | None = None):
+def attention(q, k, v, segment_ids=None, causal=True, *, tuning: Tuning | None = None, window: int = 0):
     """(out, lse) of attention over whole sequences, differentiable in both: the backward takes the
     cotangents of out and of lse (flash kernels both ways, never autodiff through a kernel)."""
-    return _attention(q, k, v, segment_ids, causal, tuning)
+    return _attention(q, k, v, segment_ids, causal, tuning, window)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, segment_ids, causal, tuning):
-    return forward(q, k, v, causal, segment_ids, segment_ids, tuning=tuning)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, segment_ids, causal, tuning, window):
+    return forward(q, k, v, causal, segment_ids, segment_ids, window, tuning=tuning)
 
 
-def _attention_forward(q, k, v, segment_ids, causal, tuning):
+def _attention_forward(q, k, v, segment_ids, causal, tuning, window):
     q, k, v, segment_ids = custom_vjp_primal_tree_values((q, k, v, segment_ids))
-    out, lse = forward(q, k, v, causal, segment_ids, segment_ids, tuning=tuning)
+    out, lse = forward(q, k, v, causal, segment_ids, segment_ids, window, tuning=tuning)
     return (out, lse), (q, k, v, segment_ids, out, lse)
 
 
-def _attention_backward(causal, tuning, residuals, cotangents):
+def _attention_backward(causal, tuning, window, residuals, cotangents):
     q, k, v, segment_ids, out, lse = residuals
     d_out, d_lse = cotangents
     # A caller that uses out only gives lse no cotangent: the kernels then skip it (a zero array
     # would be transposed and loaded for nothing).
     d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
     d_out = jnp.zeros_like(out) if isinstance(d_out, SymbolicZero) else d_out
-    dq, dk, dv = backward(q, k, v, out, lse, d_out, causal, segment_ids, segment_ids, d_lse, tuning=tuning)
+    dq, dk, dv = backward(q, k, v, out, lse, d_out, causal, segment_ids, segment_ids, d_lse, window, tuning=tuning)
     return dq, dk, dv, None
 
 

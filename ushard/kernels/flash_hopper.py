@@ -25,7 +25,10 @@ within it a sub-range [free_lo, free_hi) that needs no segment mask (every id on
 are masked, so a range that covers more than needed costs time, never correctness. On ushard's
 packed rows (ids never decrease) it is the tile's documents' blocks and nothing else. Both compute
 warpgroups step through the same range, so their turns on the schedule barrier stay paired; one
-whose causal rows end earlier releases the remaining slots without computing.
+whose causal rows end earlier releases the remaining slots without computing. With a sliding
+window the range starts at the block of the tile's first row's first key (`window_start`), so
+blocks wholly before the window are never copied nor computed; a warpgroup's blocks partly inside
+it are masked, those wholly inside it are not (`window_free`).
 
 Scores are kept in base 2, as in flash.py; lse is returned in natural log, [B, T, heads] float32. A
 query that sees no key gets out 0 and lse -inf.
@@ -169,13 +172,32 @@ def ranges(start, free_lo, free_hi, stop, causal_free, causal_after: bool, masks
     return loops if masks else loops[1:2]
 
 
-def mask(causal, segments, q_first, k_first, shape, q_axis, q_seg, k_seg):
-    """Which query sees which key in a [rows, columns] block, queries along `q_axis`."""
+def window_start(q_first, window: int, block_k: int):
+    """The first key block a query from `q_first` on sees within `window` (0: the first block)."""
+    return lax.div(jnp.maximum(q_first - window + 1, 0), block_k) if window else 0
+
+
+def window_free(q_last, window: int, block_k: int):
+    """The first key block whose every key is within `window` of a query at `q_last` and before it
+    (0 without a window): the free blocks of queries up to `q_last` start there or later."""
+    return lax.div(jnp.maximum(q_last - window + 1, 0) + block_k - 1, block_k) if window else 0
+
+
+def window_stop(k_last, window: int, block_q: int, n_q: int):
+    """One past the last query block that sees a key at `k_last` or before within `window`."""
+    return jnp.minimum(n_q, lax.div(k_last + window - 1, block_q) + 1) if window else n_q
+
+
+def mask(causal, segments, q_first, k_first, shape, q_axis, q_seg, k_seg, window: int = 0):
+    """Which query sees which key in a [rows, columns] block, queries along `q_axis` (within
+    `window` keys if > 0)."""
     seen = None
     if causal:
         queries = q_first + plgpu.broadcasted_iota(jnp.int32, shape, q_axis, layout=plgpu.Layout.WGMMA)
         keys = k_first + plgpu.broadcasted_iota(jnp.int32, shape, 1 - q_axis, layout=plgpu.Layout.WGMMA)
         seen = queries >= keys
+        if window:
+            seen = seen & (queries - keys < window)
     if segments:
         same = (lax.broadcast_in_dim(q_seg, shape, [q_axis]) == lax.broadcast_in_dim(k_seg, shape, [1 - q_axis]))
         seen = same if seen is None else seen & same
@@ -196,7 +218,8 @@ def plan_scalars(plan_ref, plan_smem, ready, wg, row, tile, n_blocks, segments):
     return tuple(plan_smem[i] for i in range(4))
 
 
-def forward(q, k, v, causal: bool, q_segments=None, k_segments=None, *, blocks: tuple[int, int, int] | None = None):
+def forward(q, k, v, causal: bool, q_segments=None, k_segments=None, *, blocks: tuple[int, int, int] | None = None,
+            window: int = 0):
     """(out [B, T, heads, hd] in q's dtype, lse [B, T, heads] float32): `flash.forward`'s contract.
     `blocks`: (query rows a warpgroup, keys a block, slots) other than BLOCKS's (the bench's sweep)."""
     b, t, heads, hd = q.shape
@@ -206,7 +229,7 @@ def forward(q, k, v, causal: bool, q_segments=None, k_segments=None, *, blocks: 
         plan = kernel_plan(visit_range(q_segments.astype(jnp.int32), k_segments.astype(jnp.int32), 2 * block_q,
                                        block_k))
     out, lse = _call(q, k, v, plan, q_segments, k_segments, causal=causal, block_q=block_q, block_k=block_k,
-                     stages=min(stages, t // block_k), programs=multiprocessors())
+                     stages=min(stages, t // block_k), programs=multiprocessors(), window=window)
     return out, jnp.swapaxes(lse, 1, 2)
 
 
@@ -230,7 +253,7 @@ def program_tile(program, i, *, programs: int, heads: int, n_tiles: int):
     return lax.div(rest, n_tiles), lax.rem(work, heads), n_tiles - 1 - lax.rem(rest, n_tiles)
 
 
-def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, stages, programs):
+def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, stages, programs, window=0):
     b, t, heads, hd = q.shape
     group = heads // k.shape[2]
     dtype = q.dtype
@@ -271,9 +294,9 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
                 start, free_lo, free_hi, stop = (plan_smem.at[buf][n] for n in range(4))
                 if reader:
                     plgpu.barrier_arrive(plan_free.at[buf])
-            if causal:  # the tile's last row sees keys up to itself
+            if causal:  # the tile's last row sees keys up to itself, its first w - 1 keys back
                 stop = jnp.minimum(stop, lax.div((tile_index + 1) * tile + block_k - 1, block_k))
-                start = jnp.minimum(start, stop)
+                start = jnp.minimum(jnp.maximum(start, window_start(tile_index * tile, window, block_k)), stop)
             return start, free_lo, free_hi, stop
 
         def take_turn():
@@ -322,6 +345,7 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
                 if causal:
                     my_stop = jnp.clip(lax.div(q_first + block_q + block_k - 1, block_k), start, stop)
                     causal_free = lax.div(q_first + 1, block_k)
+                    free_lo = jnp.maximum(free_lo, window_free(q_first + block_q - 1, window, block_k))
 
                 def slot_of(j):  # key blocks go through the slots in turn, across tiles
                     return lax.rem(first_step + j - start, stages)
@@ -344,7 +368,8 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
                     pl.when(j == start)(lambda: prefetch(i))
                     if masked:
                         k_seg = load_vector(k_seg_smem.at[slot], plgpu.Layout.WGMMA.reduce(0)) if segments else None
-                        seen = mask(causal, segments, q_first, j * block_k, (block_q, block_k), 0, q_seg, k_seg)
+                        seen = mask(causal, segments, q_first, j * block_k, (block_q, block_k), 0, q_seg, k_seg,
+                                    window)
                         s = jnp.where(seen, s, -jnp.inf)
                     plgpu.barrier_arrive(k_free.at[slot])
                     new_peak = jnp.maximum(peak, s.max(axis=1) * scale)

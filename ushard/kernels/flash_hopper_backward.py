@@ -14,8 +14,9 @@ once both compute warpgroups have released it.
   which runs after it.
 Each recomputes P = exp2(S - lse) from the forward's final lse, so a block's gradients are its exact
 share of the whole attention's (ring blocks, `kernels.attention.BlockKernel`). Which blocks a program
-visits: the causal bound and, with segment ids, flash_hopper.visit_range's per-tile range (exact for
-any ids; masks do the rest).
+visits: the causal bound, a sliding window's bounds (`flash_hopper.window_start` and the like: blocks
+wholly outside the window are never streamed) and, with segment ids, flash_hopper.visit_range's
+per-tile range (exact for any ids; masks do the rest).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _stream(fetch, free, steps, stages):
         fetch(i + stages, slot)
 
 
-def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, *, stages: int = STAGES):
+def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, *, stages: int = STAGES,
+         window: int = 0):
     """(dk, dv) in k's dtype. lse2, delta: [B, heads, T] float32 (base-2 lse, -inf as 0; D)."""
     b, t, heads, hd = q.shape
     kv_heads = k.shape[2]
@@ -85,8 +87,9 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
         wg = lax.axis_index("wg")
         start, free_lo, free_hi, stop = plan_scalars(plan_ref, plan_smem, own_ready.at[4], wg, row, tile, n_q,
                                                       segments)
-        if causal:  # queries before the tile's first key see none of it
+        if causal:  # queries before the tile's first key see none of it, nor w or more after its last
             start = jnp.maximum(start, lax.div(tile * TILE, ROWS))
+            stop = jnp.minimum(stop, flash_hopper.window_stop(tile * TILE + TILE - 1, window, ROWS, n_q))
             stop = jnp.maximum(stop, start)
         per_head = stop - start
         steps = group * per_head
@@ -127,7 +130,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
                 lse = load_vector(lse_in.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 if masked:
                     q_seg = load_vector(q_seg_in.at[slot], plgpu.Layout.WGMMA.reduce(0)) if segments else None
-                    seen = mask(causal, segments, i * ROWS, k_first, (ROWS, ROWS), 1, q_seg, k_seg)
+                    seen = mask(causal, segments, i * ROWS, k_first, (ROWS, ROWS), 1, q_seg, k_seg, window)
                     s = jnp.where(seen, s, -jnp.inf)
                 p = jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse, s.shape, [1]))
 
@@ -149,8 +152,10 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
                 return dk, dv
 
             causal_free = lax.div(k_first + ROWS - 1 + ROWS - 1, ROWS) if causal else 0
-            loops = ranges(start, free_lo, free_hi, stop, causal_free, causal_after=True,
-                                        masks=causal or segments)
+            my_free_hi = free_hi
+            if causal and window:  # query blocks wholly within w of this warpgroup's first key need no mask
+                my_free_hi = jnp.minimum(free_hi, lax.div(k_first + window, ROWS))
+            loops = ranges(start, free_lo, my_free_hi, stop, causal_free, causal_after=True, masks=causal or segments)
 
             def head(g, carry):
                 head_step = g * per_head
@@ -204,7 +209,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
 
 
 def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d_lse=None, stages: int = STAGES,
-       block_k: int | None = None):
+       block_k: int | None = None, window: int = 0):
     """(dq in q's dtype, D [B, heads, T] float32 for the dK/dV kernel). lse2: [B, heads, T] float32
     (base-2 lse, -inf as 0); out: the forward's; d_lse: lse's cotangent [B, heads, T], or None. The
     kernel computes D = rowsum(dO * out) - d_lse from the tiles it holds anyway (measured faster than
@@ -233,9 +238,9 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
         wg = lax.axis_index("wg")
         start, free_lo, free_hi, stop = plan_scalars(plan_ref, plan_smem, own_ready.at[10], wg, row, tile, n_k,
                                                       segments)
-        if causal:  # keys after the tile's last query are seen by none of it
+        if causal:  # keys after the tile's last query are seen by none of it, nor w or more before its first
             stop = jnp.minimum(stop, lax.div((tile + 1) * TILE + block_k - 1, block_k))
-            start = jnp.minimum(start, stop)
+            start = jnp.minimum(jnp.maximum(start, flash_hopper.window_start(tile * TILE, window, block_k)), stop)
         steps = stop - start
 
         @pl.when(wg < 2)
@@ -273,6 +278,7 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
             if causal:
                 my_stop = jnp.clip(lax.div(q_first + ROWS + block_k - 1, block_k), start, stop)
                 causal_free = lax.div(q_first + 1, block_k)
+            my_free_lo = jnp.maximum(free_lo, flash_hopper.window_free(q_first + ROWS - 1, window, block_k))
 
             def step(j, dq, masked):
                 slot = lax.rem(j - start, stages)
@@ -289,7 +295,7 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
                 s, dp = pl.run_state(scores_and_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
                 if masked:
                     k_seg = load_vector(k_seg_in.at[slot], plgpu.Layout.WGMMA.reduce(0)) if segments else None
-                    seen = mask(causal, segments, q_first, j * block_k, (ROWS, block_k), 0, q_seg, k_seg)
+                    seen = mask(causal, segments, q_first, j * block_k, (ROWS, block_k), 0, q_seg, k_seg, window)
                     s = jnp.where(seen, s, -jnp.inf)
                 p = jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse, s.shape, [0]))
                 ds = p * (dp - lax.broadcast_in_dim(d, dp.shape, [0]))
@@ -302,8 +308,8 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
                 return dq
 
             dq = plgpu.layout_cast(jnp.zeros((ROWS, hd), jnp.float32), plgpu.Layout.WGMMA)
-            for first, last, masked in ranges(start, free_lo, free_hi, my_stop, causal_free,
-                                                           causal_after=False, masks=causal or segments):
+            for first, last, masked in ranges(start, my_free_lo, free_hi, my_stop, causal_free,
+                                              causal_after=False, masks=causal or segments):
                 dq = lax.fori_loop(first, last, functools.partial(step, masked=masked), dq)
 
             def release(j, _):  # blocks this warpgroup's rows do not see: wait for them, then free them
