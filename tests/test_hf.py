@@ -25,6 +25,7 @@ import ushard
 from ushard import hf
 from ushard.models.config import ModelConfig, MoEConfig, RopeScaling
 from ushard.models.definition import model_definition
+from ushard.models.llama import hf as llama_hf
 from ushard.trained import TrainedModel
 
 VOCAB = 300  # at least the byte tokenizer's 257, for the fine-tuning run
@@ -102,7 +103,7 @@ def test_logits_match_transformers(checkpoints, kind):
         unscaled = TrainedModel(model_definition(unscaled_cfg), imported.params, imported.layout, 0, None, None)
         assert relative_error(unscaled(TOKENS), expected) > 1e-2
     if kind == "mixtral":  # Mixtral's routing; without renormalised gates the logits are wrong
-        assert imported.model.cfg.moe == MoEConfig(num_experts=4, top_k=2, **hf.MIXTRAL_ROUTING)
+        assert imported.model.cfg.moe == MoEConfig(num_experts=4, top_k=2, **llama_hf.MIXTRAL_ROUTING)
         other = dataclasses.replace(imported.model.cfg, moe=MoEConfig(num_experts=4, top_k=2, normalize_gates=False))
         unnormalised = TrainedModel(model_definition(other), imported.params, imported.layout, 0, None, None)
         assert relative_error(unnormalised(TOKENS), expected) > 1e-2
@@ -327,16 +328,18 @@ def edited(saved, tmp_path, **changes) -> str:
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"model_type": "qwen2"}, r"model_type=\"qwen2\" is not supported: ushard imports llama, mistral, mixtral\."),
-    ({"head_dim": 32}, r"head_dim=32 is not supported: ushard's head_dim is hidden_size / num_attention_heads = 16\."),
+    ({"model_type": "qwen2"}, r"model_type=\"qwen2\" is not supported: ushard imports llama, mistral, mixtral, qwen3, "
+                             r"qwen3_moe, gemma3_text\."),
+    ({"head_dim": 32}, r"tensor model\.layers\.0\.self_attn\.q_proj\.weight is \[64, 64\], but config\.json's "
+                       r"sizes make it \[128, 64\]"),  # a head size of its own: then its tensors are larger
     ({"attention_bias": True}, r"attention_bias=true is not supported: ushard's projections have no biases\."),
     ({"mlp_bias": True}, r"mlp_bias=true is not supported"),
-    ({"hidden_act": "gelu"}, r"hidden_act=\"gelu\" is not supported: ushard's MLP is SwiGLU"),
+    ({"hidden_act": "gelu"}, r"hidden_act=\"gelu\" is not supported: this family's MLP uses silu"),
     ({"model_type": "mistral", "sliding_window": 4096}, r"sliding_window=4096 is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling\.rope_type=\"yarn\" is not supported: "
-                                                              r"ushard computes RoPE of types default, llama3\."),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
-     r"rope_parameters\.rope_type=\"linear\""),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     r"rope_scaling\.rope_type=\"yarn\" is not supported: ushard computes RoPE of types default, llama3, linear\."),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     r"rope_parameters\.rope_type=\"dynamic\""),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
      r"the llama3 type needs low_freq_factor, high_freq_factor"),
     ({"intermediate_size": 96}, r"tensor model\.layers\.0\.mlp\.gate_proj\.weight is \[128, 64\], but config\.json's "
@@ -367,7 +370,7 @@ def test_mixtral_written_by_ushard_reads_back_with_its_routing(saved_moe, tmp_pa
     assert config["architectures"] == ["MixtralForCausalLM"] and config["intermediate_size"] == 128
     assert (config["num_local_experts"], config["num_experts_per_tok"], config["router_jitter_noise"]) == (4, 2, 0.0)
     imported = ushard.from_hf(saved_moe, moe={"dispatch": "ragged", "aux_loss_weight": 0.0})  # how, not what
-    assert imported.model.cfg.moe == MoEConfig(num_experts=4, top_k=2, **hf.MIXTRAL_ROUTING, dispatch="ragged",
+    assert imported.model.cfg.moe == MoEConfig(num_experts=4, top_k=2, **llama_hf.MIXTRAL_ROUTING, dispatch="ragged",
                                                aux_loss_weight=0.0)
     assert not np.any(np.asarray(imported.params["blocks"]["mlp"]["bias"]))
     for a, b in zip(jax.tree.leaves(imported.params), jax.tree.leaves(random_params(SMALL_MOE))):
@@ -387,7 +390,7 @@ def test_mixtral_written_by_ushard_reads_back_with_its_routing(saved_moe, tmp_pa
 
 @pytest.mark.parametrize("moe, routing_bias, match", [
     (dict(score_func="sigmoid"), 0.0, r"model\.moe\.score_func='sigmoid' cannot be exported: Hugging Face's Mixtral, "
-                                      r"the one MoE architecture ushard writes, has score_func='softmax'\."),
+                                      r"the one MoE architecture of the llama family, has score_func='softmax'\."),
     (dict(num_shared_experts=1), 0.0, r"model\.moe\.num_shared_experts=1 cannot be exported"),
     (dict(), 0.5, r"routing biases \(model\.moe\.bias_update_rate\) are not zero, and Hugging Face's Mixtral router"),
 ])

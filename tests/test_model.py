@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from ushard.metrics import flops_per_token
 from ushard.models.attention import causal_attention
 from ushard.models.config import ModelConfig
 from ushard.models.definition import ModelDef
@@ -160,7 +159,7 @@ def test_flops_per_token_counts_matmuls_and_causal_attention():
     matmul_params = m.n_layers * per_layer + d * m.vocab_size  # + LM head; the input table is a lookup
     expected = 6 * matmul_params + 6 * m.n_layers * t.seq_len * d
     assert model.num_matmul_params() == matmul_params
-    assert flops_per_token(m, matmul_params, t.seq_len) == expected
+    assert model.flops_per_token(t.seq_len) == expected
 
 
 def test_cross_entropy_matches_reference():

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ushard.config import load_config  # noqa: E402
-from ushard.metrics import flops_per_token, peak_flops  # noqa: E402
+from ushard.metrics import peak_flops  # noqa: E402
 from ushard.models.config import ModelConfig  # noqa: E402
 from ushard.models.definition import ModelDef  # noqa: E402
 
@@ -88,7 +88,7 @@ def elementwise_bytes(m, tokens: int, n_params: int) -> dict[str, float]:
     gradient and two moments, write weight and moments (7 float32 numbers per parameter).
     """
     row, mlp_row = 2 * tokens * m.d_model, 2 * tokens * m.d_ff
-    qk_rows = 2 * tokens * (m.d_model + m.d_model * m.n_kv_heads // m.n_heads)
+    qk_rows = 2 * tokens * (m.n_heads + m.n_kv_heads) * m.head_dim
     per_layer = (2 * 4 * row + 2 * qk_rows + 3 * mlp_row) + (2 * 6 * row + 2 * qk_rows + 5 * mlp_row)
     return {
         "blocks": m.n_layers * per_layer,
@@ -140,10 +140,10 @@ def main() -> None:
           f"({attention_flops / train_ms / 1e9:.0f} TFLOP/s)")
 
     model = ModelDef(ModelConfig.from_config(m))  # shapes only
-    moved = elementwise_bytes(m, tokens, model.num_params())
+    moved = elementwise_bytes(model.cfg, tokens, model.num_params())
     moved_ms = {part: b / bandwidth * 1e3 for part, b in moved.items()}
     floor_ms = matmul_ms + m.n_layers * train_ms + sum(moved_ms.values())
-    step_flops = flops_per_token(m, model.num_matmul_params(), t.seq_len) * tokens
+    step_flops = model.flops_per_token(t.seq_len) * tokens
     peak = peak_flops()
     print("\nfloor of one step: matmuls {:.1f} + attention {:.1f} + other work {:.1f} ms ({}) = {:.1f} ms".format(
         matmul_ms, m.n_layers * train_ms, sum(moved_ms.values()),

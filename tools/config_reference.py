@@ -40,15 +40,25 @@ _MESH = {
 
 DESCRIPTIONS = {
     # model
+    "model.family": "the architecture: `llama` (Llama 2/3, Mistral, Mixtral), `qwen3` (dense and MoE: QK-norm), "
+                    "`gemma3` (sliding windows, four norms a block, GeGLU); docs/huggingface.md",
     "model.vocab_size": "rows of the embedding and LM head; at least the tokenizer's vocabulary",
     "model.d_model": "width of the residual stream",
     "model.n_layers": "transformer blocks",
-    "model.n_heads": "query heads; head_dim = d_model / n_heads (must be even)",
+    "model.n_heads": "query heads",
+    "model.head_dim": "the size of one attention head (even); 0: d_model / n_heads",
+    "model.sliding_window": "gemma3: a local layer's query sees itself and this many - 1 tokens before it; "
+                            "0: no window",
+    "model.sliding_window_pattern": "gemma3: every this-many-th layer attends globally, the others locally; 0: none "
+                                    "globally",
+    "model.local_rope_theta": "gemma3: the local layers' RoPE base (unscaled); 0: rope_theta",
+    "model.query_pre_attn_scalar": "attention scores are scaled by this ** -0.5 (Gemma's); 0: head_dim",
     "model.n_kv_heads": "key/value heads (grouped-query attention); divides n_heads",
-    "model.d_ff": "hidden width of the SwiGLU MLP",
+    "model.d_ff": "hidden width of the gated MLP (SwiGLU; Gemma's GeGLU)",
     "model.rope_theta": "RoPE base frequency",
-    "model.rope_scaling.type": "`none` or `llama3` (Llama 3.1's long-context frequency scaling; the keys below)",
-    "model.rope_scaling.factor": "llama3: long wavelengths are divided by this",
+    "model.rope_scaling.type": "`none`, `llama3` (Llama 3.1's long-context frequency scaling; the keys below) or "
+                               "`linear` (every frequency divided by factor; Gemma 3's global layers)",
+    "model.rope_scaling.factor": "llama3: long wavelengths are divided by this; linear: every one",
     "model.rope_scaling.low_freq_factor": "llama3: wavelengths above original_max_position_embeddings / this are "
                                           "scaled",
     "model.rope_scaling.high_freq_factor": "llama3: wavelengths below original_max_position_embeddings / this are kept",

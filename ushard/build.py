@@ -15,7 +15,6 @@ from ushard.config import validate
 from ushard.kernels import attention as attention_kernels
 from ushard.kernels import grouped_matmul as grouped_kernels
 from ushard.mesh import build_mesh
-from ushard.metrics import flops_per_token
 from ushard.models.config import ModelConfig
 from ushard.models.definition import ModelDef, model_definition
 from ushard.parallel import SEAMS
@@ -51,7 +50,7 @@ class Setup:
     @property
     def flops_per_token(self) -> float:
         """Training FLOPs per token as ushard/metrics.py counts them."""
-        return flops_per_token(self.model_config, self.model.num_matmul_params(), self.config.train.seq_len)
+        return self.model.flops_per_token(self.config.train.seq_len)
 
     def describe(self) -> str:
         """The start-up report: the model's size, the plan's decisions, the parameter layout."""

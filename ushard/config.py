@@ -23,6 +23,7 @@ from ushard.data.sources import packs_whole
 from ushard.data.tokenizer import get_tokenizer
 from ushard.errors import UserError
 from ushard.models.config import ModelConfig
+from ushard.models.definition import model_definition
 from ushard.parallel import context
 from ushard.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
@@ -39,7 +40,8 @@ def default_config() -> ml_collections.ConfigDict:
 
     # The model's keys, defaults and their meaning: ushard/models/config.py (ModelConfig; its nested
     # groups, such as `model.moe`, are nested here too).
-    c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
+    # head_dim's default is 0 (d_model / n_heads), not the default model's resolved size.
+    c.model = ml_collections.ConfigDict({**dataclasses.asdict(ModelConfig()), "head_dim": 0})
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000
@@ -390,6 +392,7 @@ def check_settings(config) -> ModelConfig:
     """Checks every setting that needs no devices; returns the model's settings, validated."""
     t, d = config.train, config.data
     model_cfg = ModelConfig.from_config(config.model)
+    model_definition(model_cfg)  # the family exists and takes these settings
     for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "max_nonfinite_steps",
                 "process_timeout_s"):
         _positive(t[key], f"train.{key}")
@@ -468,12 +471,15 @@ def check_pipeline(config, mesh: dict[str, int]) -> None:
         )
     if stages == 1:
         return
-    dense_first = config.model.moe.first_dense_layers if config.model.moe.num_experts else 0
-    if schedule == "1f1b" and dense_first:
+    stacks = model_definition(ModelConfig.from_config(config.model)).stacks()
+    if schedule == "1f1b" and len(stacks) > 1:
+        why = {"dense_blocks": "model.moe.first_dense_layers=0",
+               "tail_blocks": "model.n_layers a multiple of model.sliding_window_pattern"}
+        fix = " or ".join(why[name] for name, _, _ in stacks if name in why)
         raise UserError(
-            f"parallel.pipeline_schedule='1f1b' runs one stack of layers through its ticks, and "
-            f"model.moe.first_dense_layers={dense_first} makes two (dense layers, then MoE layers); use "
-            f"pipeline_schedule='gpipe' or 'circular', which pipeline each stack in turn, or first_dense_layers=0."
+            f"parallel.pipeline_schedule='1f1b' runs one stack of layers through its ticks, and this model has "
+            f"{len(stacks)} ({', '.join(f'{name}: {n} layers' for name, n, _ in stacks)}); use "
+            f"pipeline_schedule='gpipe' or 'circular', which pipeline each stack in turn, or {fix}."
         )
     if layers % (stages * repeats):
         raise UserError(

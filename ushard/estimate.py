@@ -620,7 +620,8 @@ def residual_shapes(setup, work: DeviceWork, remat: str, n_layers: int, scaled: 
         s = SCALES
         cfg = dataclasses.replace(
             cfg, n_kv_heads=cfg.n_kv_heads * s["kv_heads"], n_heads=cfg.n_heads * s["kv_heads"] * s["groups"],
-            d_model=cfg.d_model * s["kv_heads"] * s["groups"] * s["head_dim"], d_ff=cfg.d_ff * s["mlp"],
+            d_model=cfg.d_model * s["kv_heads"] * s["groups"] * s["head_dim"], head_dim=cfg.head_dim * s["head_dim"],
+            d_ff=cfg.d_ff * s["mlp"],
             vocab_size=cfg.vocab_size * s["vocab"],
             moe=dataclasses.replace(cfg.moe, expert_d_ff=cfg.expert_d_ff * s["mlp"]))
         length *= s["length"]

@@ -1,19 +1,16 @@
-"""Hugging Face checkpoints in and out: Llama 2, Llama 3 and 3.1-3.3, Mistral, Mixtral.
+"""Hugging Face checkpoints in and out, for every model family (ushard/models/registry.py).
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
-listed by `model.safetensors.index.json`. ushard's Llama computes the same function as transformers'
-`LlamaForCausalLM` given the same weights (rotate-half RoPE, 1/sqrt(head_dim) scale, RMSNorm weight
-after normalising), so import and export are a renaming of tensors plus transposes and reshapes: HF
-stores a linear layer as [out, in], ushard as [in, ...out] with heads split out, layers stacked.
-Mixtral is that model with an MoE block (ushard/models/moe.py) in every layer, routed as transformers'
-`MixtralForCausalLM` routes: softmax over all experts in float32, the top k, their gates renormalised
-to sum 1, no drops; each expert's HF tensors are one slice of the stacked experts' weights.
+listed by `model.safetensors.index.json`. Each family computes the same function as its transformers
+class given the same weights, so import and export are a renaming of tensors plus transposes and
+reshapes: HF stores a linear layer as [out, in], ushard as [in, ...out] with heads split out, layers
+stacked. What differs by family (config.json both ways, the tensors' names, the refusals) is the
+family's `HFMap` (ushard/models/<family>/hf.py); this module holds what they share:
 
-- `model_config` reads the architecture from config.json (both spellings of the RoPE settings:
-  top-level `rope_theta` / `rope_scaling` as published checkpoints have them, and transformers 5's
-  `rope_parameters`) and refuses, in one sentence naming the field, what ushard cannot compute.
-- `tensor_map` is the name map, as data: each HF tensor, the ushard parameter it fills and how their
-  axes line up. The fused layout (`model.fused_mlp`) holds two HF tensors in one
+- `model_config` reads the architecture from config.json through the family of its `model_type`,
+  which refuses, in one sentence naming the field, what ushard cannot compute.
+- `tensor_map` is the family's name map, as data: each HF tensor, the ushard parameter it fills and
+  how their axes line up. The fused layout (`model.fused_mlp`) holds two HF tensors in one
   parameter, side by side along one axis.
 - `load_params` creates each parameter straight into its sharding: `jax.make_array_from_callback`
   asks for every local device's block, read from the memory-mapped safetensors by slicing, so a host
@@ -28,7 +25,6 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -37,21 +33,16 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ushard.errors import UserError
-from ushard.models.config import ModelConfig, MoEConfig, RopeScaling
+from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.definition import ModelDef, dotted, model_definition
+from ushard.models.hf_names import Tensor
+from ushard.models.registry import family, family_for_model_type
 from ushard.trained import TrainedModel, abstract_params, inference_layout, load_model
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral")
-ROPE_TYPES = ("default", "llama3")  # transformers' rope_type values ushard computes
 # The model settings a Hugging Face config decides; the others say how ushard computes and trains.
-HF_SETTINGS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "rope_scaling",
-               "norm_eps", "tie_embeddings", "moe")  # of `moe`, those that define the function: see decided_by_hf
-# transformers' MixtralConfig defaults where they differ from Llama's, for a config.json that omits them.
-MIXTRAL_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2}
-# How Mixtral routes, as model.moe settings: every layer MoE, softmax scores, the top k renormalised,
-# dropless, no shared experts, no group limit.
-MIXTRAL_ROUTING = {"score_func": "softmax", "normalize_gates": True, "routed_scale": 1.0, "capacity_factor": 0.0,
-                   "num_shared_experts": 0, "every": 1, "first_dense_layers": 0, "num_groups": 1, "top_groups": 1}
+HF_SETTINGS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim",
+               "sliding_window", "sliding_window_pattern", "local_rope_theta", "query_pre_attn_scalar", "rope_theta",
+               "rope_scaling", "norm_eps", "tie_embeddings", "moe")  # of `moe`, those that define the function
 # An imported model computes in float32 unless asked otherwise, like transformers' from_pretrained.
 IMPORT_SETTINGS = {"compute_dtype": "float32", "param_dtype": "float32"}
 INDEX_FILE = "model.safetensors.index.json"
@@ -79,44 +70,6 @@ def read_config(directory: str) -> dict:
     return config
 
 
-def _refuse(directory: str, field: str, value, why: str):
-    raise UserError(f"{directory}: config.json's {field}={json.dumps(value)} is not supported: {why}.")
-
-
-def _check_expressible(hf: dict, directory: str) -> None:
-    """Refuses, naming the field, every setting ushard's Llama does not compute."""
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        _refuse(directory, "model_type", model_type, f"ushard imports {', '.join(SUPPORTED_MODEL_TYPES)}")
-    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-        if not isinstance(hf.get(key), int):
-            _refuse(directory, key, hf.get(key), "it must be a whole number")
-    if hf.get("hidden_act", "silu") != "silu":
-        _refuse(directory, "hidden_act", hf["hidden_act"], "ushard's MLP is SwiGLU (silu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            _refuse(directory, key, hf[key], "ushard's projections have no biases")
-    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, head_dim) or hf["hidden_size"] % hf["num_attention_heads"]:
-        ratio = hf["hidden_size"] / hf["num_attention_heads"]
-        _refuse(directory, "head_dim", hf.get("head_dim"),
-                f"ushard's head_dim is hidden_size / num_attention_heads = {ratio:g}")
-    if hf.get("sliding_window") is not None:
-        _refuse(directory, "sliding_window", hf["sliding_window"], "ushard's attention sees the whole context; "
-                "set it to null if the model was trained without one")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        _refuse(directory, "partial_rotary_factor", hf["partial_rotary_factor"], "ushard rotates the whole head")
-    if hf.get("quantization_config"):
-        _refuse(directory, "quantization_config", hf["quantization_config"].get("quant_method", "?"),
-                "ushard imports unquantized weights")
-    if model_type == "mixtral":
-        for key in ("num_local_experts", "num_experts_per_tok"):
-            if not isinstance(hf[key], int):
-                _refuse(directory, key, hf[key], "it must be a whole number")
-        if hf.get("router_jitter_noise", 0.0):
-            _refuse(directory, "router_jitter_noise", hf["router_jitter_noise"], "ushard's router adds no noise")
-
-
 def decided_by_hf(key: str) -> bool:
     """Whether a model setting (dotted, as `ModelConfig.settings` names it) comes from a Hugging Face
     config.json: the architecture, not how it is computed or trained (model.moe.aux_loss_weight, ...)."""
@@ -125,175 +78,45 @@ def decided_by_hf(key: str) -> bool:
     return key.split(".")[0] in HF_SETTINGS
 
 
-def _moe(hf: dict, settings: dict) -> MoEConfig:
-    """model.moe of the checkpoint: Mixtral's routing, or none (a dense model); `settings`: the others."""
-    if hf["model_type"] != "mixtral":
-        return MoEConfig(**settings)
-    return MoEConfig(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], **MIXTRAL_ROUTING,
-                     **settings)
-
-
-def _rope(hf: dict, directory: str) -> tuple[float, RopeScaling]:
-    """(rope_theta, scaling) from either spelling: transformers 5's `rope_parameters` (theta inside), or
-    top-level `rope_theta` and `rope_scaling` (whose type key was once `type`, now `rope_type`)."""
-    if isinstance(hf.get("rope_parameters"), dict):
-        params, field = hf["rope_parameters"], "rope_parameters"
-    else:
-        params, field = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}, "rope_scaling"
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        _refuse(directory, f"{field}.rope_type", kind, f"ushard computes RoPE of types {', '.join(ROPE_TYPES)}")
-    theta = params.get("rope_theta")
-    if not isinstance(theta, (int, float)):
-        key = f"{field}.rope_theta" if field == "rope_parameters" else "rope_theta"
-        _refuse(directory, key, theta, "it must be a number")
-    if kind == "default":
-        return float(theta), RopeScaling()
-    keys = [f.name for f in dataclasses.fields(RopeScaling) if f.name != "type"]
-    missing = [k for k in keys if k not in params]
-    if missing:
-        _refuse(directory, field, params, f"the llama3 type needs {', '.join(missing)}")
-    return float(theta), RopeScaling("llama3", **{k: params[k] for k in keys})
-
-
 def model_config(hf: dict, directory: str, **settings) -> ModelConfig:
-    """ushard's model settings for the checkpoint whose config.json is `hf`; `settings` set the others
-    (dtypes, fused layouts, remat, ...). Raises UserError for what ushard cannot compute."""
-    if hf.get("model_type") == "mixtral":
-        hf = {**MIXTRAL_DEFAULTS, **hf}
-    _check_expressible(hf, directory)
+    """ushard's model settings for the checkpoint whose config.json is `hf`, read by the family of its
+    model_type; `settings` set the others (dtypes, fused layouts, remat, ...). Raises UserError for
+    what ushard cannot compute."""
+    family = family_for_model_type(hf.get("model_type"), directory)
+    values = family.hf.settings(hf, directory)
     moe_settings = dict(settings.pop("moe", None) or {})
     named = [*settings, *(f"moe.{k}" for k in moe_settings)]
     decided = [k for k in named if decided_by_hf(k)]
     if decided:
         raise UserError(f"model.{decided[0]} of a Hugging Face checkpoint comes from its config.json; leave it out.")
-    theta, scaling = _rope(hf, directory)
+    moe = MoEConfig(**values.pop("moe"), **moe_settings)
     try:
-        return ModelConfig(
-            vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-            n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            d_ff=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # transformers' default, not ushard's
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=_moe(hf, moe_settings), **settings,
-        )
+        return ModelConfig(family=family.name, **values, moe=moe, **settings)
     except TypeError as e:  # a keyword ModelConfig does not have
         raise UserError(f"not a model setting: {e}.") from None
 
 
 def hf_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict:
-    """config.json for ushard's model `cfg` as a `LlamaForCausalLM` (Mistral without a sliding window is
-    one too) or, with experts, a `MixtralForCausalLM`, in the top-level RoPE spelling that transformers
-    4 and 5 both read."""
-    scaling = cfg.rope_scaling
-    rope_scaling = None
-    if scaling.type == "llama3":
-        rope_scaling = {"rope_type": "llama3", **{k: v for k, v in dataclasses.asdict(scaling).items() if k != "type"}}
-    if cfg.moe.num_experts:
-        kind = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": cfg.expert_d_ff,
-                "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
-                "router_jitter_noise": 0.0, "sliding_window": None}
-    else:
-        kind = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "intermediate_size": cfg.d_ff}
-    return {
-        **kind, "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_scaling": rope_scaling, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
-        "mlp_bias": False, "max_position_embeddings": max_positions, "torch_dtype": dtype,
-    }
-
-
-def check_mixtral_routing(cfg: ModelConfig) -> None:
-    """Refuses to export an MoE model that transformers' Mixtral would compute differently. The drop
-    rule is let through: it only limits a training batch; the export routes dropless."""
-    for key, mixtral in MIXTRAL_ROUTING.items():
-        value = getattr(cfg.moe, key)
-        if key != "capacity_factor" and value != mixtral:
-            raise UserError(f"model.moe.{key}={value!r} cannot be exported: Hugging Face's Mixtral, the one MoE "
-                            f"architecture ushard writes, has {key}={mixtral!r}.")
+    """config.json for ushard's model `cfg`, as its family writes it."""
+    return family(cfg.family).hf.config(cfg, dtype, max_positions)
 
 
 # --------------------------------------------------------------------------- the name map
 
 
-@dataclass(frozen=True)
-class Tensor:
-    """One HF tensor and its place in a ushard parameter (for the stacked layers: in one layer's slice).
-
-    The tensor's *view* is the HF weight, transposed when `transposed` (HF's [out, in] against ushard's
-    [in, out]), reshaped so that its first `rows` dimensions split the weight's (oriented) first axis
-    and the rest its second. A parameter is its one tensor's view, or with `part` = (axis, start, stop)
-    the concatenation along `axis` of several views (the fused layouts).
-    """
-
-    name: str  # the HF name; "{layer}" stands for the layer's index
-    param: str  # the ushard parameter, as a dotted path
-    rows: int = 1
-    transposed: bool = True
-    part: tuple[int, int, int] | None = None
-
-    @property
-    def stacked(self) -> bool:
-        return "{layer}" in self.name
-
-    def view_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The view's shape, given the shape of (one layer's slice of) its parameter."""
-        if self.part is None:
-            return tuple(param_shape)
-        axis, start, stop = self.part
-        return (*param_shape[:axis], stop - start, *param_shape[axis + 1:])
-
-    def hf_shape(self, param_shape) -> tuple[int, ...]:
-        view = self.view_shape(param_shape)
-        oriented = (math.prod(view[:self.rows]), math.prod(view[self.rows:]))
-        if self.rows == len(view):
-            return oriented[:1]  # a vector (norm scales)
-        return oriented[::-1] if self.transposed else oriented
-
-
 def tensor_map(cfg: ModelConfig) -> list[Tensor]:
-    """Every HF tensor of a Llama-family checkpoint of `cfg`, in transformers' order."""
-    layer = "model.layers.{layer}."
-    attention = [Tensor(layer + f"self_attn.{x}_proj.weight", f"blocks.attn.w{x}") for x in "qkv"]
-    mlp = _mixtral_tensors(cfg.moe.num_experts) if cfg.moe.num_experts else _dense_mlp_tensors(cfg.fused_mlp)
-    tensors = [
-        Tensor("model.embed_tokens.weight", "embedding", transposed=False),
-        Tensor(layer + "input_layernorm.weight", "blocks.attn_norm.scale"),
-        *attention,
-        Tensor(layer + "self_attn.o_proj.weight", "blocks.attn.wo", rows=2),
-        Tensor(layer + "post_attention_layernorm.weight", "blocks.mlp_norm.scale"),
-        *mlp,
-        Tensor("model.norm.weight", "final_norm.scale"),
-    ]
-    if not cfg.tie_embeddings:
-        tensors.append(Tensor("lm_head.weight", "lm_head"))
-    return tensors
+    """Every HF tensor of a checkpoint of `cfg`, as its family names them."""
+    return family(cfg.family).hf.tensors(cfg)
 
 
-def _dense_mlp_tensors(fused: bool) -> list[Tensor]:
-    layer = "model.layers.{layer}."
-    if fused:  # gate, then up
-        gate_up = [Tensor(layer + "mlp.gate_proj.weight", "blocks.mlp.w_gate_up", part=(1, 0, 1)),
-                   Tensor(layer + "mlp.up_proj.weight", "blocks.mlp.w_gate_up", part=(1, 1, 2))]
-    else:
-        gate_up = [Tensor(layer + f"mlp.{x}_proj.weight", f"blocks.mlp.w_{x}") for x in ("gate", "up")]
-    return [*gate_up, Tensor(layer + "mlp.down_proj.weight", "blocks.mlp.w_down")]
-
-
-def _mixtral_tensors(num_experts: int) -> list[Tensor]:
-    """A Mixtral layer's MoE block: the router, then each expert's w1 (gate), w2 (down), w3 (up), each
-    one expert's slice (along the `experts` axis) of the stacked experts' weight."""
-    block = "model.layers.{layer}.block_sparse_moe."
-    experts = [Tensor(block + f"experts.{e}.{w}.weight", f"blocks.mlp.experts.{param}", rows=2, part=(0, e, e + 1))
-               for e in range(num_experts) for w, param in (("w1", "w_gate"), ("w2", "w_down"), ("w3", "w_up"))]
-    return [Tensor(block + "gate.weight", "blocks.mlp.router"), *experts]
-
-
-def _named(tensors: list[Tensor], n_layers: int):
-    """(HF name, Tensor, layer or None) for every tensor of every layer, in the order files hold them."""
-    before = [(t.name, t, None) for t in tensors if not t.stacked and t.param == "embedding"]
-    layers = [(t.name.format(layer=i), t, i) for i in range(n_layers) for t in tensors if t.stacked]
-    after = [(t.name, t, None) for t in tensors if not t.stacked and t.param != "embedding"]
+def _named(tensors: list[Tensor], shapes: dict):
+    """(HF name, Tensor, stack item or None, HF layer or None) for every tensor of every layer, in the
+    order files hold them: the embedding, the layers in order, the rest."""
+    before = [(t.name, t, None, None) for t in tensors if not t.stacked and t.param == "embedding"]
+    layers = [(t.name.format(layer=t.hf_layer(i)), t, i, t.hf_layer(i)) for t in tensors if t.stacked
+              for i in range(shapes[t.param][0])]
+    layers.sort(key=lambda entry: entry[3])  # stable: within a layer, the family's order
+    after = [(t.name, t, None, None) for t in tensors if not t.stacked and t.param != "embedding"]
     return before + layers + after
 
 
@@ -350,7 +173,7 @@ def check_tensors(files: SafetensorsFiles, cfg: ModelConfig, model: ModelDef) ->
     """Refuses a checkpoint whose tensors are not exactly the ones `cfg` has, in name and shape."""
     shapes = {path: s.shape for path, s in _param_shapes(model).items()}
     expected = {name: t.hf_shape(shapes[t.param][1:] if t.stacked else shapes[t.param])
-                for name, t, _ in _named(tensor_map(cfg), cfg.n_layers)}
+                for name, t, _, _ in _named(tensor_map(cfg), shapes)}
     missing = sorted(set(expected) - files.names())
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -363,8 +186,8 @@ def check_tensors(files: SafetensorsFiles, cfg: ModelConfig, model: ModelDef) ->
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
     extra = sorted(n for n in files.names() - set(expected) - ignored if not n.endswith("rotary_emb.inv_freq"))
     if extra:
-        raise UserError(f"{files.directory} holds tensor {extra[0]}, which ushard's Llama has no place for; "
-                        f"it is another architecture than its config.json says.")
+        raise UserError(f"{files.directory} holds tensor {extra[0]}, which ushard's {cfg.family} model has no place "
+                        f"for; it is another architecture than its config.json says.")
 
 
 def _param_shapes(model: ModelDef) -> dict:
@@ -394,9 +217,9 @@ def _read_view(files: SafetensorsFiles, name: str, tensor: Tensor, view_shape, r
     return region[np.ix_(rows - r0, cols - c0)].reshape([len(r) for r in ranges])
 
 
-def _read_block(files, tensors: list[Tensor], layer, param_shape, ranges) -> np.ndarray:
-    """The block `ranges` of one parameter (one layer's slice of it, for the stacked layers)."""
-    name = lambda t: t.name.format(layer=layer)  # noqa: E731
+def _read_block(files, tensors: list[Tensor], item, param_shape, ranges) -> np.ndarray:
+    """The block `ranges` of one parameter (one stack item's slice of it, for the stacked layers)."""
+    name = lambda t: t.name if item is None else t.name.format(layer=t.hf_layer(item))  # noqa: E731
     if tensors[0].part is None:
         return _read_view(files, name(tensors[0]), tensors[0], param_shape, ranges)
     axis = tensors[0].part[0]
@@ -475,15 +298,15 @@ def _hf_tensor(param: np.ndarray, tensor: Tensor) -> np.ndarray:
 def _hf_tensors(params, named):
     """Each HF tensor of `named` in turn, as a host array; one layer's parameters on the host at a time."""
     flat = {dotted(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-    held = (None, {})  # (layer, {param: that layer's slice on the host})
-    for _, tensor, layer in named:
+    held = (None, {})  # (HF layer, {param: its item's slice on the host})
+    for _, tensor, item, layer in named:
         if layer is None:
             yield _hf_tensor(_on_host(flat[tensor.param]), tensor)
             continue
         if held[0] != layer:
             held = (layer, {})
         if tensor.param not in held[1]:
-            held[1][tensor.param] = _on_host(flat[tensor.param][layer])
+            held[1][tensor.param] = _on_host(flat[tensor.param][item])
         yield _hf_tensor(held[1][tensor.param], tensor)
 
 
@@ -512,17 +335,17 @@ def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, 
     config.json and model.safetensors, or shards and an index past `max_file_bytes`. `dtype`: the
     weights' dtype on disk (default: the parameters')."""
     dtype = dtype or cfg.param_dtype
+    family(cfg.family).hf.check_export(cfg)
     if cfg.moe.num_experts:
-        check_mixtral_routing(cfg)
         _check_no_routing_bias(params, model_definition(cfg))
     if dtype not in DTYPE_NAMES:
         raise UserError(f"dtype={dtype!r} is not one safetensors export takes; "
                         f"choose one of: {', '.join(DTYPE_NAMES)}.")
     np_dtype = np.dtype(DTYPE_NAMES[dtype])
-    named = _named(tensor_map(cfg), cfg.n_layers)
     shapes = {path: s.shape for path, s in _param_shapes(model_definition(cfg)).items()}
+    named = _named(tensor_map(cfg), shapes)
     sizes = [math.prod(t.hf_shape(shapes[t.param][1:] if t.stacked else shapes[t.param])) * np_dtype.itemsize
-             for _, t, _ in named]
+             for _, t, _, _ in named]
     groups = _file_groups(sizes, max_file_bytes)
     files = [SINGLE_FILE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
                                                     for i in range(len(groups))]

@@ -1,14 +1,16 @@
 """Throughput, FLOPs, MFU and the writers of DIR/metrics.jsonl and TensorBoard events.
 
-FLOPs per token (the convention of the Chinchilla and PaLM papers, and of MaxText and torchtitan):
-    6 * N  +  6 * n_layers * seq_len * d_model
+FLOPs per token (the convention of the Chinchilla and PaLM papers, and of MaxText and torchtitan),
+`ModelDef.flops_per_token`:
+    6 * N  +  attention's, 6 * n_layers * seq_len * d_model for a Llama
 N counts every parameter that takes part in a token's matmuls: all except the input embedding table
 (a lookup), norm scales and MoE routing biases, while the output projection counts (a tied table
 counts once); of an MoE layer's routed experts only the top_k of num_experts a token is sent to
 count (active parameters). 6 = 2 FLOPs per multiply-add
 x (forward + 2 x backward). The second term is attention's two [T x T] matmuls: 4*T*d per token and
 layer forward, x3 with the backward = 12*T*d, halved because causal attention needs only the lower
-triangle. Remat recomputation is not counted: MFU measures useful work.
+triangle; a layer with a sliding window counts the keys its queries see (ushard/models/family.py,
+`AttentionShape`). Remat recomputation is not counted: MFU measures useful work.
 """
 
 from __future__ import annotations
@@ -52,12 +54,6 @@ def peak_flops(device=None) -> float | None:
         if name.lower() in kind.lower():
             return flops
     return None
-
-
-def flops_per_token(model_cfg, matmul_params: int, seq_len: int) -> float:
-    """Training FLOPs per token; `matmul_params` is N above (`ModelDef.num_matmul_params()`)."""
-    attention = 6 * model_cfg.n_layers * seq_len * model_cfg.d_model
-    return 6 * matmul_params + attention
 
 
 class MetricsWriter:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ushard.kernels import attention as attention_kernels
 from ushard.kernels import grouped_matmul as grouped_kernels
+from ushard.models.registry import family
 from ushard.parallel.pipeline import PipelineSchedule, bubble_fraction
 
 
@@ -47,6 +48,10 @@ class ParallelPlan:
     expert_width_parts: int  # with the width split: the parts each device's sequences are exchanged in
     attention: KernelChoice  # attention over whole sequences (and, in a pipeline, outside the stages)
     stage_attention: KernelChoice | None  # attention inside pipeline stages; None without a pipeline
+    # The same for the layers with a sliding window (model.sliding_window; None: the model has none).
+    window: int
+    local_attention: KernelChoice | None
+    local_stage_attention: KernelChoice | None
     context_blocks: KernelChoice | None  # what runs the blocks of a split sequence; None: not split
     grouped_matmul: KernelChoice | None  # the dropless experts' grouped matmul; None for a dense model
 
@@ -68,6 +73,11 @@ class ParallelPlan:
                                    head_dim=model.head_dim, split=ways > 1, documents=bool(m.document_mask))
         attention = choose(in_stage=False)
         stage_attention = choose(in_stage=True) if pipeline is not None else None
+        window = model.sliding_window if any(family(model.family).attention_shape(model).windows) else 0
+        local = local_stage = None
+        if window:
+            local = choose(in_stage=False, window=window)
+            local_stage = choose(in_stage=True, window=window) if pipeline is not None else None
         blocks = None
         if ways > 1:
             # Inside stages attention resolves as `stage_attention` does; the blocks follow it.
@@ -99,6 +109,9 @@ class ParallelPlan:
             expert_width_parts=p.expert_width_parts,
             attention=attention,
             stage_attention=stage_attention,
+            window=window,
+            local_attention=local,
+            local_stage_attention=local_stage,
             context_blocks=blocks,
             grouped_matmul=grouped,
         )
@@ -110,8 +123,13 @@ class ParallelPlan:
     def size(self, axis: str) -> int:
         return self.shape[axis]
 
-    def attention_for(self, in_stage: bool) -> str:
-        """The attention kernel a layer runs: inside a pipeline stage or outside one."""
+    def attention_for(self, in_stage: bool, window: int = 0) -> str:
+        """The attention kernel a layer runs: inside a pipeline stage or outside one, with a sliding
+        window or without."""
+        if window:
+            assert window == self.window, (window, self.window)  # one window a model
+            return (self.local_stage_attention if in_stage and self.local_stage_attention
+                    else self.local_attention).name
         return (self.stage_attention if in_stage and self.stage_attention else self.attention).name
 
     def describe(self) -> str:
@@ -134,6 +152,10 @@ class ParallelPlan:
         lines.append(f"attention: {self.attention.why}")
         if self.stage_attention is not None and self.stage_attention != self.attention:
             lines.append(f"attention in the pipeline's stages: {self.stage_attention.why}")
+        if self.local_attention is not None:
+            lines.append(f"attention in the layers with a {self.window}-token window: {self.local_attention.why}")
+        if self.local_stage_attention is not None and self.local_stage_attention != self.local_attention:
+            lines.append(f"windowed attention in the pipeline's stages: {self.local_stage_attention.why}")
         if self.expert_split == "width" and self.size("expert") > 1:
             parts = f", exchanged in {self.expert_width_parts} parts" if self.expert_width_parts > 1 else ""
             lines.append(f"experts: every expert's width split over {self.size('expert')} devices, each running "
@@ -145,6 +167,6 @@ class ParallelPlan:
 
 
 def _choice(impl: str, platform: str, dtype, length: int, in_stage: bool, head_dim: int, split: bool,
-            documents: bool) -> KernelChoice:
-    name = attention_kernels.resolve(impl, platform, dtype, length, in_stage, head_dim, split, documents)
-    return KernelChoice(name, attention_kernels.why(impl, name, platform, in_stage, split, documents))
+            documents: bool, window: int = 0) -> KernelChoice:
+    name = attention_kernels.resolve(impl, platform, dtype, length, in_stage, head_dim, split, documents, window)
+    return KernelChoice(name, attention_kernels.why(impl, name, platform, in_stage, split, documents, window))

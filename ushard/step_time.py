@@ -242,6 +242,7 @@ class Shape:
     attention_impl: str
     document_mask: bool
     flops_per_token: float
+    attention_flops_per_token: float  # attention's share of flops_per_token (the family's shape)
     dcn: dict
     # Mixture of experts (0 experts: dense). Routed expert weights in the whole model, all experts and
     # the share a token uses (`layer_params` counts the latter, as FLOPs do).
@@ -280,35 +281,28 @@ class Shape:
 
 
 def shape_of(config, mesh_shape: dict | None = None, model=None) -> Shape:
-    """The `Shape` of a config on `mesh_shape` ({axis: size}, absent axes 1). `model` is a ModelDef, to
-    count its parameters from its own shapes; without one they are counted from the config (a Llama, with
-    SwiGLU experts where it has them)."""
+    """The `Shape` of a config on `mesh_shape` ({axis: size}, absent axes 1). Parameters and FLOPs are
+    counted from the model's own shapes (`model`, a ModelDef; by default the config's) and its
+    family's attention (ushard/models/family.py)."""
     from ushard.config import pipeline_head_split
-    from ushard.metrics import flops_per_token
     from ushard.models.config import ModelConfig
+    from ushard.models.definition import model_definition
 
     m = ModelConfig.from_config(config.model)
+    model = model or model_definition(m)
     p, t = config.parallel, config.train
     if mesh_shape is None:
         raise ValueError("shape_of needs the mesh's shape, e.g. {'fsdp': 4} (a Setup has it)")
     mesh = {a: int(mesh_shape.get(a, 1)) for a in AXIS_ORDER}
-    head_dim = m.d_model // m.n_heads
-    kv_dim = m.n_kv_heads * head_dim
-    layer = 2 * m.d_model * m.d_model + 2 * m.d_model * kv_dim + 3 * m.d_model * m.d_ff
-    embed, head = m.vocab_size * m.d_model, (0 if getattr(m, "tie_embeddings", False) else m.vocab_size * m.d_model)
-    other = (2 * m.n_layers + 1) * m.d_model
-    if model is not None:
-        matmul, total = model.num_matmul_params(), model.num_params()
-        layer = (matmul - head) // m.n_layers if m.n_layers else 0
-        other = max(0, total - m.n_layers * layer - embed - head)
+    embed, head = m.vocab_size * m.d_model, (0 if m.tie_embeddings else m.vocab_size * m.d_model)
+    matmul, total = model.num_matmul_params(), model.num_params()
+    layer = (matmul - head) // m.n_layers
+    other = max(0, total - m.n_layers * layer - embed - head)
     stages = mesh.get("pipeline", 1)
-    routed = 0
-    if m.moe.num_experts:  # from the model's own shapes, else as a SwiGLU of expert_d_ff per expert and MoE layer
-        routed = _routed_params(model) if model is not None else \
-            m.moe_layers * m.moe.num_experts * 3 * m.d_model * m.expert_d_ff
+    routed = _routed_params(model) if m.moe.num_experts else 0
     return Shape(
         mesh=mesh, batch=t.batch_size, seq=t.seq_len, layers=m.n_layers, d_model=m.d_model, heads=m.n_heads,
-        kv_heads=m.n_kv_heads, head_dim=head_dim, d_ff=m.d_ff, vocab=m.vocab_size, remat=m.remat,
+        kv_heads=m.n_kv_heads, head_dim=m.head_dim, d_ff=m.d_ff, vocab=m.vocab_size, remat=m.remat,
         scan_unroll=m.scan_unroll, compute_bytes=_BYTES[str(m.compute_dtype)], param_bytes=_BYTES[str(m.param_dtype)],
         layer_params=layer, embed_params=embed, head_params=head, other_params=other,
         zero_stage=p.zero_stage, reshard_after_forward=bool(p.reshard_after_forward),
@@ -318,7 +312,8 @@ def shape_of(config, mesh_shape: dict | None = None, model=None) -> Shape:
         head_split=stages > 1 and pipeline_head_split(config),
         context_mode=p.context_parallel if mesh.get("sequence", 1) > 1 else None,
         keep_kv=bool(p.context_keep_kv), attention_impl=m.attention_impl, document_mask=bool(m.document_mask),
-        flops_per_token=flops_per_token(m, layer * m.n_layers + head, t.seq_len),
+        flops_per_token=model.flops_per_token(t.seq_len),
+        attention_flops_per_token=model.family.attention_shape(m).flops_per_token(t.seq_len),
         dcn={a: int(config.mesh.dcn[a]) for a in AXIS_ORDER if a in config.mesh.dcn},
         experts=m.moe.num_experts, top_k=m.moe.top_k, moe_layers=m.moe_layers if m.moe.num_experts else 0,
         routed_params=routed, routed_active_params=routed // max(1, m.moe.num_experts) * m.moe.top_k,
@@ -365,7 +360,7 @@ def _elementwise_bytes(s: Shape, tokens: float) -> tuple[float, float]:
     tokens (tools/ceilings.py's `elementwise_bytes`, the same count): norms with their residual adds,
     rotary, SwiGLU; plus the loss (3 passes over the logits) in the backward share."""
     row, mlp_row = s.compute_bytes * tokens * s.d_model, s.compute_bytes * tokens * s.d_ff
-    qk_rows = s.compute_bytes * tokens * (s.d_model + s.kv_heads * s.head_dim)
+    qk_rows = s.compute_bytes * tokens * (s.heads + s.kv_heads) * s.head_dim
     forward = s.layers * (8 * row + 2 * qk_rows + 3 * mlp_row)
     backward = s.layers * (12 * row + 2 * qk_rows + 5 * mlp_row) + 3 * s.compute_bytes * tokens * s.vocab
     return forward, backward
@@ -376,8 +371,8 @@ def _saved_bytes_per_token_layer(s: Shape) -> float:
     the "dots" policies, only the layer's input for "full"."""
     if s.remat == "full":
         return s.compute_bytes * s.d_model
-    kv = s.kv_heads * s.head_dim
-    return s.compute_bytes * (4 * s.d_model + 2 * kv + 2 * s.d_ff)
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return s.compute_bytes * (3 * s.d_model + q + 2 * kv + 2 * s.d_ff)
 
 
 def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
@@ -388,7 +383,7 @@ def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
     mm_re, attn_re, elem_re = _recompute(s.remat)
     matmul_flops = 6 * (s.layers * s.layer_params + s.head_params) * tokens
     matmul_flops += 2 * s.layers * s.layer_params * tokens * mm_re
-    attention_flops = 6 * s.layers * s.seq * s.d_model * tokens * (1 + attn_re / 3)
+    attention_flops = s.attention_flops_per_token * tokens * (1 + attn_re / 3)
     kernel = _attention_kernel(s, hw.platform)
     if kernel == "cudnn" and s.document_mask:
         # cuDNN takes documents only as a dense [T, T] mask and computes every block, the causal

@@ -1,4 +1,9 @@
-"""Grouped-query self-attention with rotary positions and document masking for packed sequences."""
+"""Grouped-query self-attention with rotary positions and document masking for packed sequences.
+
+What the families vary is a constructor's arguments: the head size (`model.head_dim`), QK-norm (an
+RMSNorm over each head of q and k before RoPE: Qwen3, Gemma 3), a sliding window, the RoPE base and
+scaling of the layer, and the scores' scale (Gemma's query_pre_attn_scalar).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ushard.kernels import attention as kernels
-from ushard.models.layers import BTD, fan_in_init, param, project, rope_frequencies, rotary
+from ushard.models.layers import BTD, RMSNorm, fan_in_init, param, project, rope_frequencies, rotary
 from ushard.sharding import KV_NAMES, Q_NAMES, constrain, current_layout, gathered, split_ways
 
 
-def causal_attention(q, k, v, segment_ids, impl: str):
+def causal_attention(q, k, v, segment_ids, impl: str, window: int = 0):
     """Causal attention on [B, T, heads, head_dim]; tokens attend only within their own segment.
 
     `segment_ids` ([B, T]) is None when documents may see each other. The kernel is the run's plan's
@@ -23,33 +28,38 @@ def causal_attention(q, k, v, segment_ids, impl: str):
     `seams.context_attention`) runs each device's blocks: on the kernel's block form where it has one
     that can take them (`kernels.block_kernel`), else on XLA blocks, since JAX's public kernels give
     no log-sum-exp to combine blocks with (docs/dev-notes.md).
+
+    `window` > 0: a query sees itself and the window - 1 tokens before it (a sliding window).
     """
     layout = current_layout()
     in_stage = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside a pipeline stage's shard_map
     ways = 1 if layout is None else layout.size("act_length")
     if layout is not None and layout.plan is not None:
-        impl = layout.plan.attention_for(in_stage)
+        impl = layout.plan.attention_for(in_stage, window)
     else:
         platform = layout.platform if layout is not None else jax.default_backend()
         impl = kernels.resolve(impl, platform, q.dtype, q.shape[1], in_stage, head_dim=q.shape[-1], split=ways > 1,
-                               documents=segment_ids is not None)
+                               documents=segment_ids is not None, window=window)
     if ways > 1:
-        block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None)
-        return layout.seams.context_attention(q, k, v, segment_ids, kernels.xla_block, block)
-    return kernels.whole_sequence(q, k, v, segment_ids, impl)
+        block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None, window=window)
+        return layout.seams.context_attention(q, k, v, segment_ids, kernels.xla_block, block, window=window)
+    return kernels.whole_sequence(q, k, v, segment_ids, impl, window=window)
 
 
-def cached_attention(q, k_cache, v_cache, length):
+def cached_attention(q, k_cache, v_cache, length, window: int = 0):
     """Attention of T new queries [B, T, heads, head_dim] over a KV cache [B, S, kv_heads, head_dim].
 
     The new tokens sit in cache slots [length, length + T); the query in slot length + i sees slots
     0 .. length + i (causal in cache order, as training's mask is within a document) and none of the
-    empty slots after them. Plain XLA attention with an explicit mask: S is the cache size, fixed for a
-    whole generation, so one compiled step serves every length.
+    empty slots after them (with a `window`, nor the slots window or more before its own). Plain XLA
+    attention with an explicit mask: S is the cache size, fixed for a whole generation, so one compiled
+    step serves every length.
     """
     t, s = q.shape[1], k_cache.shape[1]
     query_slot = length + jnp.arange(t)
     mask = jnp.arange(s)[None, :] <= query_slot[:, None]  # [T, S]
+    if window:
+        mask &= jnp.arange(s)[None, :] > query_slot[:, None] - window
     return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None], implementation="xla")
 
 
@@ -77,15 +87,28 @@ def spread_kv_heads(w):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg, dtype, rngs: nnx.Rngs):
-        d, h, kv = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
-        hd = d // h
+    """Self-attention of one layer. `qk_norm`: RMSNorm over each head of q and k before RoPE, its weight
+    offset by `norm_offset` (RMSNorm's `offset`); `window`: this layer's sliding window (0: none);
+    `rope_theta` / `rope_scaling`: this layer's (default: the model's); scores are scaled by
+    model.query_pre_attn_scalar ** -0.5 (by default head_dim ** -0.5)."""
+
+    def __init__(self, cfg, dtype, rngs: nnx.Rngs, *, qk_norm: bool = False, norm_offset: float = 0.0,
+                 window: int = 0, rope_theta: float | None = None, rope_scaling=None):
+        d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.fp8 = cfg.fp8
         self.wq = param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), fan_in_init(d), dtype)
         self.wk = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
         self.wv = param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), fan_in_init(d), dtype)
         self.wo = param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), fan_in_init(h * hd), dtype)
-        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        if qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps, dtype, rngs, offset=norm_offset)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps, dtype, rngs, offset=norm_offset)
+        self.qk_norm = qk_norm
+        self.rope_theta = cfg.rope_theta if rope_theta is None else rope_theta
+        self.rope_scaling = cfg.rope_scaling if rope_scaling is None else rope_scaling
+        # The kernels scale scores by head_dim ** -0.5; another scale is folded into the queries.
+        self.query_gain = (hd / cfg.query_pre_attn_scalar) ** 0.5 if cfg.query_pre_attn_scalar else 1.0
+        self.window = window
         self.impl = cfg.attention_impl
         self.document_mask = cfg.document_mask
 
@@ -94,9 +117,13 @@ class Attention(nnx.Module):
         q = constrain(project("btd,dhk->bthk", x, self.wq[...], self.fp8), Q_NAMES)
         k = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wk[...]), self.fp8), KV_NAMES)
         v = constrain(project("btd,dhk->bthk", x, spread_kv_heads(self.wv[...]), self.fp8), KV_NAMES)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         freqs = rope_frequencies(q.shape[-1], self.rope_theta, self.rope_scaling)
         q = rotary(q, positions, freqs)
         k = rotary(k, positions, freqs)
+        if self.query_gain != 1.0:
+            q = q * jnp.asarray(self.query_gain, q.dtype)
         return q, k, v
 
     def _output(self, out):
@@ -105,7 +132,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids):
         q, k, v = self._project(x, positions)
-        out = causal_attention(q, k, v, segment_ids if self.document_mask else None, self.impl)
+        out = causal_attention(q, k, v, segment_ids if self.document_mask else None, self.impl, self.window)
         return self._output(out)
 
     def decode(self, x, positions, k_cache, v_cache, length):
@@ -119,5 +146,5 @@ class Attention(nnx.Module):
         q, k, v = self._project(x, positions)
         k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), length, axis=1)
         v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), length, axis=1)
-        out = cached_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), length)
+        out = cached_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), length, self.window)
         return self._output(out), k_cache, v_cache

@@ -110,7 +110,7 @@ class MoEConfig:
                             f"experts in {p}top_groups={self.top_groups} groups; raise top_groups.")
 
 
-ROPE_SCALING_TYPES = ("none", "llama3")
+ROPE_SCALING_TYPES = ("none", "llama3", "linear")
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,8 @@ class RopeScaling:
     "llama3" is Llama 3.1's (Hugging Face `rope_type: llama3`, same key names): wavelengths longer than
     original_max_position_embeddings / low_freq_factor are divided by `factor`, those shorter than
     original_max_position_embeddings / high_freq_factor are kept, and the ones between are blended.
-    "none" uses the plain frequencies (the other keys are then unused).
+    "linear" divides every frequency by `factor` (Hugging Face `rope_type: linear`; Gemma 3's global
+    layers). "none" uses the plain frequencies (the other keys are then unused).
     """
 
     type: str = "none"
@@ -147,12 +148,22 @@ class RopeScaling:
 class ModelConfig:
     """Every model setting with its default: `default_config().model` is made from these fields."""
 
+    # The architecture (ushard/models/registry.py): llama (Llama 2/3, Mistral, Mixtral), qwen3 (dense
+    # and MoE: QK-norm), gemma3 (sliding windows, four norms a block, GeGLU).
+    family: str = "llama"
     vocab_size: int = 512
     d_model: int = 256
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 4
     d_ff: int = 768
+    head_dim: int = 0  # the size of one attention head; 0: d_model / n_heads
+    # Local attention: a query sees itself and the sliding_window - 1 tokens before it (0: no window).
+    # Every sliding_window_pattern-th layer attends globally instead (Gemma 3: 6; 0: every layer is local).
+    sliding_window: int = 0
+    sliding_window_pattern: int = 6
+    local_rope_theta: float = 0.0  # the windowed layers' RoPE base where the family has one (0: rope_theta)
+    query_pre_attn_scalar: float = 0.0  # attention scores are scaled by this ** -0.5 (0: head_dim)
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
     norm_eps: float = 1e-5
@@ -192,10 +203,6 @@ class ModelConfig:
         return cls(**values, moe=MoEConfig(**moe))
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
     def expert_d_ff(self) -> int:
         return self.moe.expert_d_ff or self.d_ff
 
@@ -222,16 +229,22 @@ class ModelConfig:
         self.rope_scaling.check()
         _check_at_least(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "scan_unroll"), 1,
                         "model.")
+        _check_at_least(self, ("head_dim", "sliding_window", "sliding_window_pattern"), 0, "model.")
         _check_finite(self, ("rope_theta", "norm_eps"), "model.", allow_zero=False)
+        _check_finite(self, ("local_rope_theta", "query_pre_attn_scalar"), "model.", allow_zero=True)
+        if not isinstance(self.family, str) or not self.family:
+            raise UserError(f"model.family={self.family!r} must name a model family, such as 'llama'.")
         for key, valid in (("remat", tuple(REMAT_POLICIES)), ("attention_impl", ATTENTION_IMPLS),
                            ("compute_dtype", DTYPES), ("param_dtype", DTYPES)):
             if getattr(self, key) not in valid:
                 raise UserError(f"model.{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}.")
-        if self.d_model % self.n_heads:
-            raise UserError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
-                            "pick sizes so head_dim is whole.")
+        if not self.head_dim:  # derived: recorded resolved, so a saved config states its head size
+            if self.d_model % self.n_heads:
+                raise UserError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                                "pick sizes so head_dim is whole, or set model.head_dim.")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.head_dim % 2:
-            raise UserError(f"head_dim = d_model/n_heads = {self.head_dim} must be even for rotary embeddings.")
+            raise UserError(f"model.head_dim={self.head_dim} must be even for rotary embeddings.")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
                             "grouped-query attention needs whole groups.")

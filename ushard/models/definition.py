@@ -13,15 +13,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ushard.models.config import ModelConfig
-from ushard.models.llama import Llama, init_cache
+from ushard.models.decoder import Decoder, init_cache
 from ushard.models.moe import ExpertBias
+from ushard.models.registry import family
 from ushard.models.stack import weight_for_compute
 
 
-def _build(cfg: ModelConfig, seed: int) -> Llama:
+def _build(cfg: ModelConfig, seed: int) -> Decoder:
     # Shardings are applied by ushard from the logical names, not eagerly by Flax at construction.
     with nnx.use_eager_sharding(False):
-        return Llama(cfg, rngs=nnx.Rngs(params=seed))
+        return family(cfg.family).build(cfg, nnx.Rngs(params=seed))
 
 
 def dotted(path) -> str:
@@ -42,7 +43,9 @@ class ModelDef:
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
-        abstract = nnx.eval_shape(lambda: _build(cfg, 0))
+        self.family = family(cfg.family)
+        self.family.check(cfg)
+        abstract = self._abstract_module = nnx.eval_shape(lambda: _build(cfg, 0))
         self.graphdef, self._abstract_state = nnx.split(abstract)
         variables = nnx.to_pure_dict(self._abstract_state, extract_fn=lambda v: v)
         is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
@@ -61,7 +64,7 @@ class ModelDef:
         """Fresh parameters as a pure dict (call under jit with out_shardings to create them sharded)."""
         return nnx.to_pure_dict(nnx.split(_build(self.cfg, seed))[1])
 
-    def module(self, params) -> Llama:
+    def module(self, params) -> Decoder:
         """The NNX model holding `params` (inside a traced function)."""
         state = jax.tree.map(lambda x: x, self._abstract_state)  # a fresh container to fill
         nnx.replace_by_pure_dict(state, params)
@@ -85,7 +88,7 @@ class ModelDef:
 
     def layers(self, stack, x, positions, segment_ids=None):
         """-> (x, aux). `stack` may hold any number of consecutive layers (a pipeline stage's)."""
-        return self.module({self.STACK: stack}).layers(x, positions, segment_ids)
+        return self.module({self.STACK: stack}).layers(x, positions, segment_ids, only=self.STACK)
 
     def stack_for_compute(self, stack):
         """The stacked layers' weights as a microbatch uses them (matmul weights in the compute dtype,
@@ -99,12 +102,21 @@ class ModelDef:
         return self.module(others).head(x)
 
     def init_cache(self, batch: int, max_len: int) -> dict:
-        """An empty KV cache for `decode` (see ushard.models.llama.init_cache)."""
+        """An empty KV cache for `decode` (see ushard.models.decoder.init_cache)."""
         return init_cache(self.cfg, batch, max_len)
 
     def decode(self, params, tokens, positions, cache):
-        """Inference with a KV cache: (logits, updated cache); see `Llama.decode`."""
+        """Inference with a KV cache: (logits, updated cache); see `Decoder.decode`."""
         return self.module(params).decode(tokens, positions, cache)
+
+    def stacks(self) -> tuple[tuple[str, int, int], ...]:
+        """The layer stacks in order: (params key, layers, layers an item holds)."""
+        return self._abstract_module.stack_layout
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (ushard/metrics.py's convention): 6 per matmul parameter, plus
+        attention's as the family states its shape (ushard/models/family.py)."""
+        return 6 * self.num_matmul_params() + self.family.attention_shape(self.cfg).flops_per_token(seq_len)
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.shapes))

@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-style decoder: parameters with logical names, RMSNorm, RoPE, SwiGLU."""
+"""Building blocks every family shares: parameters with logical names, RMSNorm, RoPE, gated MLPs."""
 
 from __future__ import annotations
 
@@ -34,15 +34,19 @@ def param(rngs: nnx.Rngs, shape, names, init, dtype) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs):
-        self.scale = param(rngs, (dim,), ("norm",), jax.nn.initializers.ones, dtype)
-        self.eps = eps
+    """x / rms(x) times a learned scale. With `offset` 1 (Gemma's), the stored weight is the scale minus
+    one (zeros at initialisation), as Gemma's checkpoints store it."""
+
+    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs, offset: float = 0.0):
+        init = jax.nn.initializers.zeros if offset else jax.nn.initializers.ones
+        self.scale = param(rngs, (dim,), ("norm",), init, dtype)
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x):
         # Statistics in float32 whatever the compute dtype: bf16 mean-of-squares loses too much.
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        out = (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        out = (normed * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         return checkpoint_name(out, "norm_out")  # a remat policy may keep it (models/llama.py)
 
 
@@ -81,6 +85,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling) -> jax.Array:
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     if scaling.type == "none":
         return freqs
+    if scaling.type == "linear":
+        return freqs / scaling.factor
     context = scaling.original_max_position_embeddings
     wavelength = 2 * jnp.pi / freqs
     blend = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
@@ -130,14 +136,19 @@ def _gated_silu_pair_bwd(gate_up, d_hidden):
 gated_silu_pair.defvjp(_gated_silu_pair_fwd, _gated_silu_pair_bwd)
 
 
+# The gated MLPs' activations: SwiGLU's silu, GeGLU's tanh-approximated GELU (Gemma's gelu_pytorch_tanh).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class SwiGLU(nnx.Module):
-    """silu(x W_gate) * (x W_up), projected back by W_down.
+    """act(x W_gate) * (x W_up), projected back by W_down; act is silu (SwiGLU) or `activation`'s.
 
     With `fused`, gate and up are one weight [embed, 2, mlp] and one matmul twice as wide: fewer,
     larger GEMMs, and one weight-gradient GEMM instead of two. With `fp8`, all three are FP8 GEMMs.
     """
 
-    def __init__(self, d_model: int, d_ff: int, dtype, rngs: nnx.Rngs, fused: bool = False, fp8: bool = False):
+    def __init__(self, d_model: int, d_ff: int, dtype, rngs: nnx.Rngs, fused: bool = False, fp8: bool = False,
+                 activation: str = "silu"):
         init = fan_in_init(d_model)
         if fused:
             self.w_gate_up = param(rngs, (d_model, 2, d_ff), ("embed", None, "mlp"), init, dtype)
@@ -145,7 +156,7 @@ class SwiGLU(nnx.Module):
             self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), init, dtype)
             self.w_up = param(rngs, (d_model, d_ff), ("embed", "mlp"), init, dtype)
         self.w_down = param(rngs, (d_ff, d_model), ("mlp", "embed"), fan_in_init(d_ff), dtype)
-        self.fused, self.fp8 = fused, fp8
+        self.fused, self.fp8, self.activation = fused, fp8, activation
 
     def __call__(self, x):
         # Each column-parallel output pinned split over `mlp` at full length: left to XLA under
@@ -153,11 +164,15 @@ class SwiGLU(nnx.Module):
         # gathered over `tensor`, then moved the result with an all-to-all.
         if self.fused:
             gate_up = project("btd,dcf->btcf", x, self.w_gate_up[...], self.fp8)
-            hidden = gated_silu_pair(constrain(gate_up, ("act_batch", "act_length", None, "act_mlp")))
+            gate_up = constrain(gate_up, ("act_batch", "act_length", None, "act_mlp"))
+            if self.activation == "silu":
+                hidden = gated_silu_pair(gate_up)
+            else:
+                hidden = ACTIVATIONS[self.activation](gate_up[..., 0, :]) * gate_up[..., 1, :]
         else:
             gate = constrain(project("btd,df->btf", x, self.w_gate[...], self.fp8), MLP_NAMES)
             up = constrain(project("btd,df->btf", x, self.w_up[...], self.fp8), MLP_NAMES)
-            hidden = jax.nn.silu(gate) * up
+            hidden = ACTIVATIONS[self.activation](gate) * up
         hidden = constrain(hidden, MLP_NAMES)
         hidden = checkpoint_name(hidden, "mlp_hidden")
         return constrain(project("btf,fd->btd", hidden, self.w_down[...], self.fp8), BTD)

@@ -1,64 +1,47 @@
-"""A Llama-3-style decoder: embeddings, a scanned stack of pre-norm blocks, final norm, LM head.
+"""The decoder every family builds: embeddings, scanned stacks of blocks, final norm, LM head.
 
-Layers are created stacked (one array per weight with a leading `layers` axis) and run with
-`jax.lax.scan`, so compile time does not grow with depth. Parameters are stored in `param_dtype` and
-cast to `compute_dtype` where they are used.
-
-With `model.moe.num_experts` > 0, MoE blocks (ushard/models/moe.py) take the dense MLP's place on
-the layers `model.moe` names: `dense_blocks` stacks the `first_dense_layers` leading dense layers,
-`blocks` the rest, each item one period of `every` layers (an MoE layer, then every-1 dense ones).
+A family (ushard/models/registry.py) says which blocks make the layers, as `Stack`s in order: each
+stack is created stacked (one array per weight with a leading `layers` axis) and run with
+`jax.lax.scan`, so compile time does not grow with depth. A stack whose layers differ in kind (an
+MoE layer then dense ones, five local-attention layers then a global one) is a stack of `Period`s,
+each item one period of its layers. Parameters are stored in `param_dtype` and cast to
+`compute_dtype` where they are used. A block is called `block(x, positions, segment_ids) -> (x,
+aux)` and, for inference, `block.decode(x, positions, k_cache, v_cache, length) -> (x, k, v)`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ushard.models.attention import Attention
 from ushard.models.config import ModelConfig
-from ushard.models.layers import BTD, RMSNorm, SwiGLU, embed_lookup, fan_in_init, param
-from ushard.models.moe import MoE
+from ushard.models.layers import BTD, RMSNorm, embed_lookup, fan_in_init, param
 from ushard.models.stack import run_layers
 from ushard.sharding import LOGITS_NAMES, constrain, gathered
 
 
-class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
-        dtype = jnp.dtype(cfg.param_dtype)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
-        self.attn = Attention(cfg, dtype, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
-        if moe:
-            self.mlp = MoE(cfg, dtype, rngs)
-        else:
-            self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, dtype, rngs, fused=cfg.fused_mlp, fp8=cfg.fp8)
+@dataclass(frozen=True)
+class Stack:
+    """One stack of the decoder: its params' key, its items, the layers one item holds, and
+    `make(rngs)`, which creates one item (a block, or a `Period` of `per_item` blocks)."""
 
-    def _feed_forward(self, x):
-        """x + the MLP's output, and the MLP's aux terms (an MoE block's; a dense MLP adds none)."""
-        out = self.mlp(self.mlp_norm(x))
-        y, aux = out if isinstance(out, tuple) else (out, {})
-        return constrain(x + y, BTD), aux
-
-    def __call__(self, x, positions, segment_ids):
-        """-> (x, aux)."""
-        x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids), BTD)
-        return self._feed_forward(x)
-
-    def decode(self, x, positions, k_cache, v_cache, length):
-        """The block for new tokens with this layer's KV cache (see `Attention.decode`)."""
-        attn, k_cache, v_cache = self.attn.decode(self.attn_norm(x), positions, k_cache, v_cache, length)
-        x = constrain(x + attn, BTD)
-        return self._feed_forward(x)[0], k_cache, v_cache
+    name: str
+    items: int
+    per_item: int
+    make: Callable
 
 
-class MoEPeriod(nnx.Module):
-    """One item of an MoE model's stack when `model.moe.every` > 1: an MoE layer, then every-1 dense ones."""
+class Period(nnx.Module):
+    """One item of a stack whose layers repeat a pattern: the blocks `makers` create, run in order."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.names = tuple(f"layer{j}" for j in range(cfg.moe.every))
-        for j, name in enumerate(self.names):
-            setattr(self, name, Block(cfg, rngs, moe=j == 0))
+    def __init__(self, makers, rngs: nnx.Rngs):
+        self.names = tuple(f"layer{j}" for j in range(len(makers)))
+        for name, make in zip(self.names, makers):
+            setattr(self, name, make(rngs))
 
     def __call__(self, x, positions, segment_ids):
         total = {}
@@ -83,7 +66,7 @@ def sum_aux(a: dict, b: dict) -> dict:
 
 
 def _decode_stack(stack, per_item: int, x, positions, k_cache, v_cache, length):
-    """x through a stack for new tokens (see `Llama.decode`); caches [its layers, ...] -> (x, k, v)."""
+    """x through a stack for new tokens (see `Decoder.decode`); caches [its layers, ...] -> (x, k, v)."""
     graphdef, item_states = nnx.split(stack)
     by_item = lambda c: c.reshape(-1, per_item, *c.shape[1:]) if per_item > 1 else c  # noqa: E731
 
@@ -108,31 +91,32 @@ def stacked(count: int, make, rngs: nnx.Rngs):
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
-    """An empty KV cache for `Llama.decode`: keys and values [n_layers, batch, max_len, n_kv_heads,
+    """An empty KV cache for `Decoder.decode`: keys and values [n_layers, batch, max_len, n_kv_heads,
     head_dim] in the compute dtype (unless `dtype` is given), and `length`, the slots filled so far."""
     shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
     dtype = jnp.dtype(cfg.compute_dtype if dtype is None else dtype)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "length": jnp.zeros((), jnp.int32)}
 
 
-class Llama(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+class Decoder(nnx.Module):
+    """`stacks` (`Stack`s, in order) between the embedding and the head. `norm_offset`: the final
+    norm's (RMSNorm's `offset`); `embed_scale`: the embedding's rows are multiplied by sqrt(d_model)
+    (Gemma's), in the compute dtype."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stacks: list[Stack], norm_offset: float = 0.0,
+                 embed_scale: bool = False):
         dtype = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         self.tie_embeddings = cfg.tie_embeddings
+        self.embed_scale = cfg.d_model**0.5 if embed_scale else None
         self.embedding = param(
             rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), jax.nn.initializers.normal(0.02), dtype
         )
-        moe = cfg.moe
-        if not moe.num_experts:
-            self.blocks = stacked(cfg.n_layers, lambda r: Block(cfg, r), rngs)
-        else:
-            if moe.first_dense_layers:
-                self.dense_blocks = stacked(moe.first_dense_layers, lambda r: Block(cfg, r), rngs)
-            period = (lambda r: Block(cfg, r, moe=True)) if moe.every == 1 else (lambda r: MoEPeriod(cfg, r))
-            self.blocks = stacked(cfg.moe_layers, period, rngs)
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
+        self.stack_layout = tuple((s.name, s.items * s.per_item, s.per_item) for s in stacks)
+        for s in stacks:
+            setattr(self, s.name, stacked(s.items, s.make, rngs))
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs, offset=norm_offset)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), fan_in_init(cfg.d_model),
                                  dtype)
@@ -145,6 +129,8 @@ class Llama(nnx.Module):
         # layout, XLA would gather the whole table instead.
         table = gathered(self.embedding[...].astype(self.compute_dtype), ("vocab", "embed"))
         rows = constrain(embed_lookup(table, tokens), ("act_batch", "act_length", "act_embed"))
+        if self.embed_scale is not None:
+            rows = rows * jnp.asarray(self.embed_scale, rows.dtype)
         return constrain(rows, BTD)
 
     def head(self, x):
@@ -156,16 +142,16 @@ class Llama(nnx.Module):
 
     def _stacks(self) -> list[tuple[nnx.Module, int, int]]:
         """The stacked layers in order: (stack, layers it holds, layers one of its items holds)."""
-        moe = self.cfg.moe
-        if not moe.num_experts:
-            return [(self.blocks, self.cfg.n_layers, 1)]
-        dense = [(self.dense_blocks, moe.first_dense_layers, 1)] if moe.first_dense_layers else []
-        return dense + [(self.blocks, self.cfg.n_layers - moe.first_dense_layers, moe.every)]
+        return [(getattr(self, name), layers, per_item) for name, layers, per_item in self.stack_layout]
 
-    def layers(self, x, positions, segment_ids):
-        """x through the layer stacks in order: (x, aux summed over layers)."""
+    def layers(self, x, positions, segment_ids, only: str | None = None):
+        """x through the layer stacks in order (`only`: through that one alone, a pipeline stage's):
+        (x, aux summed over layers)."""
         cfg, aux = self.cfg, {}
-        for stack, _, _ in self._stacks():
+        for name, _, _ in self.stack_layout:
+            if only is not None and name != only:
+                continue
+            stack = getattr(self, name)
             x, stack_aux = run_layers(stack, x, positions, segment_ids,
                                       remat=cfg.remat, unroll=cfg.scan_unroll, compute_dtype=self.compute_dtype)
             aux = sum_aux(aux, stack_aux)
