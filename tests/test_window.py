@@ -184,3 +184,33 @@ def test_resolve_and_block_kernel_take_the_window():
     assert block is None and "sliding window" in says
     block, _ = kernels.block_kernel("cudnn", bf16, 8192, 4, False)
     assert block is not None
+
+
+def test_splash_leaves_the_blocks_outside_the_window_out():
+    """Splash's block info at 8k tokens in blocks of 512: causal visits 136 block pairs; window 1024
+    visits 45 (each query block its diagonal, the block before whole, and the window's edge two back)."""
+    from ushard.kernels.splash import _kernel
+
+    def visited(window):
+        mask = np.asarray(_kernel(2, 8192, True, True, window=window).fwd_mask_info.block_mask)
+        return int((mask > 0).sum()), int((mask == 2).sum())  # 2: no mask needed
+
+    assert visited(0) == (136, 120)
+    assert visited(1024) == (16 + 15 + 14, 15)
+
+
+def test_windowed_splash_compiles_for_a_tpu():
+    """Forward and backward of windowed splash through libtpu for one v5p chip (skips without it)."""
+    from conftest import tpu_devices
+    from ushard.kernels.splash import splash_attention
+
+    chip = jax.sharding.SingleDeviceSharding(tpu_devices("v5p:2x2x2")[0])
+    q = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16, sharding=chip)
+    kv = jax.ShapeDtypeStruct((1, 8192, 2, 128), jnp.bfloat16, sharding=chip)
+
+    def forward_backward(q, k, v):
+        out, pull_back = jax.vjp(lambda *a: splash_attention(*a, None, window=1024), q, k, v)
+        return out, pull_back(out)
+
+    hlo = jax.jit(forward_backward).lower(q, kv, kv).compile().as_text()
+    assert hlo.count("tpu_custom_call") == 3  # forward, dq, dkv
