@@ -696,13 +696,14 @@ def _context_stand_in(work: DeviceWork):
     arrived, the all-gather mode the gathered keys and values (segment ids with them)."""
     ways = work.context_ways
 
-    def attention(q, k, v, segment_ids, xla_block, _fused):
-        t = q.shape[1]
+    def attention(q, k, v, segment_ids, xla_block, _fused, window=0):
+        t = q.shape[1]  # a window masks more scores but keeps the same residuals
         index = jnp.arange(t)[None]
         if work.context == "all_gather" and not work.fused_blocks:
             gathered = [jnp.concatenate([a] * ways, axis=1) if a is not None else None for a in (k, v, segment_ids)]
             all_index = jnp.arange(t * ways)[None]
-            return xla_block(q, gathered[0], gathered[1], index, all_index, segment_ids, gathered[2])[0].astype(q.dtype)
+            return xla_block(q, gathered[0], gathered[1], index, all_index, segment_ids, gathered[2],
+                             window=window)[0].astype(q.dtype)
 
         def received(k, v):
             """The blocks kept for the backward pass: (n - 1) arrived ones (ring), or all n (gathered)."""
@@ -714,10 +715,10 @@ def _context_stand_in(work: DeviceWork):
 
         @jax.custom_vjp
         def ring(q, k, v):
-            return xla_block(q, k, v, index, index, segment_ids, segment_ids)[0].astype(q.dtype)
+            return xla_block(q, k, v, index, index, segment_ids, segment_ids, window=window)[0].astype(q.dtype)
 
         def forward(q, k, v):
-            out, lse = xla_block(q, k, v, index, index, segment_ids, segment_ids)
+            out, lse = xla_block(q, k, v, index, index, segment_ids, segment_ids, window=window)
             out = out.astype(q.dtype)
             return out, (q, k, v, out, lse, received(k, v))
 
