@@ -253,6 +253,47 @@ def test_attention_bench_runs_each_kernel_and_sweep_on_tiny_shapes(monkeypatch, 
     assert capsys.readouterr().out.count("sweep mosaic") == sum(sizes.values())
 
 
+def test_attention_bench_adopts_the_swept_blocks_with_a_window_and_checks_them(monkeypatch, capsys):
+    """--block-sweep --adopt-sweep's path (a window, documents): the sweep's three bests become the
+    tuning of the rest of the run, checked against float32 and timed as a row of their own, and
+    later cases time the shipped blocks (`ours_table`) beside them."""
+    import attention_bench
+    from ushard.kernels import flash
+
+    monkeypatch.setitem(attention_bench.SHAPES, "tiny", (1, 128, 2, 1, 64))
+    monkeypatch.setitem(flash.TUNING, 64, flash.Tuning(*(flash.Blocks(32, 32, 4, 1),) * 3))
+    monkeypatch.setattr(attention_bench, "TABLE", dict(flash.TUNING))
+    monkeypatch.setattr(attention_bench, "SWEEP", {k: [(32, 64, 4, 1)] for k in attention_bench.SWEEP})
+    monkeypatch.setattr(attention_bench, "timed", lambda fn, *args, **_: (jax.block_until_ready(fn(*args)), 1e-3)[1])
+    rows = attention_bench.bench("tiny", 2, ["ours", "ours_table"], sweep=True, window=48, adopt=True)
+    assert flash.TUNING[64] == flash.Tuning(*(flash.Blocks(32, 64, 4, 1),) * 3)
+    assert [r[1] for r in rows][0] == "ours" and rows[-1][0].endswith("(swept blocks)") and len(rows) == 1 + 3 + 1
+    assert capsys.readouterr().out.count("-> ok") == 2  # the shipped blocks, then the swept ones
+    rows = attention_bench.bench("tiny", 2, ["ours", "ours_table"], sweep=False, check=False, adopt=True)
+    assert [r[1] for r in rows] == ["ours", "ours_table"]
+    assert capsys.readouterr().out.count("-> ok") == 1  # adopted blocks are checked even without check
+
+
+def test_attention_bench_mosaic_256_times_each_block_shape_against_triton(monkeypatch, capsys):
+    """--mosaic-256's path with a stand-in for the Mosaic GPU forward: a line per candidate, its out
+    compared with the Triton forward's (here the same kernel: error 0)."""
+    import attention_bench
+    from ushard.kernels import flash
+
+    monkeypatch.setitem(attention_bench.SHAPES, "tiny", (1, 128, 2, 1, 256))
+    monkeypatch.setitem(flash.TUNING, 256, flash.Tuning(*(flash.Blocks(32, 32, 4, 1),) * 3))
+    monkeypatch.setattr(attention_bench, "MOSAIC_256", [(64, 32, 2), (64, 64, 1)])
+    monkeypatch.setattr(attention_bench, "timed", lambda fn, *args, **_: (jax.block_until_ready(fn(*args)), 1e-3)[1])
+
+    def stand_in(q, k, v, causal, q_segments, k_segments, *, blocks, window):
+        return flash.forward(q, k, v, causal, q_segments, k_segments, window, tuning=flash.TUNING[256])
+
+    monkeypatch.setattr(attention_bench.flash_hopper, "forward", stand_in)
+    attention_bench.mosaic_256("tiny", 2, 48)
+    printed = capsys.readouterr().out
+    assert printed.count("out vs triton 0.0e+00") == 2, printed
+
+
 def test_attention_bench_under_load_times_each_kernel_after_a_matmul_and_sustained(monkeypatch):
     """--under-load's path on a tiny shape (ours interpreted): a row per kernel that runs here, the
     matmul's time taken out of the loaded one, the sustained rounds' first and last."""

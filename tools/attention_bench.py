@@ -64,8 +64,11 @@ SHAPES = {  # batch, length, heads, kv heads, head dim
     "bench_1b_32k": (1, 32768, 16, 16, 128),
     # Head dim 256 (Gemma's), which ours runs on the Triton kernels.
     "hd256": (4, 4096, 8, 8, 256),
+    # Gemma 3 1B's attention on one GPU (configs/gemma3_1b.py: 4 sequences of 8,192, 4 heads, 1 KV head).
+    "gemma3_1b": (4, 8192, 4, 1, 256),
 }
 IMPLS = ("cudnn", "xla", "ours", "ours_triton")
+TABLE = dict(flash.TUNING)  # the blocks as shipped (`ours_table`), whatever `--adopt-sweep` does to flash.TUNING
 
 
 def timed(fn, *args, calls: int = 10, repeats: int = 7) -> float:
@@ -93,11 +96,13 @@ def segment_ids(batch: int, length: int, documents: int):
 def attention_fns(impl: str, segments, documents: int, tuning=None, window: int = 0):
     """impl -> (forward(q, k, v) -> out, forward_backward(q, k, v, d_out) -> (out, dq, dk, dv)), or
     a string saying why it does not run here."""
-    if impl in ("ours", "ours_triton"):
+    if impl in ("ours", "ours_triton", "ours_table"):
         def forward(q, k, v):
             # The path a model runs (`kernels.attention.by_halves`: no cotangent for lse). A tuning
             # given runs the Triton kernels; none, on Hopper, the Mosaic GPU ones.
             forced = tuning or (flash.TUNING[q.shape[-1]] if impl == "ours_triton" else None)
+            if impl == "ours_table":
+                forced = TABLE[q.shape[-1]]
             halves = BlockKernel(functools.partial(flash.forward, tuning=forced),
                                  functools.partial(flash.backward, tuning=forced), windows=True)
             return by_halves(halves, q, k, v, segments, window)
@@ -171,18 +176,21 @@ def flops(shape, documents: int, window: int = 0) -> float:
     return full / 2 / max(documents, 1)
 
 
-def bench(name: str, documents: int, impls, sweep: bool, check: bool = True, window: int = 0) -> list[tuple]:
+def bench(name: str, documents: int, impls, sweep: bool, check: bool = True, window: int = 0,
+          adopt: bool = False) -> list[tuple]:
     shape = SHAPES[name]
     b, t = shape[:2]
     segments = segment_ids(b, t, documents)
     label = f"{name} docs={documents or 'none'}" + (f" window={window}" if window else "")
     print(f"{label}: B {b}, T {t}, heads {shape[2]}, kv heads {shape[3]}, hd {shape[4]}, bf16, causal")
-    if check:
+    if check or flash.TUNING[shape[4]] != TABLE[shape[4]]:  # adopted blocks are always checked
         check_ours(label, shape, segments, rows=1, window=window)
     q, k, v, d_out, _ = inputs(shape)
     forward_flops = flops(shape, documents, window)
     table = []
     for impl in impls:
+        if impl == "ours_table" and flash.TUNING[shape[4]] == TABLE[shape[4]]:
+            continue  # the same kernels as `ours`
         fns = attention_fns(impl, segments, documents, window=window)
         if isinstance(fns, str):
             continue
@@ -197,8 +205,22 @@ def bench(name: str, documents: int, impls, sweep: bool, check: bool = True, win
                       3.5 * forward_flops / t_both / 1e12))
         print("  row: {} | {} | {:.3f} | {:.0f} | {:.3f} | {:.0f}".format(*table[-1]), flush=True)  # if cut short
     if sweep:
-        table += block_sweep(label, shape, segments, q, k, v, d_out, forward_flops)
+        rows, swept = block_sweep(label, shape, segments, q, k, v, d_out, forward_flops, window)
+        table += rows
+        if adopt:  # the rest of this run (this row and later ones) runs the three bests
+            flash.TUNING[shape[4]] = swept
+            table += ours_row(label + " (swept blocks)", shape, segments, q, k, v, d_out, forward_flops, window)
     return table
+
+
+def ours_row(label, shape, segments, q, k, v, d_out, forward_flops, window: int) -> list[tuple]:
+    """`ours` checked against float32 and timed with flash.TUNING as it is now."""
+    check_ours(label, shape, segments, rows=1, window=window)
+    fns = attention_fns("ours", segments, 0, window=window)
+    t_fwd, t_both = timed(fns[0], q, k, v), timed(fns[1], q, k, v, d_out)
+    row = (label, "ours", t_fwd * 1e3, forward_flops / t_fwd / 1e12, t_both * 1e3, 3.5 * forward_flops / t_both / 1e12)
+    print("  row: {} | {} | {:.3f} | {:.0f} | {:.3f} | {:.0f}".format(*row), flush=True)
+    return [row]
 
 
 # Candidates around the table's starting points: (block_q, block_k, num_warps, num_stages).
@@ -210,6 +232,21 @@ SWEEP = {
     "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (128, 64, 4, 2),
            (64, 128, 8, 2), (32, 64, 4, 3)],
 }
+
+
+# Head dim 256: a program's tiles are twice as wide, so the blocks around the table's halved ones
+# (shared memory: Q, and K, V once per stage, at 512 bytes a row; the float32 accumulators in registers).
+SWEEP_256 = {
+    "forward": [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3),
+                (64, 32, 4, 3), (64, 32, 4, 4)],
+    "dkdv": [(32, 32, 4, 2), (32, 32, 4, 3), (64, 32, 4, 2), (16, 32, 4, 3), (32, 64, 8, 2), (64, 64, 8, 2),
+             (16, 64, 8, 3), (32, 64, 4, 2)],
+    "dq": [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2),
+           (64, 32, 8, 2), (32, 64, 4, 2)],
+}
+# The Mosaic GPU forward at head dim 256 (`--mosaic-256`): (query rows a warpgroup, keys a block,
+# slots) whose shared memory fits 227 KiB: 2 x 2 x 64 query rows (128 KiB) and slots x block_k x (K, V).
+MOSAIC_256 = [(64, 32, 2), (64, 64, 1), (64, 32, 3)]
 
 
 # The Mosaic GPU backward kernels' candidates (Hopper): shared-memory slots, and dQ's keys a block.
@@ -247,27 +284,27 @@ def hopper_sweep(segments, q, k, v, d_out, out, lse, forward_flops) -> None:
             print(f"  sweep mosaic {kernel} {options}: {seconds * 1e3:.3f} ms, {work / seconds / 1e12:.0f} TFLOP/s")
 
 
-def block_sweep(label, shape, segments, q, k, v, d_out, forward_flops) -> list[tuple]:
-    """Each of our Triton kernels over SWEEP's candidates, the others at the table's values: the
-    forward alone, the backward (both kernels, from a saved out and lse) for dkdv's and dq's. Prints
-    each kernel's best and returns table rows for the best. On Hopper also the Mosaic GPU backward
-    kernels' candidates (`hopper_sweep`)."""
+def block_sweep(label, shape, segments, q, k, v, d_out, forward_flops, window: int = 0) -> tuple[list[tuple], object]:
+    """Each of our Triton kernels over SWEEP's candidates (SWEEP_256's at head dim 256), the others at
+    the table's values: the forward alone, the backward (both kernels, from a saved out and lse) for
+    dkdv's and dq's. Prints each kernel's best; returns table rows for the best and the tuning of the
+    three bests. On Hopper also the Mosaic GPU kernels' candidates (`hopper_sweep`)."""
     base = flash.TUNING[shape[4]]
-    out, lse = jax.jit(lambda q, k, v: flash.forward(q, k, v, True, segments, segments))(q, k, v)
-    if on_hopper(q, k):
+    out, lse = jax.jit(lambda q, k, v: flash.forward(q, k, v, True, segments, segments, window))(q, k, v)
+    if on_hopper(q, k) and not window:
         hopper_sweep(segments, q, k, v, d_out, out, lse, forward_flops)
-    rows = []
-    for kernel, candidates in SWEEP.items():
+    rows, best_tuning = [], base
+    for kernel, candidates in (SWEEP_256 if shape[4] == 256 else SWEEP).items():
         results = []
         for candidate in candidates:
             tuning = base._replace(**{kernel: flash.Blocks(*candidate)})
             if kernel == "forward":
                 fn = jax.jit(lambda q, k, v, tuning=tuning: flash.forward(q, k, v, True, segments, segments,
-                                                                        tuning=tuning)[0])
+                                                                        window, tuning=tuning)[0])
                 args, work = (q, k, v), forward_flops
             else:
                 fn = jax.jit(lambda *a, tuning=tuning: flash.backward(*a, True, segments, segments,
-                                                                      tuning=tuning))
+                                                                      window=window, tuning=tuning))
                 args, work = (q, k, v, out, lse, d_out), 2.5 * forward_flops
             try:
                 seconds = timed(fn, *args, calls=5, repeats=5)
@@ -279,13 +316,43 @@ def block_sweep(label, shape, segments, q, k, v, d_out, forward_flops) -> list[t
         if not results:
             continue
         seconds, best = min(results)
+        best_tuning = best_tuning._replace(**{kernel: flash.Blocks(*best)})
         table_value = tuple(getattr(base, kernel))
         print(f"  best {kernel}: {best} ({seconds * 1e3:.3f} ms); table has {table_value}")
         what = "forward alone" if kernel == "forward" else "backward alone"
         work = forward_flops if kernel == "forward" else 2.5 * forward_flops
         rows.append((label, f"ours, best {kernel} {best} ({what})", seconds * 1e3, work / seconds / 1e12,
                      float("nan"), float("nan")))
-    return rows
+    print(f"  swept tuning: {best_tuning}")
+    return rows, best_tuning
+
+
+def mosaic_256(name: str, documents: int, window: int) -> None:
+    """The Mosaic GPU forward at head dim 256 over MOSAIC_256's blocks (which flash_hopper.BLOCKS does
+    not list): each timed, its out and lse compared with the Triton forward's (checked against float32)."""
+    shape = SHAPES[name]
+    segments = segment_ids(shape[0], shape[1], documents)
+    q, k, v, _, _ = inputs(shape)
+    flops_ = flops(shape, documents, window)
+    print(f"mosaic forward {name} docs={documents or 'none'} window={window}")
+    triton = jax.jit(lambda q, k, v: flash.forward(q, k, v, True, segments, segments, window,
+                                                   tuning=flash.TUNING[256]))
+    want_out, want_lse = (np.asarray(x, np.float32) for x in triton(q, k, v))
+    print(f"  triton forward: {timed(triton, q, k, v) * 1e3:.3f} ms", flush=True)
+    for blocks in MOSAIC_256:
+        fn = jax.jit(lambda q, k, v, blocks=blocks: flash_hopper.forward(q, k, v, True, segments, segments,
+                                                                         blocks=blocks, window=window))
+        try:
+            out, lse = (np.asarray(x, np.float32) for x in fn(q, k, v))
+            seconds = timed(fn, q, k, v, calls=5, repeats=5)
+        except Exception as e:  # noqa: BLE001 (shared memory exceeded)
+            print(f"  mosaic {blocks}: failed: {str(e).strip().splitlines()[0][:160] if str(e).strip() else e!r}",
+                  flush=True)
+            continue
+        rel = float(np.linalg.norm(out - want_out) / np.linalg.norm(want_out))
+        lse_rel = float(np.linalg.norm(lse - want_lse) / np.linalg.norm(want_lse))
+        print(f"  mosaic {blocks}: {seconds * 1e3:.3f} ms, {flops_ / seconds / 1e12:.0f} TFLOP/s; out vs triton "
+              f"{rel:.1e}, lse {lse_rel:.1e}", flush=True)
 
 
 def under_load(name: str, impls, matmul_size: int = 8192, calls: int = 50, rounds: int = 6) -> list[tuple]:
@@ -342,6 +409,12 @@ def main() -> None:
     parser.add_argument("--documents", default="none,4", help="comma-separated: none, or documents per row")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
     parser.add_argument("--block-sweep", action="store_true", help="time block/warps/stages candidates of ours")
+    parser.add_argument("--adopt-sweep", action="store_true",
+                        help="with --block-sweep: sweep a shape's first case only, then run the three bests "
+                             "(checked and timed as a row of their own) in the rest of the run")
+    parser.add_argument("--mosaic-256", action="store_true",
+                        help="instead: the Mosaic GPU forward at head dim 256 over MOSAIC_256's blocks, timed and "
+                             "compared with the Triton forward")
     parser.add_argument("--no-check", action="store_true", help="skip checking ours against float32 first")
     parser.add_argument("--windows", default="0", help="comma-separated sliding windows, 0 for none")
     parser.add_argument("--under-load", action="store_true",
@@ -363,11 +436,18 @@ def main() -> None:
         return
     if "cudnn" in impls:
         impls.insert(impls.index("cudnn") + 1, "cudnn_rows")
-    table = []
+    if args.mosaic_256:
+        for name, documents, window in itertools.product(args.shapes.split(","), args.documents.split(","),
+                                                         args.windows.split(",")):
+            mosaic_256(name, 0 if documents == "none" else int(documents), int(window))
+        return
+    table, swept = [], set()
     for name, documents, window in itertools.product(args.shapes.split(","), args.documents.split(","),
                                                      args.windows.split(",")):
-        table += bench(name, 0 if documents == "none" else int(documents), impls, args.block_sweep,
-                       check=not args.no_check, window=int(window))
+        sweep = args.block_sweep and not (args.adopt_sweep and name in swept)
+        swept.add(name)
+        table += bench(name, 0 if documents == "none" else int(documents), impls, sweep,
+                       check=not args.no_check, window=int(window), adopt=args.adopt_sweep)
     print("\nTFLOP/s: causal FLOPs (half of 4·B·H·T²·hd), of the visible pairs only with documents; "
           "fwd+bwd 3.5x the forward")
     print("| shape | kernel | forward ms | forward TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |")

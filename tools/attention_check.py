@@ -6,7 +6,8 @@ dims 64, 128 and 256, short and long rows, sliding windows.
     python3 tools/attention_check.py [--tolerance 0.01] [--only window,hd256] [--cudnn]
 
 `--only`: the cases whose names contain one of the comma-separated words. `--cudnn`: also cuDNN
-through `kernels.attention.whole_sequence` (out and gradients; it gives no lse) on the windowed cases.
+through `kernels.attention.whole_sequence` (out and gradients; it gives no lse) on the windowed cases
+and Gemma's.
 
 On Hopper this checks the Mosaic GPU kernels (ushard/kernels/flash_hopper*.py), elsewhere the Triton
 ones (on a CPU, in Pallas's interpreter: slow, and only the tests' small cases are meant for it).
@@ -45,6 +46,9 @@ CASES = {
     "window 200 hd64 4 documents": (2, 2048, 32, 32, 64, True, 4, 200),
     "hd256": (2, 2048, 8, 8, 256, True, None),
     "hd256 grouped ragged window 512": (2, 2048, 8, 4, 256, True, "ragged", 512),
+    # Gemma 3 1B's attention (one of its 4 rows): its local layers' window, and its global layers.
+    "gemma3_1b 4 documents window 512": (1, 8192, 4, 1, 256, True, 4, 512),
+    "gemma3_1b 4 documents": (1, 8192, 4, 1, 256, True, 4, 0),
 }
 
 
@@ -128,7 +132,8 @@ def main(argv=None) -> int:
     cases = {name: case for name, case in CASES.items() if not words or any(w in name for w in words)}
     runs = [(name, case, "ours") for name, case in cases.items()]
     if args.cudnn:
-        runs += [(name, case, "cudnn") for name, case in cases.items() if len(case) > 7 and case[7]]
+        runs += [(name, case, "cudnn") for name, case in cases.items()
+                 if (len(case) > 7 and case[7]) or name.startswith("gemma")]
     failed = []
     for name, case, impl in runs:
         label = name if impl == "ours" else f"cudnn: {name}"
