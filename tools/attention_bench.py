@@ -166,14 +166,15 @@ def check_ours(name: str, shape, segments, rows: int = 2, window: int = 0) -> st
 
 
 def flops(shape, documents: int, window: int = 0) -> float:
-    """Forward FLOPs of causal attention (over the documents' visible pairs if any; within the
-    window's, min(i + 1, w) for query i, if `window`)."""
+    """Forward FLOPs of causal attention over the visible pairs: query i of a document sees
+    min(i + 1, w) keys with a window `window`, i + 1 without (the documents equal, T / documents
+    tokens each). Without a window this is the causal half of 4·B·H·T²·hd over the documents."""
     b, t, heads, _, hd = shape
-    full = 4 * b * heads * t * t * hd
+    documents = max(documents, 1)
+    length = t // documents
     if window:
-        pairs = sum(min(i + 1, window) for i in range(t))
-        return 4 * b * heads * pairs * hd / max(documents, 1)  # documents and windows: not exact
-    return full / 2 / max(documents, 1)
+        return 4 * b * heads * hd * documents * sum(min(i + 1, window) for i in range(length))
+    return 4 * b * heads * t * t * hd / 2 / documents
 
 
 def bench(name: str, documents: int, impls, sweep: bool, check: bool = True, window: int = 0,
