@@ -130,11 +130,12 @@ def test_decode_with_a_cache_matches_the_whole_sequence(checkpoints):
     tokens = TOKENS[:1, :24]
     positions = np.arange(24, dtype=np.int32)[None]
     whole, _ = model.apply(params, tokens, positions)
+    decode = jax.jit(model.decode)  # two programs: the prompt's, then one token's
     cache = model.init_cache(1, 32)
-    logits, cache = model.decode(params, tokens[:, :16], positions[:, :16], cache)
+    logits, cache = decode(params, tokens[:, :16], positions[:, :16], cache)
     steps = [logits]
     for i in range(16, 24):
-        logits, cache = model.decode(params, tokens[:, i:i + 1], positions[:, i:i + 1], cache)
+        logits, cache = decode(params, tokens[:, i:i + 1], positions[:, i:i + 1], cache)
         steps.append(logits)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, rtol=1e-4, atol=1e-4)
 
@@ -166,7 +167,8 @@ def test_a_family_refuses_the_settings_of_another():
         model_definition(ModelConfig(family="gpt2"))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "gemma3"])
+# Qwen3-MoE's in the slow tier (`-m slow`): the same path as Gemma 3's and the Llama's (tests/test_hf.py).
+@pytest.mark.parametrize("kind", [pytest.param("qwen3_moe", marks=pytest.mark.slow), "gemma3"])
 def test_finetune_from_a_converted_checkpoint_starts_at_transformers_loss(checkpoints, text_file, tmp_path, kind):
     """docs/finetuning.md's recipe: convert, train with the printed settings, export."""
     import transformers

@@ -68,11 +68,14 @@ def results(stdlib_batches):
 CASES = [(f, layout) for f in FAMILIES for layout in LAYOUTS] + [("qwen3_moe", "expert"), ("qwen3_moe", "1f1b_expert")]
 
 
-# Rows whose parts other rows cover, in the slow tier (`-m slow`) for the suite's time: Qwen3's context
-# parallelism is the Llama's (tests/test_parallel_parity.py) with QK-norm, which fsdp and tensor check;
-# the MoE model's dense-part layouts are the dense model's.
-SLOW = {("qwen3", "ring"), ("qwen3", "all_gather"), ("qwen3_moe", "fsdp"), ("qwen3_moe", "tensor_sp"),
-        ("qwen3_moe", "ring"), ("qwen3_moe", "all_gather"), ("qwen3_moe", "1f1b")}
+# In the default tier, each kind of thing a family adds to a layout: QK-norm on heads split over
+# tensor (with SP), Gemma's windows with tensor and SP, on a split sequence (the ring's reach) and in
+# 1F1B's stages, Qwen3-MoE's experts over devices inside pipeline stages. The rest, whose parts those
+# and tests/test_parallel_parity.py's Llama rows cover, run in the slow tier (`-m slow`), for the
+# suite's time; all of them matched one device when added.
+DEFAULT_TIER = {("qwen3", "tensor_sp"), ("gemma3", "tensor_sp"), ("gemma3", "ring"), ("gemma3", "1f1b"),
+                ("qwen3_moe", "1f1b_expert")}
+SLOW = {c for c in CASES if c not in DEFAULT_TIER}
 
 
 @pytest.mark.parametrize("family, layout", [pytest.param(*c, marks=pytest.mark.slow) if c in SLOW else c
