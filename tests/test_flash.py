@@ -329,7 +329,8 @@ def test_head_dim_256_forward_and_backward(dtype, length, documents, window):
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
     t = length
     q, k, v, d_out = normal(1, t, 2, 256), normal(1, t, 1, 256), normal(1, t, 1, 256), normal(1, t, 2, 256)
-    segments = jnp.asarray(np.searchsorted([70, 200], np.arange(t), side="right")[None], jnp.int32) if documents else None
+    ids = jnp.asarray(np.searchsorted([70, 200], np.arange(t), side="right")[None], jnp.int32)
+    segments = ids if documents else None
     (out, lse), pullback = jax.vjp(lambda *a: flash.attention(*a, segments, True, window=window), q, k, v)
     upcast = [x.astype(jnp.float32) for x in (q, k, v)]
     (want_out, want_lse), want_pullback = jax.vjp(lambda *a: windowed_reference(*a, segments, window), *upcast)
