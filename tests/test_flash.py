@@ -318,16 +318,22 @@ def test_window_blocks_outside_it_are_not_visited():
     np.testing.assert_array_equal(visits, np.ones((B, HEADS, n)))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_head_dim_256_forward_and_backward(dtype):
-    """Head dim 256 on TUNING's blocks (the Triton kernels; the Mosaic GPU ones take 64 and 128)."""
+@pytest.mark.parametrize("dtype,length,documents,window", [(jnp.float32, 128, False, 0), (jnp.bfloat16, 128, False, 0),
+                                                         (jnp.float32, 256, True, 100)])
+def test_head_dim_256_forward_and_backward(dtype, length, documents, window):
+    """Head dim 256 on TUNING's blocks (the Triton kernels; the Mosaic GPU ones take 64 and 128); at
+    256 tokens with ragged documents and a window, as Gemma's local layers, over several blocks of
+    each kernel (the forward's 128 queries, dK/dV's 32 keys, dQ's 64 queries and keys)."""
     assert 256 in flash.TUNING
     rng = np.random.default_rng(11)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
-    q, k, v, d_out = normal(1, 128, 2, 256), normal(1, 128, 1, 256), normal(1, 128, 1, 256), normal(1, 128, 2, 256)
-    (out, lse), pullback = jax.vjp(lambda *a: flash.attention(*a, None, True), q, k, v)
+    t = length
+    q, k, v, d_out = normal(1, t, 2, 256), normal(1, t, 1, 256), normal(1, t, 1, 256), normal(1, t, 2, 256)
+    ids = jnp.asarray(np.searchsorted([70, 200], np.arange(t), side="right")[None], jnp.int32)
+    segments = ids if documents else None
+    (out, lse), pullback = jax.vjp(lambda *a: flash.attention(*a, segments, True, window=window), q, k, v)
     upcast = [x.astype(jnp.float32) for x in (q, k, v)]
-    (want_out, want_lse), want_pullback = jax.vjp(lambda *a: windowed_reference(*a, None, 0), *upcast)
+    (want_out, want_lse), want_pullback = jax.vjp(lambda *a: windowed_reference(*a, segments, window), *upcast)
     got_grads = jax.jit(pullback)((d_out, jnp.zeros_like(lse)))
     want_grads = want_pullback((d_out.astype(jnp.float32), jnp.zeros_like(want_lse)))
     tolerance = 1e-5 if dtype == jnp.float32 else 2e-2

@@ -169,4 +169,5 @@ class ParallelPlan:
 def _choice(impl: str, platform: str, dtype, length: int, in_stage: bool, head_dim: int, split: bool,
             documents: bool, window: int = 0) -> KernelChoice:
     name = attention_kernels.resolve(impl, platform, dtype, length, in_stage, head_dim, split, documents, window)
-    return KernelChoice(name, attention_kernels.why(impl, name, platform, in_stage, split, documents, window))
+    return KernelChoice(name, attention_kernels.why(impl, name, platform, in_stage, split, documents, window,
+                                                    head_dim))

@@ -122,10 +122,11 @@ def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False
         # Where cuDNN cannot run, ours if it can: far faster than XLA's, whose blocks hold every
         # block's scores (a split 32k sequence with documents asked for 356 GiB; docs/benchmarks.md).
         # With documents ours also beats cuDNN on whole sequences: cuDNN takes the mask as a dense
-        # [T, T] array and computes every block, ours skips other documents' blocks. With a sliding
-        # window both skip the blocks outside it, and ours measured faster on the Mosaic GPU
-        # kernels' head dims (Hopper); at head dim 256 ours runs on the Triton kernels, far slower
-        # than cuDNN's (docs/benchmarks.md).
+        # [T, T] array and computes every block, ours skips other documents' blocks. That holds at
+        # head dim 256 too, where ours runs on the Triton kernels (measured at Gemma 3 1B's shape,
+        # with and without its window). With a sliding window and no documents both skip the
+        # blocks outside it, and ours measured faster on the Mosaic GPU kernels' head dims
+        # (Hopper); at head dim 256 the Triton kernels trail cuDNN's there (docs/benchmarks.md).
         fits = flash_fits(length, head_dim, window)
         if not in_stage and not split and documents:
             return "flash" if fits else "cudnn"
@@ -150,7 +151,7 @@ def flash_fits(length: int, head_dim: int, window: int = 0) -> bool:
 
 
 def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: bool = False,
-        documents: bool = False, window: int = 0) -> str:
+        documents: bool = False, window: int = 0, head_dim: int = 128) -> str:
     """`resolved` in words, with the reason it runs (the start-up report prints it)."""
     name = NAMES[resolved]
     if impl != "auto":
@@ -166,6 +167,9 @@ def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: 
             reason = "cuDNN's blocks of a split sequence take no document mask"
         elif documents:
             reason = "cuDNN computes every block of a document mask, ours skips other documents' blocks"
+            if head_dim == 256:
+                reason += (" (head dim 256, on ours' Triton kernels: measured faster than cuDNN at Gemma 3 1B's "
+                           "attention, with and without its window)")
         elif window and resolved == "flash":
             reason = "a sliding window: ours skips the blocks outside it, measured faster than cuDNN's window"
         else:

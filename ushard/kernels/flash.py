@@ -80,9 +80,10 @@ TUNING = {
     64: Tuning(forward=Blocks(128, 64, 4, 3), dkdv=Blocks(64, 64, 4, 3), dq=Blocks(64, 64, 4, 3)),
     128: Tuning(forward=Blocks(128, 128, 8, 3), dkdv=Blocks(32, 64, 4, 3), dq=Blocks(64, 64, 4, 2)),
     # Head dim 256 (Gemma's): the Triton kernels only (the Mosaic GPU ones have no slots for it).
-    # Halved blocks keep a program's tiles in shared memory at twice the width; starting points,
-    # not yet swept.
-    256: Tuning(forward=Blocks(64, 64, 8, 2), dkdv=Blocks(32, 32, 4, 2), dq=Blocks(64, 32, 4, 2)),
+    # The block sweep at Gemma 3 1B's attention with documents and its 512-token window chose them
+    # (docs/benchmarks.md): the forward's 128 query rows on two warpgroups, 64-row backward blocks
+    # (one warpgroup's wgmma M); dQ at 128 x 64 blocks overflows shared memory.
+    256: Tuning(forward=Blocks(128, 64, 8, 2), dkdv=Blocks(64, 32, 4, 2), dq=Blocks(64, 64, 4, 2)),
 }
 
 
