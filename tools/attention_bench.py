@@ -4,7 +4,8 @@ Hopper the Mosaic GPU kernels of ushard/kernels/flash_hopper*.py, elsewhere the 
 ushard/kernels/flash.py); `ours_triton` runs the Triton kernels both ways.
 
     python3 tools/attention_bench.py [--shapes hd128,hd128_gqa,hd64] [--documents none,4] [--block-sweep]
-                                     [--no-check] [--under-load] [--windows 0,1024]
+                                     [--adopt-sweep] [--no-check] [--under-load] [--windows 0,1024]
+                                     [--mosaic-256]
 
 Shapes: bench_1b's attention (B 16, T 2048, 16 heads, head dim 128), the same with 8 kv heads
 (grouped-query), head dim 64 (32 heads), and llama3_8b's on one of four GPUs (SHAPES); bf16, causal.
@@ -24,7 +25,9 @@ Before timing, ours is checked on the device against float32 attention on upcast
 of the batch): max abs error and relative error of out, lse and the three gradients.
 `--no-check` skips that check (about 25 s a case on an H200). `--block-sweep` also times
 block-size/warps/stages combinations of each of our Triton kernels, and on Hopper the Mosaic GPU
-kernels' blocks and slots.
+kernels' blocks and slots. `--adopt-sweep`: sweep a shape's first case only, then run the three
+bests (checked against float32) in the rest of the run, beside the shipped blocks (`ours_table`).
+`--mosaic-256`: instead, the Mosaic GPU forward at head dim 256 over MOSAIC_256's block shapes.
 
 `--under-load` times forward + backward (no documents) as a training step runs it instead: after a
 bf16 8192³ matmul in each call (the matmul's own time subtracted), and over 300 calls back to back
