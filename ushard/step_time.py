@@ -313,7 +313,7 @@ def shape_of(config, mesh_shape: dict | None = None, model=None) -> Shape:
         context_mode=p.context_parallel if mesh.get("sequence", 1) > 1 else None,
         keep_kv=bool(p.context_keep_kv), attention_impl=m.attention_impl, document_mask=bool(m.document_mask),
         flops_per_token=model.flops_per_token(t.seq_len),
-        attention_flops_per_token=model.family.attention_shape(m).flops_per_token(t.seq_len),
+        attention_flops_per_token=model.attention_flops_per_token(t.seq_len),
         dcn={a: int(config.mesh.dcn[a]) for a in AXIS_ORDER if a in config.mesh.dcn},
         experts=m.moe.num_experts, top_k=m.moe.top_k, moe_layers=m.moe_layers if m.moe.num_experts else 0,
         routed_params=routed, routed_active_params=routed // max(1, m.moe.num_experts) * m.moe.top_k,

@@ -115,8 +115,12 @@ class ModelDef:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (ushard/metrics.py's convention): 6 per matmul parameter, plus
-        attention's as the family states its shape (ushard/models/family.py)."""
-        return 6 * self.num_matmul_params() + self.family.attention_shape(self.cfg).flops_per_token(seq_len)
+        attention's."""
+        return 6 * self.num_matmul_params() + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Attention's share of `flops_per_token`, as the family states its shape (ushard/models/family.py)."""
+        return self.family.attention_shape(self.cfg).flops_per_token(seq_len)
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.shapes))

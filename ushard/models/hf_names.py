@@ -68,6 +68,31 @@ def norm_tensor(hf_name: str, param: str) -> Tensor:
     return Tensor(LAYER + f"{hf_name}.weight", f"{param}.scale")
 
 
+def stacked_tensors(stacks, layer_tensors) -> list[Tensor]:
+    """Every layer's tensors in the stack item that holds it: `stacks` are the family's `Stack`s in
+    order (ushard/models/decoder.py), `layer_tensors(i)` HF layer i's tensors with params named from
+    the layer ("attn.wq"). A stack of periods holds position j of every period at `<name>.layer<j>`."""
+    tensors, first = [], 0
+    for stack in stacks:
+        for j in range(stack.per_item):
+            prefix = stack.name if stack.per_item == 1 else f"{stack.name}.layer{j}"
+            tensors += placed(layer_tensors(first + j), prefix, first + j, stack.per_item)
+        first += stack.items * stack.per_item
+    return tensors
+
+
+def refuse_other_routing(cfg, routing: dict, architecture: str) -> None:
+    """Refuses to export an MoE model whose `model.moe` settings differ from `routing`, the
+    architecture's (the drop rule is let through: it only limits a training batch; the export routes
+    dropless)."""
+    if not cfg.moe.num_experts:
+        return
+    for key, theirs in routing.items():
+        value = getattr(cfg.moe, key)
+        if key != "capacity_factor" and value != theirs:
+            raise UserError(f"model.moe.{key}={value!r} cannot be exported: {architecture} has {key}={theirs!r}.")
+
+
 def attention_tensors(qk_norm: bool = False) -> list[Tensor]:
     """A Llama-style layer's attention projections (and Qwen3's / Gemma 3's QK-norm scales)."""
     tensors = [Tensor(LAYER + f"self_attn.{x}_proj.weight", f"attn.w{x}") for x in "qkv"]
@@ -115,12 +140,13 @@ def require_whole(hf: dict, directory: str, keys) -> None:
             refuse(directory, key, hf.get(key), "it must be a whole number")
 
 
-def refuse_common(hf: dict, directory: str, activation: str = "silu", activation_key: str = "hidden_act") -> None:
+def refuse_common(hf: dict, directory: str, activations: tuple[str, ...] = ("silu",),
+                  activation_key: str = "hidden_act") -> None:
     """Refuses the settings none of ushard's families computes: biases, partial RoPE, quantization,
-    another activation than the family's."""
-    if hf.get(activation_key, activation) != activation and not (activation == "gelu_pytorch_tanh"
-                                                                  and hf.get(activation_key) == "gelu_tanh"):
-        refuse(directory, activation_key, hf[activation_key], f"this family's MLP uses {activation}")
+    another activation than the family's (`activations`: the names it goes by, the first one's the
+    default)."""
+    if hf.get(activation_key, activations[0]) not in activations:
+        refuse(directory, activation_key, hf[activation_key], f"this family's MLP uses {activations[0]}")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             refuse(directory, key, hf[key], "ushard's projections have no biases")

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 from ushard.models.config import ModelConfig
 from ushard.models.family import HFMap
-from ushard.models.gemma3.model import period
+from ushard.models.gemma3.model import is_local, stacks
 from ushard.models.hf_names import (
     attention_tensors,
     end_tensors,
     gated_mlp_tensors,
     norm_tensor,
-    placed,
     refuse,
     refuse_common,
     require_whole,
     rope,
     rope_json,
     sizes,
+    stacked_tensors,
 )
 
 # transformers' Gemma3TextConfig defaults, for a config.json that omits them.
@@ -71,7 +71,7 @@ def settings(hf: dict, directory: str) -> dict:
     hf = {**DEFAULTS, **hf}
     require_whole(hf, directory, ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
                                   "vocab_size", "head_dim", "sliding_window"))
-    refuse_common(hf, directory, activation="gelu_pytorch_tanh", activation_key="hidden_activation")
+    refuse_common(hf, directory, activations=("gelu_pytorch_tanh", "gelu_tanh"), activation_key="hidden_activation")
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if hf.get(key) is not None:
             refuse(directory, key, hf[key], "Gemma 3 caps no logits; this is a Gemma 2 setting")
@@ -86,10 +86,8 @@ def settings(hf: dict, directory: str) -> dict:
 
 def config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict:
     """config.json as transformers 4.50+ and 5 both read it (the top-level RoPE spelling)."""
-    pattern = cfg.sliding_window_pattern
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
-    types = [GLOBAL if not cfg.sliding_window or (pattern and (i + 1) % pattern == 0) else LOCAL
-             for i in range(cfg.n_layers)]
+    types = [LOCAL if is_local(cfg, i) else GLOBAL for i in range(cfg.n_layers)]
     return {
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
@@ -112,18 +110,7 @@ def _layer(fused: bool) -> list:
 
 
 def tensors(cfg: ModelConfig) -> list:
-    layer = lambda: _layer(cfg.fused_mlp)  # noqa: E731
-    p = period(cfg)
-    items, rest = divmod(cfg.n_layers, p)
-    out = [*end_tensors(cfg.tie_embeddings)]
-    if items and p == 1:
-        out += placed(layer(), "blocks", 0, 1)
-    elif items:
-        for j in range(p):
-            out += placed(layer(), f"blocks.layer{j}", j, p)
-    if rest:
-        out += placed(layer(), "tail_blocks", items * p, 1)
-    return out
+    return [*end_tensors(cfg.tie_embeddings), *stacked_tensors(stacks(cfg), lambda i: _layer(cfg.fused_mlp))]
 
 
 HF = HFMap(model_types=("gemma3_text",), settings=settings, config=config, tensors=tensors,

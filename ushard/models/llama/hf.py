@@ -9,7 +9,6 @@ to sum 1, no drops; each expert's HF tensors are one slice of the stacked expert
 
 from __future__ import annotations
 
-from ushard.errors import UserError
 from ushard.models.config import ModelConfig
 from ushard.models.family import HFMap
 from ushard.models.hf_names import (
@@ -19,13 +18,15 @@ from ushard.models.hf_names import (
     gated_mlp_tensors,
     model_rope,
     norm_tensor,
-    placed,
     refuse,
     refuse_common,
+    refuse_other_routing,
     require_whole,
     rope_json,
     sizes,
+    stacked_tensors,
 )
+from ushard.models.llama.model import is_moe_layer, stacks
 
 # transformers' MixtralConfig defaults where they differ from Llama's, for a config.json that omits them.
 MIXTRAL_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2}
@@ -82,35 +83,19 @@ def common_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict:
 
 
 def check_export(cfg: ModelConfig) -> None:
-    """Refuses to export an MoE model that transformers' Mixtral would compute differently. The drop
-    rule is let through: it only limits a training batch; the export routes dropless."""
-    if not cfg.moe.num_experts:
-        return
-    for key, mixtral in MIXTRAL_ROUTING.items():
-        value = getattr(cfg.moe, key)
-        if key != "capacity_factor" and value != mixtral:
-            raise UserError(f"model.moe.{key}={value!r} cannot be exported: Hugging Face's Mixtral, the one MoE "
-                            f"architecture of the llama family, has {key}={mixtral!r}.")
+    """Refuses to export an MoE model that transformers' Mixtral would compute differently."""
+    refuse_other_routing(cfg, MIXTRAL_ROUTING, "Hugging Face's Mixtral, the one MoE architecture of the llama family,")
 
 
 def layer_tensors(cfg: ModelConfig, moe_tensors, qk_norm: bool = False) -> list:
     """Every layer's tensors in its stack (ushard/models/llama/model.py's `stacks`): `moe_tensors()`
     gives an MoE layer's MLP tensors."""
-    def layer(is_moe: bool):
-        mlp = moe_tensors() if is_moe else gated_mlp_tensors(cfg.fused_mlp)
+    def layer(i: int):
+        mlp = moe_tensors() if is_moe_layer(cfg, i) else gated_mlp_tensors(cfg.fused_mlp)
         return [norm_tensor("input_layernorm", "attn_norm"), *attention_tensors(qk_norm),
                 norm_tensor("post_attention_layernorm", "mlp_norm"), *mlp]
 
-    moe = cfg.moe
-    if not moe.num_experts:
-        return placed(layer(False), "blocks", 0, 1)
-    first = moe.first_dense_layers
-    tensors = placed(layer(False), "dense_blocks", 0, 1) if first else []
-    if moe.every == 1:
-        return tensors + placed(layer(True), "blocks", first, 1)
-    for j in range(moe.every):
-        tensors += placed(layer(j == 0), f"blocks.layer{j}", first + j, moe.every)
-    return tensors
+    return stacked_tensors(stacks(cfg), layer)
 
 
 def tensors(cfg: ModelConfig) -> list:

@@ -49,6 +49,12 @@ class Block(nnx.Module):
         return self._feed_forward(x)[0], k_cache, v_cache
 
 
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether layer `layer` holds an MoE block (module docstring)."""
+    moe, first = cfg.moe, cfg.moe.first_dense_layers
+    return bool(moe.num_experts) and layer >= first and (layer - first) % moe.every == 0
+
+
 def stacks(cfg: ModelConfig, qk_norm: bool = False) -> list[Stack]:
     """The layer stacks of a Llama-style model of `cfg`, dense or MoE (module docstring)."""
     block = lambda moe: lambda r: Block(cfg, r, moe=moe, qk_norm=qk_norm)  # noqa: E731
@@ -58,7 +64,7 @@ def stacks(cfg: ModelConfig, qk_norm: bool = False) -> list[Stack]:
     dense = [Stack("dense_blocks", moe.first_dense_layers, 1, block(False))] if moe.first_dense_layers else []
     if moe.every == 1:
         return [*dense, Stack("blocks", cfg.moe_layers, 1, block(True))]
-    makers = [block(j == 0) for j in range(moe.every)]
+    makers = [block(is_moe_layer(cfg, moe.first_dense_layers + j)) for j in range(moe.every)]
     return [*dense, Stack("blocks", cfg.moe_layers, moe.every, lambda r: Period(makers, r))]
 
 

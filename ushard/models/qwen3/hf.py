@@ -11,10 +11,18 @@ leading dense layers, then periods with the MoE layer first: the HF patterns it 
 
 from __future__ import annotations
 
-from ushard.errors import UserError
 from ushard.models.config import ModelConfig
 from ushard.models.family import HFMap
-from ushard.models.hf_names import end_tensors, expert_tensors, model_rope, refuse, refuse_common, require_whole, sizes
+from ushard.models.hf_names import (
+    end_tensors,
+    expert_tensors,
+    model_rope,
+    refuse,
+    refuse_common,
+    refuse_other_routing,
+    require_whole,
+    sizes,
+)
 from ushard.models.llama import hf as llama_hf
 
 # How Qwen3-MoE routes, as model.moe settings (`normalize_gates` comes from norm_topk_prob).
@@ -69,13 +77,8 @@ def config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict:
 
 
 def check_export(cfg: ModelConfig) -> None:
-    """Refuses an MoE model that transformers' Qwen3-MoE would route differently (the drop rule is let
-    through: it only limits a training batch; the export routes dropless)."""
-    for key, qwen in ROUTING.items():
-        value = getattr(cfg.moe, key)
-        if cfg.moe.num_experts and key != "capacity_factor" and value != qwen:
-            raise UserError(f"model.moe.{key}={value!r} cannot be exported: Hugging Face's Qwen3-MoE has "
-                            f"{key}={qwen!r}.")
+    """Refuses an MoE model that transformers' Qwen3-MoE would route differently."""
+    refuse_other_routing(cfg, ROUTING, "Hugging Face's Qwen3-MoE")
 
 
 def tensors(cfg: ModelConfig) -> list:
