@@ -122,6 +122,14 @@ def test_round_trip_is_exact_and_transformers_loads_the_export(checkpoints, tmp_
     np.testing.assert_allclose(torch_logits(reloaded, TOKENS), torch_logits(model, TOKENS), rtol=0, atol=1e-5)
 
 
+def test_a_qwen3_moe_with_moving_routing_biases_is_not_exported_naming_qwen3_moe(checkpoints, tmp_path):
+    imported = ushard.from_hf(checkpoints["qwen3_moe"][0])
+    model = imported.model
+    biased = jax.tree.map(lambda x, is_bias: x + 0.5 if is_bias else x, imported.params, model.expert_biases)
+    with pytest.raises(UserError, match="Hugging Face's Qwen3MoeForCausalLM router has none"):
+        hf.save_hf(biased, model.cfg, str(tmp_path / "out"))
+
+
 def test_decode_with_a_cache_matches_the_whole_sequence(checkpoints):
     """Generation's cached attention keeps each layer's window (Gemma 3: the tokens past it unseen)."""
     directory, _ = checkpoints["gemma3"]

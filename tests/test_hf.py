@@ -392,7 +392,8 @@ def test_mixtral_written_by_ushard_reads_back_with_its_routing(saved_moe, tmp_pa
     (dict(score_func="sigmoid"), 0.0, r"model\.moe\.score_func='sigmoid' cannot be exported: Hugging Face's Mixtral, "
                                       r"the one MoE architecture of the llama family, has score_func='softmax'\."),
     (dict(num_shared_experts=1), 0.0, r"model\.moe\.num_shared_experts=1 cannot be exported"),
-    (dict(), 0.5, r"routing biases \(model\.moe\.bias_update_rate\) are not zero, and Hugging Face's Mixtral router"),
+    (dict(), 0.5, r"routing biases \(model\.moe\.bias_update_rate\) are not zero, "
+                  r"and Hugging Face's MixtralForCausalLM router"),
 ])
 def test_what_mixtral_cannot_compute_is_not_exported(tmp_path, moe, routing_bias, match):
     cfg = dataclasses.replace(SMALL, moe=MoEConfig(num_experts=4, top_k=2, **moe))

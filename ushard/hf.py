@@ -310,12 +310,13 @@ def _hf_tensors(params, named):
         yield _hf_tensor(held[1][tensor.param], tensor)
 
 
-def _check_no_routing_bias(params, model: ModelDef) -> None:
-    """Refuses routing biases that steer the choice of experts: Mixtral's router has none."""
+def _check_no_routing_bias(params, model: ModelDef, architecture: str) -> None:
+    """Refuses routing biases that steer the choice of experts: the MoE architectures exported to
+    (Mixtral, Qwen3-MoE) have routers without one."""
     biases = [x for x, is_bias in zip(jax.tree.leaves(params), jax.tree.leaves(model.expert_biases)) if is_bias]
     if any(np.any(_on_host(b)) for b in biases):
-        raise UserError("the model's MoE routing biases (model.moe.bias_update_rate) are not zero, and Hugging Face's "
-                        "Mixtral router has none: transformers would send tokens to other experts.")
+        raise UserError(f"the model's MoE routing biases (model.moe.bias_update_rate) are not zero, and Hugging "
+                        f"Face's {architecture} router has none: transformers would send tokens to other experts.")
 
 
 def _file_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
@@ -335,9 +336,11 @@ def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, 
     config.json and model.safetensors, or shards and an index past `max_file_bytes`. `dtype`: the
     weights' dtype on disk (default: the parameters')."""
     dtype = dtype or cfg.param_dtype
-    family(cfg.family).hf.check_export(cfg)
+    hf_map = family(cfg.family).hf
+    hf_map.check_export(cfg)
     if cfg.moe.num_experts:
-        _check_no_routing_bias(params, model_definition(cfg))
+        architecture = hf_map.config(cfg, dtype, max_positions)["architectures"][0]
+        _check_no_routing_bias(params, model_definition(cfg), architecture)
     if dtype not in DTYPE_NAMES:
         raise UserError(f"dtype={dtype!r} is not one safetensors export takes; "
                         f"choose one of: {', '.join(DTYPE_NAMES)}.")
