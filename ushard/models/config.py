@@ -110,6 +110,21 @@ class MoEConfig:
                             f"experts in {p}top_groups={self.top_groups} groups; raise top_groups.")
 
 
+@dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3's; ushard/models/mtp.py): `depth` extra modules, module k
+    predicting the token k + 1 places after the next one; 0: none."""
+
+    depth: int = 0
+    # The MTP loss's weight: the objective adds loss_weight times the mean of the depths' cross-entropies
+    # (DeepSeek-V3's lambda: 0.3 for its first 10T tokens, then 0.1).
+    loss_weight: float = 0.3
+
+    def __post_init__(self):
+        _check_at_least(self, ("depth",), 0, "model.mtp.")
+        _check_finite(self, ("loss_weight",), "model.mtp.", allow_zero=True)
+
+
 ROPE_SCALING_TYPES = ("none", "llama3", "linear")
 
 
@@ -182,13 +197,14 @@ class ModelConfig:
     # and attention's softmax stay in the compute dtype.
     fp8: bool = False
     moe: MoEConfig = MoEConfig()
+    mtp: MTPConfig = MTPConfig()
 
     # How the model is computed (or trained), not what it computes: a run may resume with these
     # changed. Every other setting (new ones included, unless added here) defines the model's function.
     IMPLEMENTATION_SETTINGS = ("compute_dtype", "attention_impl", "remat", "scan_unroll", "fused_mlp",
                                "fp8", "moe.aux_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate",
                                "moe.dispatch", "moe.dispatch_headroom", "moe.exchange",
-                               "moe.grouped_matmul_impl")
+                               "moe.grouped_matmul_impl", "mtp.loss_weight")
 
     @classmethod
     def from_config(cls, model_cfg, ignore_unknown: bool = False) -> "ModelConfig":
@@ -196,11 +212,12 @@ class ModelConfig:
         saved JSON); raises UserError if invalid. `ignore_unknown` drops keys this version does not
         know; missing keys take their defaults."""
         values = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else dict(model_cfg)
-        moe = dict(values.pop("moe", {}))
+        groups = {key: dict(values.pop(key, {})) for key in GROUPS}
         if ignore_unknown:
             values = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
-            moe = {k: v for k, v in moe.items() if k in MoEConfig.__dataclass_fields__}
-        return cls(**values, moe=MoEConfig(**moe))
+            groups = {key: {k: v for k, v in group.items() if k in GROUPS[key].__dataclass_fields__}
+                      for key, group in groups.items()}
+        return cls(**values, **{key: GROUPS[key](**group) for key, group in groups.items()})
 
     @property
     def expert_d_ff(self) -> int:
@@ -265,6 +282,10 @@ class ModelConfig:
         mine, theirs = self.settings(), other.settings()
         return [f"model.{k}={mine[k]!r} there but {theirs[k]!r} here" for k in mine
                 if k not in skip and (only is None or k.split(".")[0] in only) and mine[k] != theirs[k]]
+
+
+# The nested groups of settings (`model.moe.*`, ...) and the dataclass each is read into.
+GROUPS = {"moe": MoEConfig, "mtp": MTPConfig}
 
 
 def _rope_scaling(group) -> RopeScaling:

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ushard.errors import UserError
 from ushard.models.config import ModelConfig
 from ushard.models.layers import BTD, RMSNorm, embed_lookup, fan_in_init, param
+from ushard.models.mtp import MTPModule, mtp_names
 from ushard.models.stack import run_layers
 from ushard.sharding import LOGITS_NAMES, constrain, gathered
 
@@ -101,10 +103,11 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
 class Decoder(nnx.Module):
     """`stacks` (`Stack`s, in order) between the embedding and the head. `norm_offset`: the final
     norm's (RMSNorm's `offset`); `embed_scale`: the embedding's rows are multiplied by sqrt(d_model)
-    (Gemma's), in the compute dtype."""
+    (Gemma's), in the compute dtype; `mtp_block(rngs)`: the block of a multi-token prediction module
+    (ushard/models/mtp.py), where the family has one."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, stacks: list[Stack], norm_offset: float = 0.0,
-                 embed_scale: bool = False):
+                 embed_scale: bool = False, mtp_block=None):
         dtype = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
@@ -120,6 +123,12 @@ class Decoder(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), fan_in_init(cfg.d_model),
                                  dtype)
+        if cfg.mtp.depth and mtp_block is None:
+            raise UserError(f"model.mtp.depth={cfg.mtp.depth}: model.family={cfg.family!r} has no multi-token "
+                            "prediction; use model.family 'deepseek', 'llama' or 'qwen3', or set model.mtp.depth=0.")
+        self.mtp_names = mtp_names(cfg.mtp.depth)
+        for name in self.mtp_names:
+            setattr(self, name, MTPModule(cfg, rngs, mtp_block, norm_offset))
 
     # The three parts a pipeline schedule calls separately (ModelDef.embed / layers / head).
     def embed(self, tokens):
@@ -133,8 +142,9 @@ class Decoder(nnx.Module):
             rows = rows * jnp.asarray(self.embed_scale, rows.dtype)
         return constrain(rows, BTD)
 
-    def head(self, x):
-        x = self.final_norm(x)
+    def head(self, x, norm=None):
+        """Logits of the layers' output x, through the final norm (or `norm`: an MTP module's)."""
+        x = (norm or self.final_norm)(x)
         head = self.embedding[...].T if self.tie_embeddings else self.lm_head[...]
         head = gathered(head.astype(self.compute_dtype), ("embed", "vocab"))
         logits = jnp.einsum("btd,dv->btv", x, head)
@@ -156,6 +166,16 @@ class Decoder(nnx.Module):
                                       remat=cfg.remat, unroll=cfg.scan_unroll, compute_dtype=self.compute_dtype)
             aux = sum_aux(aux, stack_aux)
         return x, aux
+
+    def mtp_logits(self, x, positions, segment_ids, next_tokens) -> list:
+        """Each MTP module's logits (ushard/models/mtp.py): x the layers' output (before the final norm),
+        `next_tokens` the tokens each depth embeds, in order of depth ([batch, length] each)."""
+        logits = []
+        for name, tokens in zip(self.mtp_names, next_tokens, strict=True):
+            module = getattr(self, name)
+            x = module(x, self.embed(tokens), positions, segment_ids)
+            logits.append(self.head(x, module.final_norm))
+        return logits
 
     def __call__(self, tokens, positions, segment_ids=None):
         """tokens, positions, segment_ids: int [batch, length] -> (logits [batch, length, vocab], aux),

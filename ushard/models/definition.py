@@ -6,6 +6,7 @@ time); `ModelDef.apply` rebuilds the NNX module inside the traced function.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +16,7 @@ from flax import nnx
 from ushard.models.config import ModelConfig
 from ushard.models.decoder import Decoder, init_cache
 from ushard.models.moe import ExpertBias
+from ushard.models.mtp import mtp_tokens
 from ushard.models.registry import family
 from ushard.models.stack import weight_for_compute
 
@@ -74,6 +76,22 @@ class ModelDef:
         """-> (logits [batch, length, vocab], aux: dict of scalar loss terms)."""
         return self.module(params)(tokens, positions, segment_ids)
 
+    def apply_for_training(self, params, batch):
+        """What training computes of a batch (`with_mtp_fields`'s, ushard/models/mtp.py): (logits, aux,
+        the multi-token prediction modules' logits, one [batch, length, vocab] per depth)."""
+        module = self.module(params)
+        x, aux = module.layers(module.embed(batch["inputs"]), batch["positions"], batch["segment_ids"])
+        return (module.head(x), aux, *self._mtp(module, x, batch))
+
+    def head_for_training(self, others, x, batch):
+        """The pipeline's last part of `apply_for_training`: (logits, the MTP modules' logits)."""
+        module = self.module(others)
+        return module.head(x), *self._mtp(module, x, batch)
+
+    def _mtp(self, module, x, batch) -> tuple[list]:
+        tokens = mtp_tokens(batch, self.cfg.mtp.depth)
+        return (module.mtp_logits(x, batch["positions"], batch["segment_ids"], tokens),)
+
     # The model in three parts, for a pipeline schedule that runs them per microbatch on different
     # stages (1F1B): apply = head(layers(embed(tokens))). Each takes only the params it uses.
     def split_stack(self, params) -> tuple[dict, dict]:
@@ -114,13 +132,17 @@ class ModelDef:
         return self._abstract_module.stack_layout
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (ushard/metrics.py's convention): 6 per matmul parameter, plus
-        attention's."""
-        return 6 * self.num_matmul_params() + self.attention_flops_per_token(seq_len)
+        """Training FLOPs per token (ushard/metrics.py's convention): 6 per matmul parameter (an MTP
+        module's included, and the output head once more for each of them), plus attention's."""
+        head_again = self.cfg.mtp.depth * self.cfg.d_model * self.cfg.vocab_size
+        return 6 * (self.num_matmul_params() + head_again) + self.attention_flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int) -> float:
-        """Attention's share of `flops_per_token`, as the family states its shape (ushard/models/family.py)."""
-        return self.family.attention_shape(self.cfg).flops_per_token(seq_len)
+        """Attention's share of `flops_per_token`, as the family states its shape (ushard/models/family.py);
+        an MTP module's block attends to the whole context."""
+        shape = self.family.attention_shape(self.cfg)
+        shape = dataclasses.replace(shape, windows=shape.windows + (0,) * self.cfg.mtp.depth)
+        return shape.flops_per_token(seq_len)
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.shapes))

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 
 from ushard.data.packing import FIELDS as BATCH_FIELDS
 from ushard.models.definition import ModelDef
+from ushard.models.mtp import with_mtp_fields
 from ushard.parallel import context
 from ushard.parallel.maps import nested_maps
 from ushard.parallel.pipeline import one_f_one_b
@@ -62,9 +63,18 @@ def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: L
     )
 
 
-def objective_terms(logits, aux, batch):
-    """(cross-entropy sum + token-weighted aux terms, (cross-entropy sum, token count, weighted aux))."""
+def objective_terms(logits, aux, batch, mtp_logits=(), mtp_weight: float = 0.0):
+    """(cross-entropy sum + token-weighted aux terms, (cross-entropy sum, token count, weighted aux)).
+
+    With multi-token prediction (`mtp_logits`, one per depth; ushard/models/mtp.py), aux gains
+    "mtp_loss": `mtp_weight` times the mean over depths of each depth's cross-entropy summed over its
+    counted positions and divided by the main loss's token count (DeepSeek-V3's 1/T), so that it adds
+    up over microbatches as the main loss does."""
     loss, count = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
+    if mtp_logits:
+        summed = sum(cross_entropy_sums(lg, batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])[0]
+                     for k, lg in enumerate(mtp_logits, 1))
+        aux = {**aux, "mtp_loss": mtp_weight * summed / len(mtp_logits) / jnp.maximum(count, 1.0)}
     weighted_aux = {name: term * count for name, term in aux.items()}
     return loss + sum(weighted_aux.values(), 0.0), (loss, count, weighted_aux)
 
@@ -106,8 +116,8 @@ class Steps:
         return with_shardings(jax.eval_shape(lambda: self._init(seed)), self.shardings.state)
 
     def _objective(self, params, batch):
-        logits, aux = self.model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
-        return objective_terms(logits, aux, batch)
+        logits, aux, mtp_logits = self.model.apply_for_training(params, batch)
+        return objective_terms(logits, aux, batch, mtp_logits, self.model.cfg.mtp.loss_weight)
 
     def _one_f_one_b_grads(self, params, batch):
         """What `jax.grad(self._objective, has_aux=True)` returns, by the 1F1B pipeline schedule: the
@@ -121,16 +131,22 @@ class Steps:
         sums, d_others, d_stack = one_f_one_b(
             first=lambda others, mb: model.embed(others, mb["inputs"]),
             stage=lambda chunk, x, mb: model.layers(chunk, x, mb["positions"], mb["segment_ids"]),
-            last=lambda others, x, aux, mb: objective_terms(model.head(others, x), aux, mb),
+            last=lambda others, x, aux, mb: self._last_stage_terms(others, x, aux, mb),
             outer=others, stack=stack, batch=batch, layout=current_layout(), prepare=model.stack_for_compute,
         )
         return model.join_stack(d_stack, d_others), sums
+
+    def _last_stage_terms(self, others, x, aux, mb):
+        """The objective of one microbatch leaving the pipeline's last stage: head, MTP modules, loss."""
+        logits, mtp_logits = self.model.head_for_training(others, x, mb)
+        return objective_terms(logits, aux, mb, mtp_logits, self.model.cfg.mtp.loss_weight)
 
     @contextlib.contextmanager
     def _tracing(self, batch):
         """What a traced step runs under: the layout, context parallelism (a split sequence is reordered
         here, once per step, for its load balance) and, with a pipeline, maps nested in its stages."""
         split = self.layout.size("act_length") > 1
+        batch = with_mtp_fields(batch, self.model.cfg.mtp.depth)  # before the reordering: see ushard/models/mtp.py
         with use_layout(dataclasses.replace(self.layout, zigzag=split)), nested_maps(self.layout.pipeline is not None):
             yield context.reordered(batch, self.layout)
 

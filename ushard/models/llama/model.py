@@ -68,8 +68,13 @@ def stacks(cfg: ModelConfig, qk_norm: bool = False) -> list[Stack]:
     return [*dense, Stack("blocks", cfg.moe_layers, moe.every, lambda r: Period(makers, r))]
 
 
+def mtp_block(cfg: ModelConfig, qk_norm: bool = False):
+    """The block of a multi-token prediction module: the kind layer n_layers would be (MoE or dense)."""
+    return lambda r: Block(cfg, r, moe=is_moe_layer(cfg, cfg.n_layers), qk_norm=qk_norm)
+
+
 def build(cfg: ModelConfig, rngs: nnx.Rngs) -> Decoder:
-    return Decoder(cfg, rngs, stacks(cfg))
+    return Decoder(cfg, rngs, stacks(cfg), mtp_block=mtp_block(cfg))
 
 
 def check(cfg: ModelConfig, family: str = "llama") -> None:

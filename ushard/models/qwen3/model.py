@@ -16,7 +16,7 @@ from ushard.models.llama import model as llama
 
 
 def build(cfg: ModelConfig, rngs: nnx.Rngs) -> Decoder:
-    return Decoder(cfg, rngs, llama.stacks(cfg, qk_norm=True))
+    return Decoder(cfg, rngs, llama.stacks(cfg, qk_norm=True), mtp_block=llama.mtp_block(cfg, qk_norm=True))
 
 
 check = functools.partial(llama.check, family="qwen3")
