@@ -106,7 +106,7 @@ DESCRIPTIONS = {
                                      "on Hopper GPUs in 16-bit compute, megablox on TPUs, else XLA), `xla` "
                                      "(ragged_dot), `mosaic_gpu`, `megablox`",
     "model.mtp.depth": "multi-token prediction modules (DeepSeek-V3's; ushard/models/mtp.py): module k predicts "
-                       "the token k + 1 places after the next; 0: none. Families: llama, qwen3, deepseek",
+                       "the token k + 1 places after the next; 0: none. Families: llama, qwen3",
     "model.mtp.loss_weight": "the objective adds this times the mean over depths of each depth's cross-entropy "
                              "(logged as `aux/mtp_loss`); DeepSeek-V3: 0.3, later 0.1",
     # train

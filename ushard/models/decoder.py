@@ -125,7 +125,7 @@ class Decoder(nnx.Module):
                                  dtype)
         if cfg.mtp.depth and mtp_block is None:
             raise UserError(f"model.mtp.depth={cfg.mtp.depth}: model.family={cfg.family!r} has no multi-token "
-                            "prediction; use model.family 'deepseek', 'llama' or 'qwen3', or set model.mtp.depth=0.")
+                            "prediction; use model.family 'llama' or 'qwen3', or set model.mtp.depth=0.")
         self.mtp_names = mtp_names(cfg.mtp.depth)
         for name in self.mtp_names:
             setattr(self, name, MTPModule(cfg, rngs, mtp_block, norm_offset))
