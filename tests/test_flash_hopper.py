@@ -82,19 +82,31 @@ def _lowered_for_gpu(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("programs,heads,n_tiles,rows", [(132, 16, 16, 16), (132, 4, 2, 2), (7, 3, 5, 2)])
-def test_persistent_programs_compute_every_tile_once(programs, heads, n_tiles, rows):
+@pytest.mark.parametrize("order", ["tiles", "heads"])
+@pytest.mark.parametrize("programs,heads,n_tiles,rows", [(132, 16, 16, 16), (132, 16, 256, 1), (132, 32, 64, 1),
+                                                         (132, 4, 2, 2), (7, 3, 5, 2)])
+def test_persistent_programs_compute_every_tile_once(programs, heads, n_tiles, rows, order):
     n_work = rows * n_tiles * heads
     programs = min(programs, n_work)
-    seen = []
+
+    def blocks(tile_index):
+        return flash_hopper.tile_blocks(tile_index, causal=True, n_k=n_tiles, tile=128, block_k=128)
+
+    table = flash_hopper.schedule(programs, rows, heads, n_tiles, blocks, order)
+    assert table.shape[1] % flash_hopper.PLAN_WIDTH == 0  # whole 128-byte copies
+    seen, loads = [], []
     for program in range(programs):
-        mine = [tuple(int(x) for x in flash_hopper.program_tile(program, i, programs=programs, heads=heads,
-                                                                  n_tiles=n_tiles))
-                for i in range(int(flash_hopper.tiles_of_program(program, programs, n_work)))]
-        tile_order = [tile for row, head, tile in mine if (row, head) == mine[0][:2]]
-        assert tile_order == sorted(tile_order, reverse=True)  # a row's longest causal tiles first
+        mine = [tuple(int(x) for x in flash_hopper.tile_of_work(w, heads=heads, n_tiles=n_tiles))
+                for w in table[program, 1:1 + table[program, 0]]]
+        assert mine  # every program has work
+        for row, head in {tile[:2] for tile in mine}:
+            tile_order = [tile for r, h, tile in mine if (r, h) == (row, head)]
+            assert tile_order == sorted(tile_order, reverse=True)  # a row's longest causal tiles first
         seen += mine
+        loads.append(sum(blocks(tile) + 1 for _, _, tile in mine))
     assert sorted(seen) == sorted((r, h, t) for r in range(rows) for h in range(heads) for t in range(n_tiles))
+    if order == "tiles" and n_work >= 8 * programs:  # the programs' causal work within 1% of even
+        assert max(loads) <= 1.01 * np.mean(loads)
 
 
 @pytest.mark.skipif(not flash_hopper._API, reason="this JAX has no Mosaic GPU Pallas API")

@@ -42,6 +42,23 @@ STAGES = 2  # shared-memory slots: a third was slower for both kernels (tools/at
 # (docs/benchmarks.md): 128 at head dim 64; at 128 the 64-key blocks, whose [64, 64] scores leave
 # registers to spare.
 DQ_KEYS = {64: 128, 128: 64}
+# The order in which the block scheduler starts the kernels' programs: "heads", the heads of a tile
+# side by side, or "tiles", a head's tiles one after another; "auto" takes "tiles" where K/V heads
+# are grouped and "heads" elsewhere (docs/benchmarks.md: with groups of 4 at 8k "tiles" was 12%
+# faster for dK/dV and 7% for dQ, at 32k without groups 2-3% slower). A likely reason, not measured:
+# without groups the programs of one head start side by side at neighbouring tiles and stream the
+# same blocks at about the same time, so the L2 serves them all; a dK/dV program streams its group's
+# heads one after another, and neighbouring tiles drift apart by the blocks they differ by, per head.
+GRID_ORDER = "auto"
+
+
+def _launch(kernel, smem, barriers, args, out_type, heads: int, n_tiles: int, rows: int, group: int):
+    """flash_hopper.launch over (head, tile, row), the axes in GRID_ORDER's order (the first fastest)."""
+    order = GRID_ORDER if GRID_ORDER != "auto" else ("tiles" if group > 1 else "heads")
+    if order == "heads":
+        return flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(heads, n_tiles, rows))
+    return flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(n_tiles, heads, rows),
+                               grid_names=("tile", "head", "row"))
 
 
 def _stream(fetch, free, steps, stages):
@@ -205,7 +222,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
     if segments:
         args += [plan, q_segments, k_segments]
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    return flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(kv_heads, n_tiles, b))
+    return _launch(kernel, smem, barriers, args, out_type, kv_heads, n_tiles, b, group)
 
 
 def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d_lse=None, stages: int = STAGES,
@@ -356,4 +373,4 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
     if segments:
         args += [plan, q_segments, k_segments]
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]
-    return tuple(flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(heads, n_tiles, b)))
+    return tuple(_launch(kernel, smem, barriers, args, out_type, heads, n_tiles, b, group))
