@@ -62,7 +62,9 @@ def test_visit_range_covers_every_meeting_block_and_frees_only_one_document(layo
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("head_dim,kv_heads", [(128, 2), (64, 4)])
-def test_kernel_traces_for_every_variant(causal, segments, head_dim, kv_heads):
+@pytest.mark.parametrize("order", ["tiles", "heads"])
+def test_kernel_traces_for_every_variant(causal, segments, head_dim, kv_heads, order, monkeypatch):
+    monkeypatch.setattr(flash_hopper, "ORDER", order)
     q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 512, kv_heads, head_dim), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None
@@ -113,7 +115,10 @@ def test_persistent_programs_compute_every_tile_once(programs, heads, n_tiles, r
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("head_dim,kv_heads,block_k", [(128, 2, 64), (64, 4, 128)])
-def test_backward_kernels_trace_for_every_variant(causal, segments, head_dim, kv_heads, block_k):
+@pytest.mark.parametrize("grid_order", ["tiles", "heads"])
+def test_backward_kernels_trace_for_every_variant(causal, segments, head_dim, kv_heads, block_k, grid_order,
+                                                  monkeypatch):
+    monkeypatch.setattr(flash_hopper_backward, "GRID_ORDER", grid_order)
     q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 512, kv_heads, head_dim), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
@@ -214,3 +219,14 @@ def test_typed_kernels_trace_inside_a_stage_and_a_checked_ring_map():
     kv = jax.ShapeDtypeStruct((4, 512, 2, 128), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((4, 512), jnp.int32)
     assert str(jax.make_jaxpr(stages)(q, kv, kv, ids)).count("wgmma") >= 9  # forward 2, dK/dV 4, dQ 3
+
+
+def test_backward_grid_order_takes_tiles_first_only_for_grouped_heads_past_the_l2(monkeypatch):
+    monkeypatch.setattr(flash_hopper, "launch", lambda *args, grid, grid_names=("head", "tile", "row"): grid_names)
+    big, small = 2 * flash_hopper_backward.L2_BYTES, flash_hopper_backward.L2_BYTES // 2
+
+    def order(group, row_bytes):
+        return flash_hopper_backward._launch(None, [], [], [], [], 8, 64, 1, group, row_bytes)
+
+    assert order(4, big) == ("tile", "head", "row")  # llama3_8b's shape: 32 heads in groups of 4 at 8k
+    assert order(2, small) == order(1, big) == ("head", "tile", "row")

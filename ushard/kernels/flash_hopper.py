@@ -246,8 +246,10 @@ def multiprocessors() -> int:
 
 
 # The persistent forward's order of tiles (`schedule`): "tiles", a head's tiles one after another, or
-# "heads", the heads of a tile index side by side (the order before; kept for the bench's comparison).
-ORDER = "tiles"
+# "heads", the heads of a tile index side by side (the order before); "auto" takes "heads" with
+# segment ids, whose tiles' work `schedule` cannot know (with 4 documents "tiles" was 10% slower,
+# docs/benchmarks.md), and "tiles" elsewhere.
+ORDER = "auto"
 # The most tiles a program's list (`schedule`) holds: 16 KiB of int32s, within the 227 KiB of shared
 # memory a block has beside the tiles' 192 KiB.
 MAX_SCHEDULE = 4096
@@ -264,7 +266,7 @@ def tile_blocks(tile_index, *, causal: bool, n_k: int, tile: int, block_k: int, 
     return stop - start
 
 
-def schedule(programs: int, rows: int, heads: int, n_tiles: int, blocks, order: str | None = None):
+def schedule(programs: int, rows: int, heads: int, n_tiles: int, blocks, order: str = "tiles"):
     """int32 [programs, width]: program p computes the tiles `table[p, 1:1 + table[p, 0]]` in turn, each
     numbered `(row · heads + head) · n_tiles + n_tiles - 1 - tile index` (`tile_of_work`). `blocks(tile
     index)`: the key blocks a tile visits, its cost.
@@ -280,7 +282,7 @@ def schedule(programs: int, rows: int, heads: int, n_tiles: int, blocks, order: 
     The width is a multiple of PLAN_WIDTH (whole 128-byte copies)."""
     n_work = rows * heads * n_tiles
     mine = [[] for _ in range(programs)]
-    if (order or ORDER) == "heads":
+    if order == "heads":
         for work in range(n_work):
             rest, head = divmod(work, heads)
             row, back = divmod(rest, n_tiles)
@@ -324,8 +326,9 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
     programs = min(programs, n_work)
     scale = LOG2E / math.sqrt(hd)  # scores to base 2 in one multiply
     segments = plan is not None
+    order = ORDER if ORDER != "auto" else ("heads" if segments else "tiles")
     table = schedule(programs, b, heads, n_tiles, functools.partial(
-        tile_blocks, causal=causal, n_k=n_k, tile=tile, block_k=block_k, window=window))
+        tile_blocks, causal=causal, n_k=n_k, tile=tile, block_k=block_k, window=window), order)
 
     def kernel(q_ref, k_ref, v_ref, table_ref, *refs, scoped):
         if segments:

@@ -43,18 +43,27 @@ STAGES = 2  # shared-memory slots: a third was slower for both kernels (tools/at
 # registers to spare.
 DQ_KEYS = {64: 128, 128: 64}
 # The order in which the block scheduler starts the kernels' programs: "heads", the heads of a tile
-# side by side, or "tiles", a head's tiles one after another; "auto" takes "tiles" where K/V heads
-# are grouped and "heads" elsewhere (docs/benchmarks.md: with groups of 4 at 8k "tiles" was 12%
-# faster for dK/dV and 7% for dQ, at 32k without groups 2-3% slower). A likely reason, not measured:
-# without groups the programs of one head start side by side at neighbouring tiles and stream the
-# same blocks at about the same time, so the L2 serves them all; a dK/dV program streams its group's
-# heads one after another, and neighbouring tiles drift apart by the blocks they differ by, per head.
+# side by side, or "tiles", a head's tiles one after another. "auto" takes "tiles" where K/V heads are
+# grouped and a row's queries and output gradients over all heads exceed L2_BYTES, "heads"
+# elsewhere. Measured (docs/benchmarks.md): "tiles" was 12% faster for dK/dV and 7% for dQ at
+# llama3_8b's shape (groups of 4, 8k tokens: 128 MiB), 8-10% slower with groups of 2 at 2k (16 MiB),
+# and 2-14% slower without groups at 8k and 32k. A likely reason, not measured: without groups the
+# programs of one head start side by side at neighbouring tiles and stream the same blocks at about
+# the same time, so the L2 serves them all; a dK/dV program streams its group's heads one after
+# another, and neighbouring tiles drift apart by the blocks they differ by, per head, until the
+# programs at work at one time read every head's blocks.
 GRID_ORDER = "auto"
+# About what the L2 holds (an H100's is 50 MB, an H200's 60).
+L2_BYTES = 48 << 20
 
 
-def _launch(kernel, smem, barriers, args, out_type, heads: int, n_tiles: int, rows: int, group: int):
-    """flash_hopper.launch over (head, tile, row), the axes in GRID_ORDER's order (the first fastest)."""
-    order = GRID_ORDER if GRID_ORDER != "auto" else ("tiles" if group > 1 else "heads")
+def _launch(kernel, smem, barriers, args, out_type, heads: int, n_tiles: int, rows: int, group: int,
+            row_bytes: int):
+    """flash_hopper.launch over (head, tile, row), the axes in GRID_ORDER's order (the first
+    fastest). `row_bytes`: a row's Q and dO over every query head."""
+    order = GRID_ORDER
+    if order == "auto":
+        order = "tiles" if group > 1 and row_bytes > L2_BYTES else "heads"
     if order == "heads":
         return flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(heads, n_tiles, rows))
     return flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(n_tiles, heads, rows),
@@ -222,7 +231,8 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
     if segments:
         args += [plan, q_segments, k_segments]
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    return _launch(kernel, smem, barriers, args, out_type, kv_heads, n_tiles, b, group)
+    row_bytes = 2 * q.size // b * q.dtype.itemsize  # a row's Q and dO
+    return _launch(kernel, smem, barriers, args, out_type, kv_heads, n_tiles, b, group, row_bytes)
 
 
 def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d_lse=None, stages: int = STAGES,
@@ -373,4 +383,5 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
     if segments:
         args += [plan, q_segments, k_segments]
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]
-    return tuple(_launch(kernel, smem, barriers, args, out_type, heads, n_tiles, b, group))
+    row_bytes = 2 * q.size // b * q.dtype.itemsize  # a row's Q and dO
+    return tuple(_launch(kernel, smem, barriers, args, out_type, heads, n_tiles, b, group, row_bytes))
