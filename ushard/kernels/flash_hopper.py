@@ -247,7 +247,7 @@ def multiprocessors() -> int:
 
 # The persistent forward's order of tiles (`schedule`): "tiles", a head's tiles one after another, or
 # "heads", the heads of a tile index side by side (the order before); "auto" takes "heads" with
-# segment ids, whose tiles' work `schedule` cannot know (with 4 documents "tiles" was 10% slower,
+# segment ids, whose tiles' work `schedule` cannot know ("tiles" was slower with 4 documents,
 # docs/benchmarks.md), and "tiles" elsewhere.
 ORDER = "auto"
 # The most tiles a program's list (`schedule`) holds: 16 KiB of int32s, within the 227 KiB of shared

@@ -45,12 +45,11 @@ DQ_KEYS = {64: 128, 128: 64}
 # The order in which the block scheduler starts the kernels' programs: "heads", the heads of a tile
 # side by side, or "tiles", a head's tiles one after another. "auto" takes "tiles" where K/V heads are
 # grouped and a row's queries and output gradients over all heads exceed L2_BYTES, "heads"
-# elsewhere. Measured (docs/benchmarks.md): "tiles" was 12% faster for dK/dV and 7% for dQ at
-# llama3_8b's shape (groups of 4, 8k tokens: 128 MiB), 8-10% slower with groups of 2 at 2k (16 MiB),
-# and 2-14% slower without groups at 8k and 32k. A likely reason, not measured: without groups the
-# programs of one head start side by side at neighbouring tiles and stream the same blocks at about
-# the same time, so the L2 serves them all; a dK/dV program streams its group's heads one after
-# another, and neighbouring tiles drift apart by the blocks they differ by, per head, until the
+# elsewhere: of the shapes measured (docs/benchmarks.md), "tiles" won only at llama3_8b's (groups of
+# 4 at 8k tokens, 128 MiB), and lost without groups and with groups of 2 at 2k. A likely reason, not
+# measured: without groups the programs of one head start side by side at neighbouring tiles and
+# stream the same blocks at about the same time, so the L2 serves them all; a dK/dV program streams
+# its group's heads one after another, and neighbouring tiles drift apart per head, until the
 # programs at work at one time read every head's blocks.
 GRID_ORDER = "auto"
 # About what the L2 holds (an H100's is 50 MB, an H200's 60).
