@@ -62,7 +62,9 @@ def test_visit_range_covers_every_meeting_block_and_frees_only_one_document(layo
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("head_dim,kv_heads", [(128, 2), (64, 4)])
-def test_kernel_traces_for_every_variant(causal, segments, head_dim, kv_heads):
+@pytest.mark.parametrize("order", ["tiles", "heads"])
+def test_kernel_traces_for_every_variant(causal, segments, head_dim, kv_heads, order, monkeypatch):
+    monkeypatch.setattr(flash_hopper, "ORDER", order)
     q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 512, kv_heads, head_dim), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None
@@ -82,26 +84,41 @@ def _lowered_for_gpu(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("programs,heads,n_tiles,rows", [(132, 16, 16, 16), (132, 4, 2, 2), (7, 3, 5, 2)])
-def test_persistent_programs_compute_every_tile_once(programs, heads, n_tiles, rows):
+@pytest.mark.parametrize("order", ["tiles", "heads"])
+@pytest.mark.parametrize("programs,heads,n_tiles,rows", [(132, 16, 16, 16), (132, 16, 256, 1), (132, 32, 64, 1),
+                                                         (132, 4, 2, 2), (7, 3, 5, 2)])
+def test_persistent_programs_compute_every_tile_once(programs, heads, n_tiles, rows, order):
     n_work = rows * n_tiles * heads
     programs = min(programs, n_work)
-    seen = []
+
+    def blocks(tile_index):
+        return flash_hopper.tile_blocks(tile_index, causal=True, n_k=n_tiles, tile=128, block_k=128)
+
+    table = flash_hopper.schedule(programs, rows, heads, n_tiles, blocks, order)
+    assert table.shape[1] % flash_hopper.PLAN_WIDTH == 0  # whole 128-byte copies
+    seen, loads = [], []
     for program in range(programs):
-        mine = [tuple(int(x) for x in flash_hopper.program_tile(program, i, programs=programs, heads=heads,
-                                                                  n_tiles=n_tiles))
-                for i in range(int(flash_hopper.tiles_of_program(program, programs, n_work)))]
-        tile_order = [tile for row, head, tile in mine if (row, head) == mine[0][:2]]
-        assert tile_order == sorted(tile_order, reverse=True)  # a row's longest causal tiles first
+        mine = [tuple(int(x) for x in flash_hopper.tile_of_work(w, heads=heads, n_tiles=n_tiles))
+                for w in table[program, 1:1 + table[program, 0]]]
+        assert mine  # every program has work
+        for row, head in {tile[:2] for tile in mine}:
+            tile_order = [tile for r, h, tile in mine if (r, h) == (row, head)]
+            assert tile_order == sorted(tile_order, reverse=True)  # a row's longest causal tiles first
         seen += mine
+        loads.append(sum(blocks(tile) + 1 for _, _, tile in mine))
     assert sorted(seen) == sorted((r, h, t) for r in range(rows) for h in range(heads) for t in range(n_tiles))
+    if order == "tiles" and n_work >= 8 * programs:  # the programs' causal work within 1% of even
+        assert max(loads) <= 1.01 * np.mean(loads)
 
 
 @pytest.mark.skipif(not flash_hopper._API, reason="this JAX has no Mosaic GPU Pallas API")
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("head_dim,kv_heads,block_k", [(128, 2, 64), (64, 4, 128)])
-def test_backward_kernels_trace_for_every_variant(causal, segments, head_dim, kv_heads, block_k):
+@pytest.mark.parametrize("grid_order", ["tiles", "heads"])
+def test_backward_kernels_trace_for_every_variant(causal, segments, head_dim, kv_heads, block_k, grid_order,
+                                                  monkeypatch):
+    monkeypatch.setattr(flash_hopper_backward, "GRID_ORDER", grid_order)
     q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 512, kv_heads, head_dim), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((2, 4, 512), jnp.float32)
@@ -202,3 +219,14 @@ def test_typed_kernels_trace_inside_a_stage_and_a_checked_ring_map():
     kv = jax.ShapeDtypeStruct((4, 512, 2, 128), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((4, 512), jnp.int32)
     assert str(jax.make_jaxpr(stages)(q, kv, kv, ids)).count("wgmma") >= 9  # forward 2, dK/dV 4, dQ 3
+
+
+def test_backward_grid_order_takes_tiles_first_only_for_grouped_heads_past_the_l2(monkeypatch):
+    monkeypatch.setattr(flash_hopper, "launch", lambda *args, grid, grid_names=("head", "tile", "row"): grid_names)
+    big, small = 2 * flash_hopper_backward.L2_BYTES, flash_hopper_backward.L2_BYTES // 2
+
+    def order(group, row_bytes):
+        return flash_hopper_backward._launch(None, [], [], [], [], 8, 64, 1, group, row_bytes)
+
+    assert order(4, big) == ("tile", "head", "row")  # llama3_8b's shape: 32 heads in groups of 4 at 8k
+    assert order(2, small) == order(1, big) == ("head", "tile", "row")

@@ -5,8 +5,9 @@ and grouped K/V heads); `flash.forward` runs this one where `supported` says it 
 Triton forward elsewhere. The backward stays `flash.backward`'s, fed by this forward's out and lse.
 
 Layout of one program (a CTA of three warpgroups), after FlashAttention-3:
-- the forward is persistent: one program per multiprocessor, each computing a fixed share of the
-  tiles in turn (`program_tile`), so one tile's start (its queries, its first K/V blocks) and end
+- the forward is persistent: one program per multiprocessor, each computing a fixed list of tiles
+  in turn (`schedule`: a head's tiles one after another, so the programs at work at one time share
+  its K/V in L2), so one tile's start (its queries, its first K/V blocks) and end
   (its output stores) overlap its neighbours' work instead of waiting in a fresh program;
 - a *tile* is 2 · `block_q` query rows of one (row, head): each of two compute warpgroups owns
   `block_q` rows and keeps their accumulator, running max and sum in registers; it fetches its rows
@@ -37,11 +38,13 @@ query that sees no key gets out 0 and lse -inf.
 from __future__ import annotations
 
 import functools
+import heapq
 import inspect
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 LOG2E = math.log2(math.e)
@@ -107,8 +110,12 @@ def supported(q, k) -> bool:
     if hd not in BLOCKS or q.dtype not in (jnp.bfloat16, jnp.float16):
         return False
     block_q, block_k, _ = BLOCKS[hd]
-    # Whole 128-row tiles and 128-key blocks (every kernel's, the backward's too).
-    return t % (2 * block_q) == 0 and t % block_k == 0 and t % 128 == 0 and k.shape[1] == t
+    # Whole 128-row tiles and 128-key blocks (every kernel's, the backward's too), and a program's
+    # list of tiles (`schedule`) in shared memory beside the tiles' buffers (a list can be longer
+    # than the mean: up to 1.35 times it was seen).
+    per_program = -(-b * heads * (t // (2 * block_q)) // multiprocessors())
+    return (t % (2 * block_q) == 0 and t % block_k == 0 and t % 128 == 0 and k.shape[1] == t
+            and 2 * per_program < MAX_SCHEDULE)
 
 
 def blocks_meet(q_segments, k_segments, block_q: int, block_k: int):
@@ -238,19 +245,75 @@ def multiprocessors() -> int:
     return getattr(jax.local_devices()[0], "core_count", None) or H100_MULTIPROCESSORS
 
 
-def tiles_of_program(program, programs: int, n_work: int):
-    """How many of the `n_work` tiles program `program` of `programs` computes."""
-    return lax.div(n_work - program + programs - 1, programs)
+# The persistent forward's order of tiles (`schedule`): "tiles", a head's tiles one after another, or
+# "heads", the heads of a tile index side by side (the order before); "auto" takes "heads" with
+# segment ids, whose tiles' work `schedule` cannot know ("tiles" was slower with 4 documents,
+# docs/benchmarks.md), and "tiles" elsewhere.
+ORDER = "auto"
+# The most tiles a program's list (`schedule`) holds: 16 KiB of int32s, within the 227 KiB of shared
+# memory a block has beside the tiles' 192 KiB.
+MAX_SCHEDULE = 4096
+# With ORDER "tiles", the tiles per program that the last heads, taken side by side, hold at least.
+TAIL_TILES = 4
 
 
-def program_tile(program, i, *, programs: int, heads: int, n_tiles: int):
-    """(row, head, tile index) of program `program`'s i-th tile. Tiles are numbered head fastest,
-    then a row's tiles from the longest causal rows down, then rows, and dealt out to the programs
-    in turn: the programs at work at one time share one row's K/V in L2, and the short tiles come
-    last, where they even out the programs' ends."""
-    work = program + i * programs
-    rest = lax.div(work, heads)
-    return lax.div(rest, n_tiles), lax.rem(work, heads), n_tiles - 1 - lax.rem(rest, n_tiles)
+def tile_blocks(tile_index, *, causal: bool, n_k: int, tile: int, block_k: int, window: int = 0) -> int:
+    """Key blocks a tile of `tile` query rows visits without segment ids (the copying warpgroup's range)."""
+    if not causal:
+        return n_k
+    stop = min(n_k, -(-(tile_index + 1) * tile // block_k))
+    start = min(max(tile_index * tile - window + 1, 0) // block_k if window else 0, stop)
+    return stop - start
+
+
+def schedule(programs: int, rows: int, heads: int, n_tiles: int, blocks, order: str = "tiles"):
+    """int32 [programs, width]: program p computes the tiles `table[p, 1:1 + table[p, 0]]` in turn, each
+    numbered `(row · heads + head) · n_tiles + n_tiles - 1 - tile index` (`tile_of_work`). `blocks(tile
+    index)`: the key blocks a tile visits, its cost.
+
+    Order "tiles": the tiles in that numbering, each given to the program that would be free first
+    (list scheduling, a tile costing its blocks and one more for its start and end), which is what a
+    block scheduler would do. So the programs at work at one time hold a window of consecutive
+    tiles, of one head or two: they share that head's K/V in L2 (16 MiB at 32k tokens, where every
+    head's would be 256 MiB), and each head's tiles go from the longest causal rows down. The last
+    heads (TAIL_TILES tiles a program) go side by side, longest tiles first, so that the short
+    ones come last, where they even out the programs' ends. Order "heads": tiles numbered
+    heads fastest, then a row's tiles from the longest down, dealt out in turn (the earlier order).
+    The width is a multiple of PLAN_WIDTH (whole 128-byte copies)."""
+    n_work = rows * heads * n_tiles
+    mine = [[] for _ in range(programs)]
+    if order == "heads":
+        for work in range(n_work):
+            rest, head = divmod(work, heads)
+            row, back = divmod(rest, n_tiles)
+            mine[work % programs].append((row * heads + head) * n_tiles + back)
+    else:
+        # The last row's last `tail` heads side by side, their longest tiles first: a single head's
+        # longest tiles at the very end would leave the other programs idle while they finish.
+        tail = min(heads, -(-TAIL_TILES * programs // n_tiles))
+        last = (rows - 1) * heads + heads - tail
+        order = list(range(last * n_tiles)) + sorted(range(last * n_tiles, n_work),
+                                                      key=lambda work: (work % n_tiles, work))
+        cost = [blocks(n_tiles - 1 - back) + 1 for back in range(n_tiles)]
+        free = [(0, p) for p in range(programs)]  # (time free, program): a heap
+        for work in order:
+            at, p = heapq.heappop(free)
+            mine[p].append(work)
+            heapq.heappush(free, (at + cost[work % n_tiles], p))
+    width = -(-(1 + max(len(m) for m in mine)) // PLAN_WIDTH) * PLAN_WIDTH
+    if width > MAX_SCHEDULE:
+        raise ValueError(f"a program's list of {width} tiles exceeds MAX_SCHEDULE ({MAX_SCHEDULE}): use fewer tiles")
+    table = np.zeros((programs, width), np.int32)
+    for p, m in enumerate(mine):
+        table[p, 0] = len(m)
+        table[p, 1:1 + len(m)] = m
+    return table
+
+
+def tile_of_work(work, *, heads: int, n_tiles: int):
+    """(row, head, tile index) of a tile numbered as `schedule` numbers them."""
+    rest = lax.div(work, n_tiles)
+    return lax.div(rest, heads), lax.rem(rest, heads), n_tiles - 1 - lax.rem(work, n_tiles)
 
 
 def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, stages, programs, window=0):
@@ -263,20 +326,31 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
     programs = min(programs, n_work)
     scale = LOG2E / math.sqrt(hd)  # scores to base 2 in one multiply
     segments = plan is not None
+    order = ORDER if ORDER != "auto" else ("heads" if segments else "tiles")
+    table = schedule(programs, b, heads, n_tiles, functools.partial(
+        tile_blocks, causal=causal, n_k=n_k, tile=tile, block_k=block_k, window=window), order)
 
-    def kernel(q_ref, k_ref, v_ref, *refs, scoped):
+    def kernel(q_ref, k_ref, v_ref, table_ref, *refs, scoped):
         if segments:
             plan_ref, q_seg_ref, k_seg_ref, out_ref, lse_ref = refs
         else:
             plan_ref = q_seg_ref = k_seg_ref = None
             out_ref, lse_ref = refs
-        (qo_smem, k_smem, v_smem, lse_smem, q_seg_smem, k_seg_smem, plan_smem), barriers = scoped
+        (qo_smem, k_smem, v_smem, lse_smem, q_seg_smem, k_seg_smem, plan_smem, table_smem), barriers = scoped
         (k_ready, v_ready, k_seg_ready, q_ready, q_seg_ready, plan_ready, k_free, v_free, plan_free,
-         turn) = barriers
+         turn, table_ready) = barriers
         program = lax.axis_index("program")
         wg = lax.axis_index("wg")
-        n_mine = tiles_of_program(program, programs, n_work)
-        tile_of = functools.partial(program_tile, program, programs=programs, heads=heads, n_tiles=n_tiles)
+
+        @pl.when(wg == 2)  # this program's tiles (`schedule`), read by every warpgroup
+        def _():
+            plgpu.copy_gmem_to_smem(table_ref.at[program], table_smem, table_ready)
+
+        plgpu.barrier_wait(table_ready)
+        n_mine = table_smem[0]
+
+        def tile_of(i):
+            return tile_of_work(table_smem[1 + i], heads=heads, n_tiles=n_tiles)
 
         def fetch_plan(i):  # by the copying warpgroup, PLAN_AHEAD tiles ahead
             row, _, tile_index = tile_of(i)
@@ -480,15 +554,16 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
             plgpu.SMEM((2, 2, block_q), jnp.float32),
             plgpu.SMEM((2, 2, block_q), jnp.int32),
             plgpu.SMEM((stages, block_k), jnp.int32),
-            plgpu.SMEM((PLANS, PLAN_WIDTH), jnp.int32)]
+            plgpu.SMEM((PLANS, PLAN_WIDTH), jnp.int32),
+            plgpu.SMEM(table.shape[1:], jnp.int32)]
     barriers = [plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=4),
                 plgpu.Barrier(num_barriers=PLANS),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=PLANS),
-                plgpu.Barrier(num_arrivals=2)]
-    args = [q, k, v]
+                plgpu.Barrier(num_arrivals=2), plgpu.Barrier()]
+    args = [q, k, v, jnp.asarray(table)]
     if segments:
         args += [plan, q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)]
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]

@@ -42,6 +42,31 @@ STAGES = 2  # shared-memory slots: a third was slower for both kernels (tools/at
 # (docs/benchmarks.md): 128 at head dim 64; at 128 the 64-key blocks, whose [64, 64] scores leave
 # registers to spare.
 DQ_KEYS = {64: 128, 128: 64}
+# The order in which the block scheduler starts the kernels' programs: "heads", the heads of a tile
+# side by side, or "tiles", a head's tiles one after another. "auto" takes "tiles" where K/V heads are
+# grouped and a row's queries and output gradients over all heads exceed L2_BYTES, "heads"
+# elsewhere: of the shapes measured (docs/benchmarks.md), "tiles" won only at llama3_8b's (groups of
+# 4 at 8k tokens, 128 MiB), and lost without groups and with groups of 2 at 2k. A likely reason, not
+# measured: without groups the programs of one head start side by side at neighbouring tiles and
+# stream the same blocks at about the same time, so the L2 serves them all; a dK/dV program streams
+# its group's heads one after another, and neighbouring tiles drift apart per head, until the
+# programs at work at one time read every head's blocks.
+GRID_ORDER = "auto"
+# About what the L2 holds (an H100's is 50 MB, an H200's 60).
+L2_BYTES = 48 << 20
+
+
+def _launch(kernel, smem, barriers, args, out_type, heads: int, n_tiles: int, rows: int, group: int,
+            row_bytes: int):
+    """flash_hopper.launch over (head, tile, row), the axes in GRID_ORDER's order (the first
+    fastest). `row_bytes`: a row's Q and dO over every query head."""
+    order = GRID_ORDER
+    if order == "auto":
+        order = "tiles" if group > 1 and row_bytes > L2_BYTES else "heads"
+    if order == "heads":
+        return flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(heads, n_tiles, rows))
+    return flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(n_tiles, heads, rows),
+                               grid_names=("tile", "head", "row"))
 
 
 def _stream(fetch, free, steps, stages):
@@ -205,7 +230,8 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
     if segments:
         args += [plan, q_segments, k_segments]
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    return flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(kv_heads, n_tiles, b))
+    row_bytes = 2 * q.size // b * q.dtype.itemsize  # a row's Q and dO
+    return _launch(kernel, smem, barriers, args, out_type, kv_heads, n_tiles, b, group, row_bytes)
 
 
 def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d_lse=None, stages: int = STAGES,
@@ -356,4 +382,5 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
     if segments:
         args += [plan, q_segments, k_segments]
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]
-    return tuple(flash_hopper.launch(kernel, smem, barriers, args, out_type, grid=(heads, n_tiles, b)))
+    row_bytes = 2 * q.size // b * q.dtype.itemsize  # a row's Q and dO
+    return tuple(_launch(kernel, smem, barriers, args, out_type, heads, n_tiles, b, group, row_bytes))
