@@ -68,12 +68,12 @@ def results(stdlib_batches):
 CASES = [(f, layout) for f in FAMILIES for layout in LAYOUTS] + [("qwen3_moe", "expert"), ("qwen3_moe", "1f1b_expert")]
 
 
-# In the default tier, each kind of thing a family adds to a layout: QK-norm on heads split over
-# tensor (with SP), Gemma's windows with tensor and SP, on a split sequence (the ring's reach) and in
-# 1F1B's stages. The rest, whose parts those and the Llama's rows cover (tests/test_parallel_parity.py;
+# In the default tier, each kind of thing a family adds to a layout, on Gemma 3: QK-norm on heads
+# split over tensor (with SP), the windows on a split sequence (the ring's reach) and in 1F1B's
+# stages. The rest, whose parts those and the Llama's rows cover (tests/test_parallel_parity.py;
 # experts inside pipeline stages: tests/test_pipeline.py), run in the slow tier (`-m slow`), for the
 # suite's time; all of them matched one device when added.
-DEFAULT_TIER = {("qwen3", "tensor_sp"), ("gemma3", "tensor_sp"), ("gemma3", "ring"), ("gemma3", "1f1b")}
+DEFAULT_TIER = {("gemma3", "tensor_sp"), ("gemma3", "ring"), ("gemma3", "1f1b")}
 SLOW = {c for c in CASES if c not in DEFAULT_TIER}
 
 

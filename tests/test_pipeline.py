@@ -311,8 +311,11 @@ def spec_at(tree, path):
 # In the slow tier with the sweep, for the default suite's time: the default rows keep each schedule
 # (GPipe and 1F1B with a split sequence, circular with ZeRO-3's kept weights, 1F1B with experts below);
 # the whole head, grad_accum and remat inside a pipeline are checked in the slow tier (`-m slow`).
+# 1F1B and GPipe with a split sequence too: the layer-rows test below runs 1F1B's over sequence=2 x
+# tensor=2, and the split sequence inside GPipe's stages runs the same stage code.
 SLOW_LAYOUTS = ("gpipe_2x8_accum2", "circular_2x4", "gpipe_2x4_whole_head", "1f1b_4x8_remat",
-                "1f1b_2x4_tensor2_fsdp2_accum2", "1f1b_4x4_fsdp2_whole_head", "gpipe_4x4_fsdp2_remat")
+                "1f1b_2x4_tensor2_fsdp2_accum2", "1f1b_4x4_fsdp2_whole_head", "gpipe_4x4_fsdp2_remat",
+                "1f1b_2x4_sequence2_tensor2_ring", "gpipe_2x4_sequence2_fsdp2")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
@@ -330,7 +333,8 @@ def test_pipeline_sweep_matches_one_device(one_device, stdlib_batches, name):
 UNROLLED = {"model.scan_unroll": 4}  # each of 2 stages' 4 layers unrolled, as configs/bench_1b.py's 16
 
 
-@pytest.mark.parametrize("settings", [pipelined("1f1b", 2, 8, UNROLLED),
+# The rows alone in the slow tier (`-m slow`), for the suite's time: the split sequence's row has them too.
+@pytest.mark.parametrize("settings", [pytest.param(pipelined("1f1b", 2, 8, UNROLLED), marks=pytest.mark.slow),
                                       pipelined("1f1b", 2, 8, {**UNROLLED, **RING}, sequence=2, tensor=2)],
                          ids=["alone", "sequence2_tensor2_ring"])
 def test_one_f_one_b_keeps_its_ring_in_layer_rows_where_the_layer_loop_unrolls(one_device, stdlib_batches,
@@ -394,8 +398,10 @@ MOE_LAYOUTS = {
 }
 # The circular one and the width split too, for the suite's time: the default tier keeps 1F1B with
 # experts (the width split's parity outside the stages is in test_parallel_parity.py's default tier).
+# 1F1B with experts in the stages is in the default tier as the layer-rows test below (the same
+# layout with the stages' layers unrolled, its placement checked the same way).
 SLOW_MOE_LAYOUTS = ("1f1b_2x4_expert2_tensor2", "gpipe_2x4_expert2_fsdp2", "circular_2x4_expert4",
-                    "1f1b_2x4_expert2_fsdp2_width")
+                    "1f1b_2x4_expert2_fsdp2_width", "1f1b_2x4_expert2_fsdp2")
 
 
 def one_device_moe_run(settings, batches):
@@ -433,8 +439,14 @@ def test_moe_pipeline_matches_one_device(request, stdlib_batches, name):
         assert w_up[0] == "pipeline" and w_up[1] is None and "expert" in w_up[3], w_up
         assert re.search(r" all-gather(?:-start)?\(", got["hlo"]) and not re.search(r" all-to-all", got["hlo"])
     else:
-        assert w_up[0] == "pipeline" and w_up[1] == "expert", w_up
-        assert re.search(r" all-to-all(?:-start)?\(", got["hlo"])
+        assert_experts_split_in_the_stages(got)
+
+
+def assert_experts_split_in_the_stages(got):
+    """Each stage holds its layers' experts split over mesh.expert; tokens reach them by all-to-all."""
+    w_up = spec_at(got["init_shardings"].params, ("blocks", "mlp", "experts", "w_up"))
+    assert w_up[0] == "pipeline" and w_up[1] == "expert", w_up
+    assert re.search(r" all-to-all(?:-start)?\(", got["hlo"])
     assert re.search(r"= \S+ collective-permute(?:-start)?\(", got["hlo"])
 
 
@@ -451,7 +463,9 @@ def test_moe_one_f_one_b_keeps_layer_rows_with_the_experts_split_in_the_stages(s
     state = trainer.steps.init(config.train.seed)
     hlo = trainer.steps.train_step.lower(state, trainer.global_batches(1)[0]).compile().as_text()
     assert not collectives_in_branches(hlo, "collective-permute")
-    assert_same_training(run_config(config, devices_for(settings), stdlib_batches), one_device_moe_moving)
+    got = run_config(config, devices_for(settings), stdlib_batches)
+    assert_same_training(got, one_device_moe_moving)
+    assert_experts_split_in_the_stages(got)
 
 
 # --------------------------------------------------------------------------- memory

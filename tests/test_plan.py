@@ -105,6 +105,7 @@ def test_recommend_takes_the_lowest_zero_stage_that_fits():
     assert flat and all(a.overrides["parallel.zero_stage"] == 1 for a in flat)
 
 
+@pytest.mark.slow  # the suite's time: a search over two hosts' layouts
 def test_recommend_keeps_tensor_parallelism_inside_a_host_and_pipelines_across_hosts():
     found = recommended("tiny", planner.target_for(gpus="h100:4x2"))
     assert found and all(a.overrides["mesh.tensor"] <= 4 for a in found)
