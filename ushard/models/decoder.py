@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ushard.models.config import ModelConfig
+from ushard.models.family import AttentionShape
 from ushard.models.layers import BTD, RMSNorm, embed_lookup, fan_in_init, param
 from ushard.models.stack import run_layers
 from ushard.sharding import LOGITS_NAMES, constrain, gathered
@@ -90,12 +91,16 @@ def stacked(count: int, make, rngs: nnx.Rngs):
     return build(rngs)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
-    """An empty KV cache for `Decoder.decode`: keys and values [n_layers, batch, max_len, n_kv_heads,
-    head_dim] in the compute dtype (unless `dtype` is given), and `length`, the slots filled so far."""
-    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, shape: AttentionShape | None = None) -> dict:
+    """An empty KV cache for `Decoder.decode`: keys [n_layers, batch, max_len, n_kv_heads, qk head size]
+    and values [..., v head size] in the compute dtype (unless `dtype` is given), and `length`, the
+    slots filled so far. The head sizes are `shape`'s, the family's (latent attention's keys are wider
+    than its values), by default model.head_dim for both."""
+    k_dim, v_dim = (cfg.head_dim, cfg.head_dim) if shape is None else (shape.qk_head_dim, shape.v_head_dim)
+    rows = (cfg.n_layers, batch, max_len, cfg.n_kv_heads)
     dtype = jnp.dtype(cfg.compute_dtype if dtype is None else dtype)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "length": jnp.zeros((), jnp.int32)}
+    return {"k": jnp.zeros((*rows, k_dim), dtype), "v": jnp.zeros((*rows, v_dim), dtype),
+            "length": jnp.zeros((), jnp.int32)}
 
 
 class Decoder(nnx.Module):
