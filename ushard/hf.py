@@ -42,7 +42,7 @@ from ushard.trained import TrainedModel, abstract_params, inference_layout, load
 # The model settings a Hugging Face config decides; the others say how ushard computes and trains.
 HF_SETTINGS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim",
                "sliding_window", "sliding_window_pattern", "local_rope_theta", "query_pre_attn_scalar", "rope_theta",
-               "rope_scaling", "norm_eps", "tie_embeddings", "moe")  # of `moe`, those that define the function
+               "rope_scaling", "norm_eps", "tie_embeddings", "moe", "mla")  # of `moe`, those that define the function
 # An imported model computes in float32 unless asked otherwise, like transformers' from_pretrained.
 IMPORT_SETTINGS = {"compute_dtype": "float32", "param_dtype": "float32"}
 INDEX_FILE = "model.safetensors.index.json"
@@ -89,7 +89,7 @@ def model_config(hf: dict, directory: str, **settings) -> ModelConfig:
     decided = [k for k in named if decided_by_hf(k)]
     if decided:
         raise UserError(f"model.{decided[0]} of a Hugging Face checkpoint comes from its config.json; leave it out.")
-    moe = MoEConfig(**values.pop("moe"), **moe_settings)
+    moe = MoEConfig(**{**values.pop("moe"), **moe_settings})  # the family may set training defaults (DeepSeek's)
     try:
         return ModelConfig(family=family.name, **values, moe=moe, **settings)
     except TypeError as e:  # a keyword ModelConfig does not have
@@ -194,19 +194,23 @@ def _param_shapes(model: ModelDef) -> dict:
     return {dotted(path): s for path, s in jax.tree_util.tree_flatten_with_path(model.shapes)[0]}
 
 
-def _flat_indices(ranges, dims) -> np.ndarray:
-    """Row-major flat indices, in an array of shape `dims`, of the block spanned by `ranges`."""
+def _flat_indices(indices, dims) -> np.ndarray:
+    """Row-major flat indices, in an array of shape `dims`, of the block spanned by `indices` (one
+    array of indices per dimension)."""
     if not dims:
         return np.zeros(1, np.int64)
-    grid = np.meshgrid(*[np.arange(r.start, r.stop) for r in ranges], indexing="ij")
+    grid = np.meshgrid(*indices, indexing="ij")
     return np.ravel_multi_index(grid, dims).ravel()
 
 
 def _read_view(files: SafetensorsFiles, name: str, tensor: Tensor, view_shape, ranges) -> np.ndarray:
     """The block `ranges` (one range per dimension) of `tensor`'s view, reading only the rectangle of
-    the stored weight that covers it."""
-    rows = _flat_indices(ranges[:tensor.rows], view_shape[:tensor.rows])
-    cols = _flat_indices(ranges[tensor.rows:], view_shape[tensor.rows:])
+    the stored weight that covers it (with an `order`, the view's entries its last axis takes)."""
+    indices = [np.arange(r.start, r.stop) for r in ranges]
+    if tensor.order is not None:
+        indices[-1] = np.asarray(tensor.order)[indices[-1]]
+    rows = _flat_indices(indices[:tensor.rows], view_shape[:tensor.rows])
+    cols = _flat_indices(indices[tensor.rows:], view_shape[tensor.rows:])
     r0, r1, c0, c1 = rows.min(), rows.max() + 1, cols.min(), cols.max() + 1
     if tensor.rows == len(view_shape):
         region = files.read(name, (slice(r0, r1),))[:, None]
@@ -260,8 +264,12 @@ def load_params(directory: str, cfg: ModelConfig, target):
     for t in tensor_map(cfg):
         by_param.setdefault(t.param, []).append(t)
 
-    def load(path, target, is_bias):  # MoE routing biases are ushard's own (auxiliary-loss-free balancing)
-        return _zeros(target) if is_bias else _load_param(files, by_param[dotted(path)], target)
+    def load(path, target, is_bias):
+        # MoE routing biases are ushard's own (auxiliary-loss-free balancing) unless the family's
+        # checkpoints hold them (DeepSeek-V3's e_score_correction_bias).
+        if is_bias and dotted(path) not in by_param:
+            return _zeros(target)
+        return _load_param(files, by_param[dotted(path)], target)
 
     with SafetensorsFiles(directory) as files:
         check_tensors(files, cfg, model)
@@ -289,6 +297,8 @@ def _hf_tensor(param: np.ndarray, tensor: Tensor) -> np.ndarray:
     if tensor.part is not None:
         axis, start, stop = tensor.part
         param = np.take(param, np.arange(start, stop), axis=axis)
+    if tensor.order is not None:
+        param = param[..., np.argsort(tensor.order)]
     if tensor.rows == param.ndim:
         return param.reshape(-1)
     weight = param.reshape(math.prod(param.shape[:tensor.rows]), -1)
@@ -310,10 +320,12 @@ def _hf_tensors(params, named):
         yield _hf_tensor(held[1][tensor.param], tensor)
 
 
-def _check_no_routing_bias(params, model: ModelDef, architecture: str) -> None:
-    """Refuses routing biases that steer the choice of experts: the MoE architectures exported to
-    (Mixtral, Qwen3-MoE) have routers without one."""
-    biases = [x for x, is_bias in zip(jax.tree.leaves(params), jax.tree.leaves(model.expert_biases)) if is_bias]
+def _check_no_routing_bias(params, model: ModelDef, architecture: str, exported=()) -> None:
+    """Refuses routing biases that steer the choice of experts where the architecture exported to has
+    routers without one (Mixtral, Qwen3-MoE, DeepSeek-V2): those not among the `exported` parameters."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    biases = [x for (path, x), is_bias in zip(flat, jax.tree.leaves(model.expert_biases))
+              if is_bias and dotted(path) not in exported]
     if any(np.any(_on_host(b)) for b in biases):
         raise UserError(f"the model's MoE routing biases (model.moe.bias_update_rate) are not zero, and Hugging "
                         f"Face's {architecture} router has none: transformers would send tokens to other experts.")
@@ -340,7 +352,7 @@ def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, 
     hf_map.check_export(cfg)
     if cfg.moe.num_experts:
         architecture = hf_map.config(cfg, dtype, max_positions)["architectures"][0]
-        _check_no_routing_bias(params, model_definition(cfg), architecture)
+        _check_no_routing_bias(params, model_definition(cfg), architecture, {t.param for t in tensor_map(cfg)})
     if dtype not in DTYPE_NAMES:
         raise UserError(f"dtype={dtype!r} is not one safetensors export takes; "
                         f"choose one of: {', '.join(DTYPE_NAMES)}.")
@@ -410,7 +422,7 @@ def to_hf(model_or_workdir, path: str, dtype: str | None = None, log=print) -> N
 def _max_positions(trained: TrainedModel) -> int:
     """config.json's max_position_embeddings: the context the model is meant for, as far as known."""
     scaling = trained.model.cfg.rope_scaling
-    if scaling.type == "llama3":
+    if scaling.type in ("llama3", "yarn"):
         return int(scaling.factor * scaling.original_max_position_embeddings)
     return trained.seq_len or 2048
 
@@ -454,10 +466,10 @@ def convert_from_hf(hf_dir: str, workdir: str, log=print) -> None:
 def _hf_settings(cfg: ModelConfig) -> dict:
     """The config keys of the settings a Hugging Face checkpoint decides (the scaling's numbers only
     where it is used)."""
-    unscaled, dense = cfg.rope_scaling.type == "none", not cfg.moe.num_experts
+    unscaled, dense, plain = cfg.rope_scaling.type == "none", not cfg.moe.num_experts, not cfg.mla.kv_lora_rank
     return {k: v for k, v in cfg.settings().items() if decided_by_hf(k)
             and not (unscaled and k.startswith("rope_scaling.") and k != "rope_scaling.type")
-            and not (dense and k.startswith("moe."))}
+            and not (dense and k.startswith("moe.")) and not (plain and k.startswith("mla."))}
 
 
 def convert_to_hf(workdir: str, hf_dir: str, dtype: str | None = None, log=print) -> None:
