@@ -184,7 +184,9 @@ def check_tensors(files: SafetensorsFiles, cfg: ModelConfig, model: ModelDef) ->
                             f"sizes make it {list(shape)}.")
     # Copies of the embedding (tied) and RoPE tables some exporters add are not weights of their own.
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    extra = sorted(n for n in files.names() - set(expected) - ignored if not n.endswith("rotary_emb.inv_freq"))
+    unread = family(cfg.family).hf.ignored
+    extra = sorted(n for n in files.names() - set(expected) - ignored
+                   if not n.endswith("rotary_emb.inv_freq") and not unread(cfg, n))
     if extra:
         raise UserError(f"{files.directory} holds tensor {extra[0]}, which ushard's {cfg.family} model has no place "
                         f"for; it is another architecture than its config.json says.")
