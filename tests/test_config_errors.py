@@ -202,8 +202,8 @@ def test_cli_main_in_process_returns_2(capsys):
     ("train.seed=-1", "train.seed=-1 must be between 0 and 2**32-1=4294967295."),
     ("train.b1=1.0", "train.b1=1.0 must be >= 0 and < 1 (AdamW's decay rate; typical: b1=0.9, b2=0.95)."),
     ("model.rope_theta=0", "model.rope_theta=0.0 must be a finite number > 0."),
-    ("model.rope_scaling.type=yarn",
-     "model.rope_scaling.type='yarn' is not valid; choose one of: none, llama3, linear."),
+    ("model.rope_scaling.type=ntk",
+     "model.rope_scaling.type='ntk' is not valid; choose one of: none, llama3, linear, yarn."),
     ("model.rope_scaling.high_freq_factor=1", "model.rope_scaling.high_freq_factor=1.0 must be larger than "
                                               "model.rope_scaling.low_freq_factor=1.0 (the blend between them "
                                               "divides by the gap)."),
