@@ -118,6 +118,10 @@ def test_shipped_configs_are_valid_and_the_size_they_say(name, params):
     # and 12.9B active with the input embedding (12_879_659_008 here).
     ("mixtral_8x7b", 64, {"expert": 8, "fsdp": 8}, 46_702_792_704 + 32 * 8, 12_748_587_008),
     ("deepseek_v3_like", 512, {"expert": 64, "fsdp": 8}, 666_776_743_424, 32_375_046_144),
+    # DeepSeek's published 15.7B, 2.4B active (V2-Lite) and 671B, 37B active (V3, without its MTP
+    # module), each count here the weights plus the routing biases of its 26 or 58 MoE layers.
+    ("deepseek_v2_lite", 64, {"expert": 8, "fsdp": 8}, 15_706_484_224 + 26 * 64, 2_451_308_544),
+    ("deepseek_v3", 512, {"expert": 64, "fsdp": 8}, 671_026_404_352 + 58 * 256, 36_624_596_992),
 ])
 def test_shipped_moe_configs_are_valid_and_the_size_they_say(name, devices, mesh, params, active):
     from ushard.models.config import ModelConfig
@@ -198,8 +202,8 @@ def test_cli_main_in_process_returns_2(capsys):
     ("train.seed=-1", "train.seed=-1 must be between 0 and 2**32-1=4294967295."),
     ("train.b1=1.0", "train.b1=1.0 must be >= 0 and < 1 (AdamW's decay rate; typical: b1=0.9, b2=0.95)."),
     ("model.rope_theta=0", "model.rope_theta=0.0 must be a finite number > 0."),
-    ("model.rope_scaling.type=yarn",
-     "model.rope_scaling.type='yarn' is not valid; choose one of: none, llama3, linear."),
+    ("model.rope_scaling.type=ntk",
+     "model.rope_scaling.type='ntk' is not valid; choose one of: none, llama3, linear, yarn."),
     ("model.rope_scaling.high_freq_factor=1", "model.rope_scaling.high_freq_factor=1.0 must be larger than "
                                               "model.rope_scaling.low_freq_factor=1.0 (the blend between them "
                                               "divides by the gap)."),

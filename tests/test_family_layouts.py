@@ -1,11 +1,13 @@
-"""Every layout of a Qwen3, a Qwen3-MoE and a Gemma 3 model computes what one device computes.
+"""Every layout of a Qwen3, a Qwen3-MoE, a Gemma 3 and a DeepSeek model computes what one device computes.
 
 As tests/test_parallel_parity.py does for the Llama: loss and gradients of step 0, then the losses
 and parameters of three steps, float32 on simulated CPU devices, against the same family's model on
 one device. Qwen3's head size is its own (24, against d_model / n_heads = 16); Gemma 3's windows (8
 tokens of 32) alternate with global layers, so the ring's reach and the windowed blocks are part of
 every sequence layout, and its windows move the loss (checked, so the comparison cannot pass on a
-model that ignores them).
+model that ignores them). DeepSeek's latent attention (q·k heads of 24, values of 12, q through a
+bottleneck, the up-projections' `latent` axis split by ZeRO-3) with YaRN, sigmoid group-limited
+routing, a shared expert, the per-sequence balance loss and a multi-token prediction module.
 """
 
 import jax
@@ -20,7 +22,17 @@ QWEN3_MOE = {**QWEN3, **SMALL_MOE, "model.moe.num_experts": 4, "model.moe.top_k"
 GEMMA3 = {"model.family": "gemma3", "model.head_dim": 24, "model.n_layers": 4, "model.sliding_window": 8,
           "model.sliding_window_pattern": 2, "model.local_rope_theta": 10000.0, "model.rope_theta": 1e6,
           "model.query_pre_attn_scalar": 32.0, "model.tie_embeddings": True}
-FAMILIES = {"qwen3": ("tiny", QWEN3), "qwen3_moe": ("tiny_moe", QWEN3_MOE), "gemma3": ("tiny", GEMMA3)}
+DEEPSEEK = {**SMALL_MOE, "model.family": "deepseek", "model.n_kv_heads": 4, "model.mla.q_lora_rank": 24,
+            "model.mla.kv_lora_rank": 16, "model.mla.qk_nope_head_dim": 16, "model.mla.qk_rope_head_dim": 8,
+            "model.mla.v_head_dim": 12, "model.rope_scaling.type": "yarn", "model.rope_scaling.factor": 4.0,
+            "model.rope_scaling.original_max_position_embeddings": 16, "model.rope_scaling.mscale": 1.0,
+            "model.rope_scaling.mscale_all_dim": 0.8, "model.moe.num_experts": 4, "model.moe.top_k": 2,
+            "model.moe.num_shared_experts": 1, "model.moe.score_func": "sigmoid", "model.moe.routed_scale": 2.5,
+            "model.moe.num_groups": 2, "model.moe.top_groups": 1, "model.moe.aux_loss_per_sequence": True,
+            "model.mtp.depth": 1}
+FAMILIES = {"qwen3": ("tiny", QWEN3), "qwen3_moe": ("tiny_moe", QWEN3_MOE), "gemma3": ("tiny", GEMMA3),
+            "deepseek": ("tiny_moe", DEEPSEEK)}
+MOE_FAMILIES = ("qwen3_moe", "deepseek")
 
 ONE_F_ONE_B = {"mesh.pipeline": 2, "parallel.pipeline_schedule": "1f1b", "parallel.pipeline_microbatches": 4}
 LAYOUTS = {
@@ -33,6 +45,7 @@ LAYOUTS = {
 MOE_LAYOUTS = {
     "expert": {"mesh.expert": 4, "mesh.fsdp": 2},
     "1f1b_expert": {**ONE_F_ONE_B, "mesh.expert": 2, "mesh.fsdp": 2},
+    "1f1b_sequence": {**ONE_F_ONE_B, "mesh.sequence": 2, "mesh.fsdp": 2, "parallel.context_parallel": "ring"},
     # An MoE pipeline's reference is one device with each batch in the pipeline's 4 microbatches: the
     # balancing terms are each microbatch's (as tests/test_pipeline.py explains).
     "single_accum4": {"train.grad_accum": 4},
@@ -65,22 +78,26 @@ def results(stdlib_batches):
     return Results(stdlib_batches)
 
 
-CASES = [(f, layout) for f in FAMILIES for layout in LAYOUTS] + [("qwen3_moe", "expert"), ("qwen3_moe", "1f1b_expert")]
+CASES = ([(f, layout) for f in FAMILIES for layout in LAYOUTS]
+         + [(f, layout) for f in MOE_FAMILIES for layout in ("expert", "1f1b_expert")]
+         + [("deepseek", "1f1b_sequence")])
 
 
 # In the default tier, each kind of thing a family adds to a layout, on Gemma 3: QK-norm on heads
 # split over tensor (with SP), the windows on a split sequence (the ring's reach) and in 1F1B's
 # stages. The rest, whose parts those and the Llama's rows cover (tests/test_parallel_parity.py;
 # experts inside pipeline stages: tests/test_pipeline.py), run in the slow tier (`-m slow`), for the
-# suite's time; all of them matched one device when added.
-DEFAULT_TIER = {("gemma3", "tensor_sp"), ("gemma3", "ring"), ("gemma3", "1f1b")}
+# suite's time; all of them matched one device when added. DeepSeek's in the default tier is the
+# split sequence (values narrower than keys around the ring, the MTP module's shifted tokens); its
+# latent attention on split heads and ZeRO-3's `latent` axis run in the slow tier.
+DEFAULT_TIER = {("gemma3", "tensor_sp"), ("gemma3", "ring"), ("gemma3", "1f1b"), ("deepseek", "ring")}
 SLOW = {c for c in CASES if c not in DEFAULT_TIER}
 
 
 @pytest.mark.parametrize("family, layout", [pytest.param(*c, marks=pytest.mark.slow) if c in SLOW else c
                                             for c in CASES])
 def test_layout_matches_single_device(results, family, layout):
-    reference = "single_accum4" if family == "qwen3_moe" and "1f1b" in layout else "single"
+    reference = "single_accum4" if family in MOE_FAMILIES and "1f1b" in layout else "single"
     assert_same_training(results[family, layout], results[family, reference], RTOL, RTOL)
 
 

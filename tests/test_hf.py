@@ -329,7 +329,7 @@ def edited(saved, tmp_path, **changes) -> str:
 
 @pytest.mark.parametrize("changes, match", [
     ({"model_type": "qwen2"}, r"model_type=\"qwen2\" is not supported: ushard imports llama, mistral, mixtral, qwen3, "
-                             r"qwen3_moe, gemma3_text\."),
+                             r"qwen3_moe, gemma3_text, deepseek_v3, deepseek_v2\."),
     ({"head_dim": 32}, r"tensor model\.layers\.0\.self_attn\.q_proj\.weight is \[64, 64\], but config\.json's "
                        r"sizes make it \[128, 64\]"),  # a head size of its own: then its tensors are larger
     ({"attention_bias": True}, r"attention_bias=true is not supported: ushard's projections have no biases\."),

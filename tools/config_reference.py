@@ -41,7 +41,8 @@ _MESH = {
 DESCRIPTIONS = {
     # model
     "model.family": "the architecture: `llama` (Llama 2/3, Mistral, Mixtral), `qwen3` (dense and MoE: QK-norm), "
-                    "`gemma3` (sliding windows, four norms a block, GeGLU); docs/huggingface.md",
+                    "`gemma3` (sliding windows, four norms a block, GeGLU), `deepseek` (DeepSeek-V2 and V3: latent "
+                    "attention, shared experts); docs/huggingface.md",
     "model.vocab_size": "rows of the embedding and LM head; at least the tokenizer's vocabulary",
     "model.d_model": "width of the residual stream",
     "model.n_layers": "transformer blocks",
@@ -56,13 +57,24 @@ DESCRIPTIONS = {
     "model.n_kv_heads": "key/value heads (grouped-query attention); divides n_heads",
     "model.d_ff": "hidden width of the gated MLP (SwiGLU; Gemma's GeGLU)",
     "model.rope_theta": "RoPE base frequency",
-    "model.rope_scaling.type": "`none`, `llama3` (Llama 3.1's long-context frequency scaling; the keys below) or "
-                               "`linear` (every frequency divided by factor; Gemma 3's global layers)",
-    "model.rope_scaling.factor": "llama3: long wavelengths are divided by this; linear: every one",
+    "model.rope_scaling.type": "`none`, `llama3` (Llama 3.1's long-context frequency scaling; the keys below), "
+                               "`linear` (every frequency divided by factor; Gemma 3's global layers) or `yarn` "
+                               "(YaRN: DeepSeek-V2 and V3)",
+    "model.rope_scaling.factor": "llama3: long wavelengths are divided by this; linear: every one; yarn: the slow "
+                                 "ones",
     "model.rope_scaling.low_freq_factor": "llama3: wavelengths above original_max_position_embeddings / this are "
                                           "scaled",
     "model.rope_scaling.high_freq_factor": "llama3: wavelengths below original_max_position_embeddings / this are kept",
-    "model.rope_scaling.original_max_position_embeddings": "llama3: the context length the model was trained with",
+    "model.rope_scaling.original_max_position_embeddings": "llama3, yarn: the context length the model was trained "
+                                                           "with",
+    "model.rope_scaling.beta_fast": "yarn: frequencies turning more often than this over the original context are "
+                                    "kept",
+    "model.rope_scaling.beta_slow": "yarn: frequencies turning less often than this are divided by factor (a linear "
+                                    "ramp between)",
+    "model.rope_scaling.mscale": "yarn: with mscale_all_dim, rotated q and k are multiplied by mscale(factor, this) "
+                                 "/ mscale(factor, mscale_all_dim); 0: unset",
+    "model.rope_scaling.mscale_all_dim": "yarn: see mscale; DeepSeek's softmax scale is also multiplied by "
+                                         "mscale(factor, this) ** 2; 0: unset",
     "model.norm_eps": "RMSNorm epsilon (Hugging Face `rms_norm_eps`)",
     "model.tie_embeddings": "the LM head reuses the embedding table",
     "model.compute_dtype": "dtype of activations and matmuls: float32, bfloat16 or float16",
@@ -89,7 +101,11 @@ DESCRIPTIONS = {
     "model.moe.routed_scale": "the routed experts' gates are multiplied by this",
     "model.moe.num_groups": "group-limited routing: experts in this many equal groups (1: no limit)",
     "model.moe.top_groups": "group-limited routing: a token picks experts from its best this-many groups",
+    "model.moe.group_score": "group-limited routing: a group scores `top2_sum`, its two best experts' sum "
+                             "(DeepSeek-V3), or `max`, its best (DeepSeek-V2)",
     "model.moe.aux_loss_weight": "weight of the load-balancing loss",
+    "model.moe.aux_loss_per_sequence": "the load-balancing loss of each sequence, averaged (DeepSeek's seq_aux), "
+                                       "instead of the whole batch's",
     "model.moe.z_loss_weight": "weight of the router z-loss",
     "model.moe.bias_update_rate": "auxiliary-loss-free balancing: each step's move of an expert's routing bias; 0: off",
     "model.moe.dispatch": "with mesh.expert > 1: `padded` all-to-all of fixed-capacity buffers or `ragged` (only the "
@@ -106,9 +122,16 @@ DESCRIPTIONS = {
                                      "on Hopper GPUs in 16-bit compute, megablox on TPUs, else XLA), `xla` "
                                      "(ragged_dot), `mosaic_gpu`, `megablox`",
     "model.mtp.depth": "multi-token prediction modules (DeepSeek-V3's; ushard/models/mtp.py): module k predicts "
-                       "the token k + 1 places after the next; 0: none. Families: llama, qwen3",
+                       "the token k + 1 places after the next; 0: none. Families: llama, qwen3, deepseek",
     "model.mtp.loss_weight": "the objective adds this times the mean over depths of each depth's cross-entropy "
                              "(logged as `aux/mtp_loss`); DeepSeek-V3: 0.3, later 0.1",
+    "model.mla.q_lora_rank": "latent attention (model.family='deepseek'): the queries' low-rank bottleneck; 0: "
+                             "one projection",
+    "model.mla.kv_lora_rank": "latent attention: the per-token latent keys and values are expanded from; 0: none "
+                              "(the other families)",
+    "model.mla.qk_nope_head_dim": "latent attention: a head's q·k dimensions without positions",
+    "model.mla.qk_rope_head_dim": "latent attention: a head's q·k dimensions rotated by RoPE (one key for all heads)",
+    "model.mla.v_head_dim": "latent attention: a head's value size",
     # train
     "train.steps": "optimizer steps of the run",
     "train.batch_size": "global batch, in sequences",

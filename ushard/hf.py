@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ushard.errors import UserError
-from ushard.models.config import ModelConfig, MoEConfig
+from ushard.models.config import ModelConfig, MoEConfig, MTPConfig
 from ushard.models.definition import ModelDef, dotted, model_definition
 from ushard.models.hf_names import Tensor
 from ushard.models.registry import family, family_for_model_type
@@ -42,7 +42,7 @@ from ushard.trained import TrainedModel, abstract_params, inference_layout, load
 # The model settings a Hugging Face config decides; the others say how ushard computes and trains.
 HF_SETTINGS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "head_dim",
                "sliding_window", "sliding_window_pattern", "local_rope_theta", "query_pre_attn_scalar", "rope_theta",
-               "rope_scaling", "norm_eps", "tie_embeddings", "moe")  # of `moe`, those that define the function
+               "rope_scaling", "norm_eps", "tie_embeddings", "moe", "mla")  # of `moe`, those that define the function
 # An imported model computes in float32 unless asked otherwise, like transformers' from_pretrained.
 IMPORT_SETTINGS = {"compute_dtype": "float32", "param_dtype": "float32"}
 INDEX_FILE = "model.safetensors.index.json"
@@ -85,15 +85,30 @@ def model_config(hf: dict, directory: str, **settings) -> ModelConfig:
     family = family_for_model_type(hf.get("model_type"), directory)
     values = family.hf.settings(hf, directory)
     moe_settings = dict(settings.pop("moe", None) or {})
+    # model.mtp may be set over what config.json says: depth 0 imports a checkpoint stripped of its
+    # multi-token prediction layers.
+    mtp = MTPConfig(**{**values.pop("mtp", {}), **dict(settings.pop("mtp", None) or {})})
     named = [*settings, *(f"moe.{k}" for k in moe_settings)]
     decided = [k for k in named if decided_by_hf(k)]
     if decided:
         raise UserError(f"model.{decided[0]} of a Hugging Face checkpoint comes from its config.json; leave it out.")
-    moe = MoEConfig(**values.pop("moe"), **moe_settings)
+    moe = MoEConfig(**{**values.pop("moe"), **moe_settings})  # the family may set training defaults (DeepSeek's)
     try:
-        return ModelConfig(family=family.name, **values, moe=moe, **settings)
+        return ModelConfig(family=family.name, **values, moe=moe, mtp=mtp, **settings)
     except TypeError as e:  # a keyword ModelConfig does not have
         raise UserError(f"not a model setting: {e}.") from None
+
+
+def stored_mtp(cfg: ModelConfig, directory: str, settings: dict) -> ModelConfig:
+    """`cfg` with config.json's multi-token prediction modules only where the checkpoint holds their
+    tensors: transformers writes DeepSeek-V3's num_nextn_predict_layers but saves no such layers, so
+    a checkpoint without them imports with model.mtp.depth 0, unless the depth was asked for."""
+    if not cfg.mtp.depth or "mtp" in settings:
+        return cfg
+    without = dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, depth=0))
+    modules = {t.name for t in tensor_map(cfg)} - {t.name for t in tensor_map(without)}
+    with SafetensorsFiles(directory) as files:
+        return cfg if modules <= files.names() else without
 
 
 def hf_config(cfg: ModelConfig, dtype: str, max_positions: int) -> dict:
@@ -184,7 +199,9 @@ def check_tensors(files: SafetensorsFiles, cfg: ModelConfig, model: ModelDef) ->
                             f"sizes make it {list(shape)}.")
     # Copies of the embedding (tied) and RoPE tables some exporters add are not weights of their own.
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    extra = sorted(n for n in files.names() - set(expected) - ignored if not n.endswith("rotary_emb.inv_freq"))
+    unread = family(cfg.family).hf.ignored
+    extra = sorted(n for n in files.names() - set(expected) - ignored
+                   if not n.endswith("rotary_emb.inv_freq") and not unread(cfg, n))
     if extra:
         raise UserError(f"{files.directory} holds tensor {extra[0]}, which ushard's {cfg.family} model has no place "
                         f"for; it is another architecture than its config.json says.")
@@ -194,19 +211,23 @@ def _param_shapes(model: ModelDef) -> dict:
     return {dotted(path): s for path, s in jax.tree_util.tree_flatten_with_path(model.shapes)[0]}
 
 
-def _flat_indices(ranges, dims) -> np.ndarray:
-    """Row-major flat indices, in an array of shape `dims`, of the block spanned by `ranges`."""
+def _flat_indices(indices, dims) -> np.ndarray:
+    """Row-major flat indices, in an array of shape `dims`, of the block spanned by `indices` (one
+    array of indices per dimension)."""
     if not dims:
         return np.zeros(1, np.int64)
-    grid = np.meshgrid(*[np.arange(r.start, r.stop) for r in ranges], indexing="ij")
+    grid = np.meshgrid(*indices, indexing="ij")
     return np.ravel_multi_index(grid, dims).ravel()
 
 
 def _read_view(files: SafetensorsFiles, name: str, tensor: Tensor, view_shape, ranges) -> np.ndarray:
     """The block `ranges` (one range per dimension) of `tensor`'s view, reading only the rectangle of
-    the stored weight that covers it."""
-    rows = _flat_indices(ranges[:tensor.rows], view_shape[:tensor.rows])
-    cols = _flat_indices(ranges[tensor.rows:], view_shape[tensor.rows:])
+    the stored weight that covers it (with an `order`, the view's entries its last axis takes)."""
+    indices = [np.arange(r.start, r.stop) for r in ranges]
+    if tensor.order is not None:
+        indices[-1] = np.asarray(tensor.order)[indices[-1]]
+    rows = _flat_indices(indices[:tensor.rows], view_shape[:tensor.rows])
+    cols = _flat_indices(indices[tensor.rows:], view_shape[tensor.rows:])
     r0, r1, c0, c1 = rows.min(), rows.max() + 1, cols.min(), cols.max() + 1
     if tensor.rows == len(view_shape):
         region = files.read(name, (slice(r0, r1),))[:, None]
@@ -260,8 +281,12 @@ def load_params(directory: str, cfg: ModelConfig, target):
     for t in tensor_map(cfg):
         by_param.setdefault(t.param, []).append(t)
 
-    def load(path, target, is_bias):  # MoE routing biases are ushard's own (auxiliary-loss-free balancing)
-        return _zeros(target) if is_bias else _load_param(files, by_param[dotted(path)], target)
+    def load(path, target, is_bias):
+        # MoE routing biases are ushard's own (auxiliary-loss-free balancing) unless the family's
+        # checkpoints hold them (DeepSeek-V3's e_score_correction_bias).
+        if is_bias and dotted(path) not in by_param:
+            return _zeros(target)
+        return _load_param(files, by_param[dotted(path)], target)
 
     with SafetensorsFiles(directory) as files:
         check_tensors(files, cfg, model)
@@ -289,6 +314,8 @@ def _hf_tensor(param: np.ndarray, tensor: Tensor) -> np.ndarray:
     if tensor.part is not None:
         axis, start, stop = tensor.part
         param = np.take(param, np.arange(start, stop), axis=axis)
+    if tensor.order is not None:
+        param = param[..., np.argsort(tensor.order)]
     if tensor.rows == param.ndim:
         return param.reshape(-1)
     weight = param.reshape(math.prod(param.shape[:tensor.rows]), -1)
@@ -310,10 +337,12 @@ def _hf_tensors(params, named):
         yield _hf_tensor(held[1][tensor.param], tensor)
 
 
-def _check_no_routing_bias(params, model: ModelDef, architecture: str) -> None:
-    """Refuses routing biases that steer the choice of experts: the MoE architectures exported to
-    (Mixtral, Qwen3-MoE) have routers without one."""
-    biases = [x for x, is_bias in zip(jax.tree.leaves(params), jax.tree.leaves(model.expert_biases)) if is_bias]
+def _check_no_routing_bias(params, model: ModelDef, architecture: str, exported=()) -> None:
+    """Refuses routing biases that steer the choice of experts where the architecture exported to has
+    routers without one (Mixtral, Qwen3-MoE, DeepSeek-V2): those not among the `exported` parameters."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    biases = [x for (path, x), is_bias in zip(flat, jax.tree.leaves(model.expert_biases))
+              if is_bias and dotted(path) not in exported]
     if any(np.any(_on_host(b)) for b in biases):
         raise UserError(f"the model's MoE routing biases (model.moe.bias_update_rate) are not zero, and Hugging "
                         f"Face's {architecture} router has none: transformers would send tokens to other experts.")
@@ -340,7 +369,7 @@ def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, 
     hf_map.check_export(cfg)
     if cfg.moe.num_experts:
         architecture = hf_map.config(cfg, dtype, max_positions)["architectures"][0]
-        _check_no_routing_bias(params, model_definition(cfg), architecture)
+        _check_no_routing_bias(params, model_definition(cfg), architecture, {t.param for t in tensor_map(cfg)})
     if dtype not in DTYPE_NAMES:
         raise UserError(f"dtype={dtype!r} is not one safetensors export takes; "
                         f"choose one of: {', '.join(DTYPE_NAMES)}.")
@@ -383,7 +412,7 @@ def from_hf(path: str, devices=None, **settings) -> TrainedModel:
     (int32 [batch, length] tokens -> float32 [batch, length, vocab] logits), on `devices` (default: the
     first device; several: parameters split over them). `settings`: other model settings, e.g.
     `compute_dtype="bfloat16"`, `fused_mlp=True` (default: float32 parameters and compute)."""
-    cfg = model_config(read_config(path), path, **{**IMPORT_SETTINGS, **settings})
+    cfg = stored_mtp(model_config(read_config(path), path, **{**IMPORT_SETTINGS, **settings}), path, settings)
     layout = inference_layout(devices)
     params = load_params(path, cfg, abstract_params(model_definition(cfg), layout))
     return TrainedModel(model_definition(cfg), params, layout, step=0, tokenizer=None, seq_len=None)
@@ -410,7 +439,7 @@ def to_hf(model_or_workdir, path: str, dtype: str | None = None, log=print) -> N
 def _max_positions(trained: TrainedModel) -> int:
     """config.json's max_position_embeddings: the context the model is meant for, as far as known."""
     scaling = trained.model.cfg.rope_scaling
-    if scaling.type == "llama3":
+    if scaling.type in ("llama3", "yarn"):
         return int(scaling.factor * scaling.original_max_position_embeddings)
     return trained.seq_len or 2048
 
@@ -435,7 +464,7 @@ def convert_from_hf(hf_dir: str, workdir: str, log=print) -> None:
 
     if os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise UserError(f"{workdir} already holds checkpoints/; convert into a new workdir.")
-    cfg = model_config(read_config(hf_dir), hf_dir, **IMPORT_SETTINGS)
+    cfg = stored_mtp(model_config(read_config(hf_dir), hf_dir, **IMPORT_SETTINGS), hf_dir, {})
     params = load_params(hf_dir, cfg, abstract_params(model_definition(cfg), inference_layout(_host_devices())))
     config = default_config()
     apply_override_dict(config, {"model": dataclasses.asdict(cfg)})
@@ -454,10 +483,10 @@ def convert_from_hf(hf_dir: str, workdir: str, log=print) -> None:
 def _hf_settings(cfg: ModelConfig) -> dict:
     """The config keys of the settings a Hugging Face checkpoint decides (the scaling's numbers only
     where it is used)."""
-    unscaled, dense = cfg.rope_scaling.type == "none", not cfg.moe.num_experts
+    unscaled, dense, plain = cfg.rope_scaling.type == "none", not cfg.moe.num_experts, not cfg.mla.kv_lora_rank
     return {k: v for k, v in cfg.settings().items() if decided_by_hf(k)
             and not (unscaled and k.startswith("rope_scaling.") and k != "rope_scaling.type")
-            and not (dense and k.startswith("moe."))}
+            and not (dense and k.startswith("moe.")) and not (plain and k.startswith("mla."))}
 
 
 def convert_to_hf(workdir: str, hf_dir: str, dtype: str | None = None, log=print) -> None:

@@ -70,7 +70,8 @@ class ParallelPlan:
             pipeline = PipelineSchedule(p.pipeline_schedule, p.pipeline_microbatches, p.pipeline_repeats,
                                         m.scan_unroll)
         choose = functools.partial(_choice, m.attention_impl, platform, m.compute_dtype, t.seq_len,
-                                   head_dim=model.head_dim, split=ways > 1, documents=bool(m.document_mask))
+                                   head_dim=family(model.family).attention_shape(model).qk_head_dim, split=ways > 1,
+                                   documents=bool(m.document_mask))
         attention = choose(in_stage=False)
         stage_attention = choose(in_stage=True) if pipeline is not None else None
         window = model.sliding_window if any(family(model.family).attention_shape(model).windows) else 0

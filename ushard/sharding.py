@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from ushard.parallel.pipeline import PipelineSchedule
     from ushard.plan import ParallelPlan
 
-WEIGHT_NAMES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts", "expert_mlp", "norm")
+WEIGHT_NAMES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts", "expert_mlp", "norm",
+                "latent")
 ACTIVATION_NAMES = (
     "act_batch", "act_length", "act_residual_length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim",
     "act_mlp", "act_vocab",
@@ -90,6 +91,9 @@ def logical_rules(shard_state_over_fsdp: bool, sequence_parallel: bool = False, 
         ("experts", None if expert_width else "expert"),
         ("expert_mlp", ("expert", "tensor") if expert_width else "tensor"),
         ("norm", None),
+        # Latent attention's up-projections' input (ushard/models/mla.py): split like `embed`, the
+        # other weights' input, so that ZeRO-3 splits those weights too.
+        ("latent", "fsdp" if shard_state_over_fsdp else None),
         # activations; `expert` acts as a batch axis outside the MoE layers
         ("act_batch", ("data", "fsdp", "expert")),
         ("act_length", "sequence"),  # inside attention and the MLP

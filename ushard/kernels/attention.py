@@ -1,7 +1,8 @@
 """Attention kernels: the contract, the XLA implementation, and the one place that picks a kernel.
 
-Causal attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd] (grouped-query heads as they
-are); with segment ids [B, T] a token sees only keys of its own document; with a `window` w > 0
+Causal attention of q [B, T, heads, hd] over k [B, T, kv_heads, hd] and v [B, T, kv_heads, vd]
+(grouped-query heads as they are; vd = hd but for latent attention's values, `values_padded`); with
+segment ids [B, T] a token sees only keys of its own document; with a `window` w > 0
 (sliding-window attention, Hugging Face's `sliding_window`: Mistral, Gemma 3) the query at position i
 sees key j only if i - w < j <= i, itself and the w - 1 keys before it (0: no window). Two forms:
 - whole sequence (`whole_sequence`): what a layer runs when its sequence is on one device;
@@ -239,6 +240,12 @@ def whole_sequence(q, k, v, segment_ids, impl: str, window: int = 0):
     "flash"), within a sliding `window` if > 0 (module docstring)."""
     if window < 0:
         raise ValueError(f"attention's window is a number of keys, 0 for none; got {window}.")
+    if v.shape[-1] != q.shape[-1]:
+        if impl == "xla":  # JAX's attention takes one head size; its XLA form is this einsum anyway
+            index = jnp.arange(q.shape[1])[None]
+            out, _ = xla_block(q, k, v, index, index, segment_ids, segment_ids, window)
+            return out.astype(q.dtype)
+        return values_padded(lambda v: whole_sequence(q, k, v, segment_ids, impl, window), q, v)
     if impl == "cudnn" and _traced_off_the_chip:
         return by_halves(FLASH_SHAPES, q, k, v, segment_ids, window)
     if impl == "splash":
@@ -257,6 +264,23 @@ def whole_sequence(q, k, v, segment_ids, impl: str, window: int = 0):
     local = (window - 1, 0) if window else None
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
                                         implementation=impl)
+
+
+def values_padded(attend, q, v):
+    """`attend(v)` for values with fewer dimensions than q·k (latent attention's: DeepSeek-V3's heads
+    are 192 in q·k and 128 in values), run on a kernel that takes one head size: v padded with zeros to
+    q's size and the output's padding sliced off. Exact, forward and backward: the scores and their
+    softmax never see v, the padded columns of the output are zeros, and the gradient of the padding is
+    dropped by the slice's transpose. It costs the kernel's value matmuls the padding (half again at
+    192 / 128), the price of one contract for every kernel until one takes two head sizes.
+    The one place values are padded: `whole_sequence` and the blocks of a split sequence call it."""
+    width, size = q.shape[-1], v.shape[-1]
+    if size == width:
+        return attend(v)
+    if size > width:
+        raise NotImplementedError(f"attention kernels take values at most as wide as q·k's heads ({size} > {width})")
+    padded = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - size)])
+    return attend(padded)[..., :size]
 
 
 def by_halves(blocks: BlockKernel, q, k, v, segment_ids, window: int = 0):
@@ -344,9 +368,9 @@ FLASH_SHAPES = BlockKernel(_flash_shapes_forward, _flash_shapes_backward, segmen
 
 
 def xla_block(q, k, v, q_index, k_index, q_segments, k_segments, window: int = 0):
-    """Queries q [B, Tq, heads, hd] over keys and values [B, Tk, kv_heads, hd] from anywhere in the
-    sequence: (out [B, Tq, heads, hd], lse [B, Tq, heads]), both float32, lse the log-sum-exp of each
-    query's visible scores. Differentiable in both outputs (the ring's XLA path differentiates lse).
+    """Queries q [B, Tq, heads, hd] over keys [B, Tk, kv_heads, hd] and values [B, Tk, kv_heads, vd]
+    from anywhere in the sequence: (out [B, Tq, heads, vd], lse [B, Tq, heads]), both float32, lse the
+    log-sum-exp of each query's visible scores. Differentiable in both outputs (the ring's XLA path differentiates lse).
 
     A query sees a key whose index in the unsplit row (`q_index` [1, Tq], `k_index` [1, Tk]) is not
     after its own, with a `window` w > 0 fewer than w before it, and, unless the segments are None,
@@ -373,4 +397,4 @@ def xla_block(q, k, v, q_index, k_index, q_segments, k_segments, window: int = 0
     out = jnp.einsum("bkgqs,bskd->bqkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = out / jnp.moveaxis(total, -1, 1)[..., None]
     lse = jnp.where(seen, peak[..., 0] + jnp.log(total), -jnp.inf)
-    return out.reshape(b, tq, h, hd), jnp.moveaxis(lse, -1, 1).reshape(b, tq, h)
+    return out.reshape(b, tq, h, v.shape[-1]), jnp.moveaxis(lse, -1, 1).reshape(b, tq, h)

@@ -12,7 +12,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ushard.kernels import attention as kernels
-from ushard.models.layers import BTD, RMSNorm, fan_in_init, param, project, rope_frequencies, rotary
+from ushard.models.layers import (
+    BTD,
+    RMSNorm,
+    fan_in_init,
+    param,
+    project,
+    rope_attention_factor,
+    rope_frequencies,
+    rotary,
+)
 from ushard.sharding import KV_NAMES, Q_NAMES, constrain, current_layout, gathered, split_ways
 
 
@@ -42,7 +51,11 @@ def causal_attention(q, k, v, segment_ids, impl: str, window: int = 0):
                                documents=segment_ids is not None, window=window)
     if ways > 1:
         block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None, window=window)
-        return layout.seams.context_attention(q, k, v, segment_ids, kernels.xla_block, block, window=window)
+
+        def ring(v):
+            return layout.seams.context_attention(q, k, v, segment_ids, kernels.xla_block, block, window=window)
+
+        return ring(v) if block is None else kernels.values_padded(ring, q, v)
     return kernels.whole_sequence(q, k, v, segment_ids, impl, window=window)
 
 
@@ -53,10 +66,14 @@ def cached_attention(q, k_cache, v_cache, length, window: int = 0):
     0 .. length + i (causal in cache order, as training's mask is within a document) and none of the
     empty slots after them (with a `window`, nor the slots window or more before its own). Plain XLA
     attention with an explicit mask: S is the cache size, fixed for a whole generation, so one compiled
-    step serves every length.
+    step serves every length. The values may be narrower than q·k's heads (latent attention's): JAX's
+    attention takes one head size, so those run as `xla_block`'s einsum.
     """
     t, s = q.shape[1], k_cache.shape[1]
     query_slot = length + jnp.arange(t)
+    if v_cache.shape[-1] != q.shape[-1]:
+        out, _ = kernels.xla_block(q, k_cache, v_cache, query_slot[None], jnp.arange(s)[None], None, None, window)
+        return out.astype(q.dtype)
     mask = jnp.arange(s)[None, :] <= query_slot[:, None]  # [T, S]
     if window:
         mask &= jnp.arange(s)[None, :] > query_slot[:, None] - window
@@ -120,8 +137,9 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         freqs = rope_frequencies(q.shape[-1], self.rope_theta, self.rope_scaling)
-        q = rotary(q, positions, freqs)
-        k = rotary(k, positions, freqs)
+        gain = rope_attention_factor(self.rope_scaling)
+        q = rotary(q, positions, freqs, gain)
+        k = rotary(k, positions, freqs, gain)
         if self.query_gain != 1.0:
             q = q * jnp.asarray(self.query_gain, q.dtype)
         return q, k, v

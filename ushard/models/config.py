@@ -1,7 +1,8 @@
 """The model's settings as a typed, frozen value, built once from `config.model` and validated there.
 
 Model code reads `ModelConfig` fields only (never the ConfigDict), so a setting has one spelling, one
-type and one check. The mixture-of-experts settings are a nested group, `model.moe.*` (`MoEConfig`).
+type and one check. The mixture-of-experts settings are a nested group, `model.moe.*` (`MoEConfig`),
+and so are multi-head latent attention's, `model.mla.*` (`MLAConfig`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCHES = ("padded", "ragged")
 EXCHANGES = ("auto", "all_to_all", "ragged_all_to_all", "all_gather")
+GROUP_SCORES = ("top2_sum", "max")
 
 
 def _check_at_least(owner, keys, low: int, prefix: str) -> None:
@@ -55,10 +57,16 @@ class MoEConfig:
     normalize_gates: bool = True  # divide a token's top_k scores by their sum
     routed_scale: float = 1.0  # the routed experts' gates are multiplied by this
     # Group-limited routing: experts in num_groups equal groups; a token picks its experts from its
-    # top_groups best groups (a group scores the sum of its two best scores). 1 and 1: no limit.
+    # top_groups best groups. 1 and 1: no limit.
     num_groups: int = 1
     top_groups: int = 1
+    # What a group scores: "top2_sum", the sum of its two best experts' scores (DeepSeek-V3), or "max",
+    # its best expert's (DeepSeek-V2's group_limited_greedy).
+    group_score: str = "top2_sum"
     aux_loss_weight: float = 0.01  # the load-balancing loss's weight in the objective
+    # The load-balancing loss of each sequence, averaged over the batch (DeepSeek's "seq_aux"), instead
+    # of the loss of the whole (micro)batch's statistics.
+    aux_loss_per_sequence: bool = False
     z_loss_weight: float = 0.001  # the router z-loss's weight
     # Auxiliary-loss-free balancing: each step, every expert's routing bias moves by this much against
     # its load (up if under-loaded, down if over-loaded). 0: the bias stays zero.
@@ -89,11 +97,12 @@ class MoEConfig:
             raise UserError(f"{p}dispatch_headroom={self.dispatch_headroom!r} must be at least 1 (the rows of an "
                             f"even load).")
         for key, valid in (("score_func", SCORE_FUNCS), ("dispatch", DISPATCHES), ("exchange", EXCHANGES),
-                           ("grouped_matmul_impl", GROUPED_MATMUL_IMPLS)):
+                           ("grouped_matmul_impl", GROUPED_MATMUL_IMPLS), ("group_score", GROUP_SCORES)):
             if getattr(self, key) not in valid:
                 raise UserError(f"{p}{key}={getattr(self, key)!r} is not valid; choose one of: {', '.join(valid)}.")
-        if not isinstance(self.normalize_gates, bool):
-            raise UserError(f"{p}normalize_gates={self.normalize_gates!r} must be true or false.")
+        for key in ("normalize_gates", "aux_loss_per_sequence"):
+            if not isinstance(getattr(self, key), bool):
+                raise UserError(f"{p}{key}={getattr(self, key)!r} must be true or false.")
         if not self.num_experts:
             return
         if self.top_k > self.num_experts:
@@ -125,7 +134,41 @@ class MTPConfig:
         _check_finite(self, ("loss_weight",), "model.mtp.", allow_zero=True)
 
 
-ROPE_SCALING_TYPES = ("none", "llama3", "linear")
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2 and V3; ushard/models/mla.py). Each token's keys and
+    values are expanded from one latent of kv_lora_rank numbers, its queries (where q_lora_rank > 0)
+    from another; a head's q·k spans qk_nope_head_dim dimensions without positions and
+    qk_rope_head_dim rotated by RoPE, whose key is one for all heads; its values have v_head_dim.
+    `kv_lora_rank=0`: no latent attention (every other field 0 too), the other families' attention."""
+
+    q_lora_rank: int = 0  # the queries' bottleneck; 0: queries projected from the residual stream directly
+    kv_lora_rank: int = 0  # the latent the keys and values are expanded from; 0: no latent attention
+    qk_nope_head_dim: int = 0  # a head's q·k dimensions without positions
+    qk_rope_head_dim: int = 0  # a head's q·k dimensions rotated by RoPE (the key's shared by all heads)
+    v_head_dim: int = 0  # a head's value size
+
+    def __post_init__(self):
+        p = "model.mla."
+        keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        _check_at_least(self, keys, 0, p)
+        if not self.kv_lora_rank:
+            for key in keys:
+                if getattr(self, key):
+                    raise UserError(f"{p}{key}={getattr(self, key)} is set but {p}kv_lora_rank=0, which means no "
+                                    "latent attention; set kv_lora_rank too, or leave the group at its defaults.")
+            return
+        _check_at_least(self, ("qk_rope_head_dim", "v_head_dim"), 1, p)
+        if self.qk_rope_head_dim % 2:
+            raise UserError(f"{p}qk_rope_head_dim={self.qk_rope_head_dim} must be even for rotary embeddings.")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A head's size in q·k."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+ROPE_SCALING_TYPES = ("none", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -136,7 +179,14 @@ class RopeScaling:
     original_max_position_embeddings / low_freq_factor are divided by `factor`, those shorter than
     original_max_position_embeddings / high_freq_factor are kept, and the ones between are blended.
     "linear" divides every frequency by `factor` (Hugging Face `rope_type: linear`; Gemma 3's global
-    layers). "none" uses the plain frequencies (the other keys are then unused).
+    layers). "yarn" is YaRN's (Hugging Face `rope_type: yarn`, same key names; DeepSeek-V2 and V3):
+    frequencies that turn fewer than beta_slow times over original_max_position_embeddings are divided
+    by `factor`, those that turn more than beta_fast times are kept, and the ones between are blended
+    linearly by their index; the rotated q and k are each multiplied by the attention factor
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) where both are set (> 0), else by
+    mscale(factor, 1), where mscale(s, m) = 0.1 * m * ln(s) + 1 (1 for s <= 1). DeepSeek's attention
+    also multiplies its softmax scale by mscale(factor, mscale_all_dim) ** 2 (ushard/models/mla.py).
+    "none" uses the plain frequencies (the other keys are then unused).
     """
 
     type: str = "none"
@@ -144,19 +194,29 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # 0: not set
+    mscale_all_dim: float = 0.0  # 0: not set
 
     def check(self) -> None:
         if self.type not in ROPE_SCALING_TYPES:
             raise UserError(f"model.rope_scaling.type={self.type!r} is not valid; "
                             f"choose one of: {', '.join(ROPE_SCALING_TYPES)}.")
-        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+                    "beta_slow"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
                 raise UserError(f"model.rope_scaling.{key}={value!r} must be a finite number > 0.")
+        _check_finite(self, ("mscale", "mscale_all_dim"), "model.rope_scaling.", allow_zero=True)
         if self.high_freq_factor <= self.low_freq_factor:
             raise UserError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor!r} must be larger than "
                             f"model.rope_scaling.low_freq_factor={self.low_freq_factor!r} (the blend between them "
                             "divides by the gap).")
+        if self.beta_fast <= self.beta_slow:
+            raise UserError(f"model.rope_scaling.beta_fast={self.beta_fast!r} must be larger than "
+                            f"model.rope_scaling.beta_slow={self.beta_slow!r} (YaRN blends the frequencies between "
+                            "them).")
 
 
 @dataclass(frozen=True)
@@ -164,7 +224,8 @@ class ModelConfig:
     """Every model setting with its default: `default_config().model` is made from these fields."""
 
     # The architecture (ushard/models/registry.py): llama (Llama 2/3, Mistral, Mixtral), qwen3 (dense
-    # and MoE: QK-norm), gemma3 (sliding windows, four norms a block, GeGLU).
+    # and MoE: QK-norm), gemma3 (sliding windows, four norms a block, GeGLU), deepseek (DeepSeek-V2 and
+    # V3: multi-head latent attention, `mla`; MoE with shared experts).
     family: str = "llama"
     vocab_size: int = 512
     d_model: int = 256
@@ -198,11 +259,13 @@ class ModelConfig:
     fp8: bool = False
     moe: MoEConfig = MoEConfig()
     mtp: MTPConfig = MTPConfig()
+    mla: MLAConfig = MLAConfig()  # multi-head latent attention (model.family='deepseek')
 
     # How the model is computed (or trained), not what it computes: a run may resume with these
     # changed. Every other setting (new ones included, unless added here) defines the model's function.
     IMPLEMENTATION_SETTINGS = ("compute_dtype", "attention_impl", "remat", "scan_unroll", "fused_mlp",
-                               "fp8", "moe.aux_loss_weight", "moe.z_loss_weight", "moe.bias_update_rate",
+                               "fp8", "moe.aux_loss_weight", "moe.aux_loss_per_sequence", "moe.z_loss_weight",
+                               "moe.bias_update_rate",
                                "moe.dispatch", "moe.dispatch_headroom", "moe.exchange",
                                "moe.grouped_matmul_impl", "mtp.loss_weight")
 
@@ -212,12 +275,12 @@ class ModelConfig:
         saved JSON); raises UserError if invalid. `ignore_unknown` drops keys this version does not
         know; missing keys take their defaults."""
         values = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else dict(model_cfg)
-        groups = {key: dict(values.pop(key, {})) for key in GROUPS}
+        groups = {key: dict(values.pop(key, {})) for key in NESTED_GROUPS}
         if ignore_unknown:
             values = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
-            groups = {key: {k: v for k, v in group.items() if k in GROUPS[key].__dataclass_fields__}
+            groups = {key: {k: v for k, v in group.items() if k in NESTED_GROUPS[key].__dataclass_fields__}
                       for key, group in groups.items()}
-        return cls(**values, **{key: GROUPS[key](**group) for key, group in groups.items()})
+        return cls(**values, **{key: NESTED_GROUPS[key](**group) for key, group in groups.items()})
 
     @property
     def expert_d_ff(self) -> int:
@@ -234,7 +297,7 @@ class ModelConfig:
         """{"rope_theta": 10000.0, ..., "moe.top_k": 2, ...}: every setting by its dotted name under `model.`."""
         flat = {}
         for key, value in dataclasses.asdict(self).items():
-            if isinstance(value, dict):  # a nested group (moe)
+            if isinstance(value, dict):  # a nested group (moe, mla, rope_scaling)
                 flat.update({f"{key}.{k}": v for k, v in value.items()})
             else:
                 flat[key] = value
@@ -244,6 +307,8 @@ class ModelConfig:
         if not isinstance(self.rope_scaling, RopeScaling):  # a group of the config (ConfigDict) or saved JSON (dict)
             object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
         self.rope_scaling.check()
+        if isinstance(self.mla, dict):  # a family's Hugging Face settings (ushard/models/deepseek/hf.py)
+            object.__setattr__(self, "mla", MLAConfig(**self.mla))
         _check_at_least(self, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "scan_unroll"), 1,
                         "model.")
         _check_at_least(self, ("head_dim", "sliding_window", "sliding_window_pattern"), 0, "model.")
@@ -284,8 +349,8 @@ class ModelConfig:
                 if k not in skip and (only is None or k.split(".")[0] in only) and mine[k] != theirs[k]]
 
 
-# The nested groups of settings (`model.moe.*`, ...) and the dataclass each is read into.
-GROUPS = {"moe": MoEConfig, "mtp": MTPConfig}
+# The nested groups `from_config` builds from their own dicts: model.<key>.* -> the dataclass.
+NESTED_GROUPS = {"moe": MoEConfig, "mla": MLAConfig, "mtp": MTPConfig}
 
 
 def _rope_scaling(group) -> RopeScaling:

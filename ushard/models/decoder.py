@@ -20,6 +20,7 @@ from flax import nnx
 
 from ushard.errors import UserError
 from ushard.models.config import ModelConfig
+from ushard.models.family import AttentionShape
 from ushard.models.layers import BTD, RMSNorm, embed_lookup, fan_in_init, param
 from ushard.models.mtp import MTPModule, mtp_names
 from ushard.models.stack import run_layers
@@ -92,12 +93,16 @@ def stacked(count: int, make, rngs: nnx.Rngs):
     return build(rngs)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
-    """An empty KV cache for `Decoder.decode`: keys and values [n_layers, batch, max_len, n_kv_heads,
-    head_dim] in the compute dtype (unless `dtype` is given), and `length`, the slots filled so far."""
-    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, shape: AttentionShape | None = None) -> dict:
+    """An empty KV cache for `Decoder.decode`: keys [n_layers, batch, max_len, n_kv_heads, qk head size]
+    and values [..., v head size] in the compute dtype (unless `dtype` is given), and `length`, the
+    slots filled so far. The head sizes are `shape`'s, the family's (latent attention's keys are wider
+    than its values), by default model.head_dim for both."""
+    k_dim, v_dim = (cfg.head_dim, cfg.head_dim) if shape is None else (shape.qk_head_dim, shape.v_head_dim)
+    rows = (cfg.n_layers, batch, max_len, cfg.n_kv_heads)
     dtype = jnp.dtype(cfg.compute_dtype if dtype is None else dtype)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "length": jnp.zeros((), jnp.int32)}
+    return {"k": jnp.zeros((*rows, k_dim), dtype), "v": jnp.zeros((*rows, v_dim), dtype),
+            "length": jnp.zeros((), jnp.int32)}
 
 
 class Decoder(nnx.Module):
@@ -125,7 +130,7 @@ class Decoder(nnx.Module):
                                  dtype)
         if cfg.mtp.depth and mtp_block is None:
             raise UserError(f"model.mtp.depth={cfg.mtp.depth}: model.family={cfg.family!r} has no multi-token "
-                            "prediction; use model.family 'llama' or 'qwen3', or set model.mtp.depth=0.")
+                            "prediction; use model.family 'deepseek', 'llama' or 'qwen3', or set model.mtp.depth=0.")
         self.mtp_names = mtp_names(cfg.mtp.depth)
         for name in self.mtp_names:
             setattr(self, name, MTPModule(cfg, rngs, mtp_block, norm_offset))

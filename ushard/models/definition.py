@@ -121,7 +121,7 @@ class ModelDef:
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         """An empty KV cache for `decode` (see ushard.models.decoder.init_cache)."""
-        return init_cache(self.cfg, batch, max_len)
+        return init_cache(self.cfg, batch, max_len, shape=self.family.attention_shape(self.cfg))
 
     def decode(self, params, tokens, positions, cache):
         """Inference with a KV cache: (logits, updated cache); see `Decoder.decode`."""

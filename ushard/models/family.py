@@ -52,13 +52,16 @@ class HFMap:
     (`settings(hf, directory) -> ModelConfig keywords`, refusing in one sentence what it cannot
     compute; `config(cfg, dtype, max_positions) -> config.json`), its tensors' names
     (`tensors(cfg) -> [Tensor]`, ushard/models/hf_names.py) and `check_export(cfg)`, which refuses a
-    model transformers would compute differently."""
+    model transformers would compute differently. `ignored(cfg, name)`: whether a checkpoint's tensor
+    that the map does not read is left out on import rather than refused (DeepSeek-V3's multi-token
+    prediction modules, which transformers does not load either)."""
 
     model_types: tuple[str, ...]
     settings: Callable
     config: Callable
     tensors: Callable
     check_export: Callable
+    ignored: Callable = lambda cfg, name: False
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ class Tensor:
     and the rest its second. A parameter is its one tensor's view, or with `part` = (axis, start, stop)
     the concatenation along `axis` of several views (the fused layouts). A stacked parameter's item i
     holds HF layer `first + i * step` (a stack of periods holds every step-th layer in each position).
+    With `order`, entry j of the parameter's last axis is entry order[j] of the view's (latent
+    attention's RoPE columns, which HF stores in interleaved pairs: `rope_pairs_to_halves`).
     """
 
     name: str  # the HF name; "{layer}" stands for the layer's index
@@ -31,6 +33,7 @@ class Tensor:
     part: tuple[int, int, int] | None = None
     first: int = 0
     step: int = 1
+    order: tuple[int, ...] | None = None
 
     @property
     def stacked(self) -> bool:
@@ -52,6 +55,16 @@ class Tensor:
         if self.rows == len(view):
             return oriented[:1]  # a vector (norm scales)
         return oriented[::-1] if self.transposed else oriented
+
+
+def rope_pairs_to_halves(size: int, rope: int) -> tuple[int, ...]:
+    """The `order` (see `Tensor`) of a last axis of `size` entries whose final `rope` are RoPE dimensions
+    in interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's layout): those become rotate-half's
+    layout, the pairs' first entries then their second (x0, x2, ..., x1, x3, ...), the others stay.
+    Applied to q's and k's rotated columns alike it leaves every q·k as it was, and ushard's `rotary`
+    on the new layout computes what DeepSeek's interleaved rotation computes on the old."""
+    start = size - rope
+    return (*range(start), *range(start, size, 2), *range(start + 1, size, 2))
 
 
 def placed(tensors: list[Tensor], prefix: str, first: int, step: int) -> list[Tensor]:
@@ -102,14 +115,15 @@ def attention_tensors(qk_norm: bool = False) -> list[Tensor]:
     return tensors
 
 
-def gated_mlp_tensors(fused: bool, prefix: str = "mlp") -> list[Tensor]:
-    """A gated MLP's gate, up and down projections (`fused`: gate and up in one parameter)."""
+def gated_mlp_tensors(fused: bool, prefix: str = "mlp", block: str = "mlp") -> list[Tensor]:
+    """A gated MLP's gate, up and down projections (`fused`: gate and up in one parameter), HF's under
+    `block` (DeepSeek's shared experts: "mlp.shared_experts")."""
     if fused:  # gate, then up
-        gate_up = [Tensor(LAYER + "mlp.gate_proj.weight", f"{prefix}.w_gate_up", part=(1, 0, 1)),
-                   Tensor(LAYER + "mlp.up_proj.weight", f"{prefix}.w_gate_up", part=(1, 1, 2))]
+        gate_up = [Tensor(LAYER + f"{block}.gate_proj.weight", f"{prefix}.w_gate_up", part=(1, 0, 1)),
+                   Tensor(LAYER + f"{block}.up_proj.weight", f"{prefix}.w_gate_up", part=(1, 1, 2))]
     else:
-        gate_up = [Tensor(LAYER + f"mlp.{x}_proj.weight", f"{prefix}.w_{x}") for x in ("gate", "up")]
-    return [*gate_up, Tensor(LAYER + "mlp.down_proj.weight", f"{prefix}.w_down")]
+        gate_up = [Tensor(LAYER + f"{block}.{x}_proj.weight", f"{prefix}.w_{x}") for x in ("gate", "up")]
+    return [*gate_up, Tensor(LAYER + f"{block}.down_proj.weight", f"{prefix}.w_down")]
 
 
 def expert_tensors(num_experts: int, block: str, router: str, names: tuple[str, str, str]) -> list[Tensor]:
@@ -166,34 +180,56 @@ def sizes(hf: dict) -> dict:
 
 
 ROPE_TYPES = ("default", "llama3", "linear")  # transformers' rope_type values ushard computes
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
-def rope(params: dict, field: str, directory: str, theta_key: str = "rope_theta") -> tuple[float, RopeScaling]:
+def rope(params: dict, field: str, directory: str, theta_key: str = "rope_theta",
+         types: tuple[str, ...] = ROPE_TYPES) -> tuple[float, RopeScaling]:
     """(theta, scaling) from one RoPE group of config.json (`field` names it in messages), whose type
-    key is `rope_type` (once `type`)."""
+    key is `rope_type` (once `type`), of one of `types`."""
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        refuse(directory, f"{field}.rope_type", kind, f"ushard computes RoPE of types {', '.join(ROPE_TYPES)}")
+    if kind not in types:
+        refuse(directory, f"{field}.rope_type", kind, f"ushard computes RoPE of types {', '.join(types)}")
     theta = params.get(theta_key)
     if not isinstance(theta, (int, float)) or isinstance(theta, bool):
         key = theta_key if field == "rope_scaling" else f"{field}.{theta_key}"
         refuse(directory, key, theta, "it must be a number")
     if kind == "default":
         return float(theta), RopeScaling()
-    keys = ["factor"] if kind == "linear" else [f.name for f in dataclasses.fields(RopeScaling) if f.name != "type"]
+    if kind == "yarn":
+        return float(theta), _yarn(params, field, directory)
+    keys = ["factor"] if kind == "linear" else ["factor", "low_freq_factor", "high_freq_factor",
+                                                 "original_max_position_embeddings"]
     missing = [k for k in keys if k not in params]
     if missing:
         refuse(directory, field, params, f"the {kind} type needs {', '.join(missing)}")
     return float(theta), RopeScaling(kind if kind == "linear" else "llama3", **{k: params[k] for k in keys})
 
 
-def model_rope(hf: dict, directory: str) -> tuple[float, RopeScaling]:
+def _yarn(params: dict, field: str, directory: str) -> RopeScaling:
+    """YaRN's settings; unset optional keys as transformers takes them (beta_fast 32, beta_slow 1, no
+    mscale), and a refusal for the two it has that ushard does not compute."""
+    missing = [k for k in ("factor", "original_max_position_embeddings") if params.get(k) is None]
+    if missing:
+        refuse(directory, field, params, f"the yarn type needs {', '.join(missing)}")
+    if params.get("attention_factor") is not None:
+        refuse(directory, f"{field}.attention_factor", params["attention_factor"],
+               "ushard derives YaRN's attention factor from factor, mscale and mscale_all_dim")
+    if params.get("truncate", True) is not True:
+        refuse(directory, f"{field}.truncate", params["truncate"], "ushard rounds YaRN's ramp to whole dimensions")
+    values = {k: params.get(k) or default for k, default in
+              (("beta_fast", 32.0), ("beta_slow", 1.0), ("mscale", 0.0), ("mscale_all_dim", 0.0))}
+    return RopeScaling("yarn", factor=params["factor"],
+                       original_max_position_embeddings=params["original_max_position_embeddings"], **values)
+
+
+def model_rope(hf: dict, directory: str, types: tuple[str, ...] = ROPE_TYPES) -> tuple[float, RopeScaling]:
     """(rope_theta, scaling) from either spelling: transformers 5's `rope_parameters` (theta inside), or
     top-level `rope_theta` and `rope_scaling`."""
     if isinstance(hf.get("rope_parameters"), dict):
-        return rope(hf["rope_parameters"], "rope_parameters", directory)
+        return rope(hf["rope_parameters"], "rope_parameters", directory, types=types)
     return rope({"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}, "rope_scaling",
-                directory)
+                directory, types=types)
 
 
 def rope_json(scaling: RopeScaling) -> dict | None:
@@ -202,4 +238,8 @@ def rope_json(scaling: RopeScaling) -> dict | None:
         return None
     if scaling.type == "linear":
         return {"rope_type": "linear", "factor": scaling.factor}
-    return {"rope_type": "llama3", **{k: v for k, v in dataclasses.asdict(scaling).items() if k != "type"}}
+    if scaling.type == "yarn":
+        values = {k: getattr(scaling, k) for k in YARN_KEYS}
+        return {"rope_type": "yarn", **{k: v for k, v in values.items() if v or k not in ("mscale", "mscale_all_dim")}}
+    llama3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return {"rope_type": "llama3", **{k: getattr(scaling, k) for k in llama3}}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -80,6 +82,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling) -> jax.Array:
     "llama3" (Llama 3.1): frequencies whose wavelength is longer than the original context divided by
     low_freq_factor turn `factor` times slower, those shorter than it divided by high_freq_factor stay,
     and the ones between are a linear blend of both by where the context falls in that range.
+    "yarn": see `yarn_frequencies`.
     """
     half = head_dim // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -87,6 +90,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling) -> jax.Array:
         return freqs
     if scaling.type == "linear":
         return freqs / scaling.factor
+    if scaling.type == "yarn":
+        return yarn_frequencies(freqs, head_dim, theta, scaling)
     context = scaling.original_max_position_embeddings
     wavelength = 2 * jnp.pi / freqs
     blend = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
@@ -95,11 +100,47 @@ def rope_frequencies(head_dim: int, theta: float, scaling) -> jax.Array:
     return jnp.where(wavelength < context / scaling.high_freq_factor, freqs, slow)
 
 
-def rotary(x, positions, freqs):
+def yarn_frequencies(freqs, head_dim: int, theta: float, scaling) -> jax.Array:
+    """YaRN's frequencies (transformers' `rope_type: yarn`, its default `truncate`): frequency i is
+    divided by `factor` by a ramp that is 0 up to index `low` and 1 from index `high`, where low and
+    high (rounded down and up) are the indices whose frequency turns beta_fast and beta_slow times over
+    the original context: the fast ones keep their resolution, the slow ones are interpolated."""
+
+    def index_turning(turns):  # where theta ** (-2i / d) * context = turns * 2 pi
+        context = scaling.original_max_position_embeddings
+        return head_dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(index_turning(scaling.beta_fast)), 0)
+    high = min(math.ceil(index_turning(scaling.beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does: the ramp is a step there
+    ramp = jnp.clip((jnp.arange(freqs.shape[0], dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return freqs / scaling.factor * ramp + freqs * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times: 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling) -> float:
+    """What RoPE's rotated queries and keys are each multiplied by: 1, but for YaRN the ratio of its two
+    magnitude corrections where both are set, else the plain one (RopeScaling's docstring)."""
+    if scaling.type != "yarn":
+        return 1.0
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
+
+
+def rotary(x, positions, freqs, scale: float = 1.0):
     """Rotary position embedding on [batch, length, heads, head_dim], rotating the two halves of head_dim
-    by `freqs` [head_dim / 2] (`rope_frequencies`) times each position."""
+    by `freqs` [head_dim / 2] (`rope_frequencies`) times each position, the result times `scale`
+    (`rope_attention_factor`)."""
     angles = positions.astype(jnp.float32)[:, :, None, None] * freqs  # [B, T, 1, half]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
+    if scale != 1.0:
+        sin, cos = sin * scale, cos * scale
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 

@@ -18,7 +18,9 @@ Balancing. The load-balancing loss (Switch Transformer, GShard) is
     aux_loss_weight * E * sum_e f_e * P_e,
 f_e the share of the (micro)batch's token-to-expert assignments that chose expert e (before drops),
 P_e the mean over tokens of e's routing probability (the softmax, or the sigmoid scores divided by
-their sum); 1 * aux_loss_weight when perfectly balanced. The router z-loss (ST-MoE) is
+their sum); 1 * aux_loss_weight when perfectly balanced. With `aux_loss_per_sequence`, f and P are
+each sequence's own and the loss is the mean of the sequences' (DeepSeek's sequence-wise balance
+loss: a batch that is balanced overall may not be within its sequences). The router z-loss (ST-MoE) is
     z_loss_weight * mean over tokens of logsumexp(router logits)^2.
 Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores only to choose
 experts (never to the gates), is moved after every step by `bias_update_rate` against the sign of each
@@ -84,7 +86,7 @@ def route(logits, bias, moe: MoEConfig):
     scores = jax.nn.softmax(logits, axis=-1) if moe.score_func == "softmax" else jax.nn.sigmoid(logits)
     choice = scores + bias
     if moe.num_groups > 1:
-        choice = limit_to_top_groups(choice, moe.num_groups, moe.top_groups)
+        choice = limit_to_top_groups(choice, moe.num_groups, moe.top_groups, moe.group_score)
     _, experts = top_k(choice, moe.top_k)
     gates = jnp.take_along_axis(scores, experts, axis=-1)
     if moe.normalize_gates:
@@ -93,11 +95,13 @@ def route(logits, bias, moe: MoEConfig):
     return experts, gates * moe.routed_scale, probs
 
 
-def limit_to_top_groups(choice, num_groups: int, top_groups: int):
+def limit_to_top_groups(choice, num_groups: int, top_groups: int, group_score: str = "top2_sum"):
     """`choice` [..., E] with every expert outside the `top_groups` best of `num_groups` equal groups set
-    to -inf; a group scores the sum of its two best experts (one, for groups of one)."""
+    to -inf; a group scores the sum of its two best experts (one, for groups of one: "top2_sum",
+    DeepSeek-V3's) or its best expert ("max", DeepSeek-V2's)."""
     grouped = choice.reshape(*choice.shape[:-1], num_groups, -1)
-    group_scores = jnp.sum(top_k(grouped, min(2, grouped.shape[-1]))[0], axis=-1)
+    best_two = 1 if group_score == "max" else min(2, grouped.shape[-1])
+    group_scores = jnp.sum(top_k(grouped, best_two)[0], axis=-1)
     _, best = top_k(group_scores, top_groups)
     allowed = jnp.any(best[..., :, None] == jnp.arange(num_groups), axis=-2)  # [..., num_groups]
     return jnp.where(allowed[..., None], grouped, -jnp.inf).reshape(choice.shape)
@@ -139,6 +143,18 @@ def load_balancing_loss(share, probs):
     """E * sum_e f_e * P_e (see the module docstring): share [E] (f), probs [..., E]."""
     num_experts = share.shape[0]
     return num_experts * jnp.sum(share * batch_mean(probs.reshape(-1, num_experts), axis=0))
+
+
+def sequence_balancing_loss(experts, probs):
+    """The load-balancing loss of each sequence, E * sum_e f_e * P_e with f and P of its own tokens,
+    averaged over the (micro)batch's sequences: DeepSeek's sequence-wise balance loss ("seq_aux";
+    DeepSeek-V2 paper's alpha_1 * N' * sum_i f_i P_i, whose f_i counts a sequence's choices over
+    K' T / N', N' times the share f_e here). experts int [batch, length, k], probs [batch, length, E]."""
+    num_experts = probs.shape[-1]
+    counts = jax.vmap(lambda row: jnp.bincount(row.reshape(-1), length=num_experts))(experts)  # [B, E]
+    share = counts.astype(jnp.float32) / (experts.shape[1] * experts.shape[2])
+    per_sequence = num_experts * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1)  # [B]
+    return batch_mean(per_sequence)
 
 
 def router_z_loss(logits):
@@ -258,7 +274,9 @@ class MoE(nnx.Module):
         if moe.bias_update_rate:
             aux["moe_load_max_over_mean"] += load_signal(bias, share)
         if moe.aux_loss_weight:
-            aux["moe_balance_loss"] = moe.aux_loss_weight * load_balancing_loss(share, probs)
+            balance = sequence_balancing_loss(experts, probs) if moe.aux_loss_per_sequence else (
+                load_balancing_loss(share, probs))
+            aux["moe_balance_loss"] = moe.aux_loss_weight * balance
         if moe.z_loss_weight:
             aux["moe_z_loss"] = moe.z_loss_weight * router_z_loss(logits)
         return aux

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 from ushard.errors import UserError
-from ushard.models import gemma3, llama, qwen3
+from ushard.models import deepseek, gemma3, llama, qwen3
 from ushard.models.family import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen3.FAMILY, gemma3.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen3.FAMILY, gemma3.FAMILY, deepseek.FAMILY)}
 
 
 def family(name: str) -> Family:

@@ -351,16 +351,17 @@ def _walk(ring, home, visit, source, carry=None, unroll: bool = False, keep: boo
 
 def _sent_again(kv):
     """The key/value blocks (k, v, segment ids) that a backward pass passes around or gathers again,
-    K and V as one array [B, T, 2, kv_heads, hd] (`_unpacked` undoes it). The transfers are then not
-    the forward pass's: identical ones XLA reuses (CSE), which holds every device's blocks from the
-    forward to the backward pass, what `keep_kv` does on purpose. One transfer a step instead of two."""
+    K and V as one array [B, T, kv_heads, hd_k + hd_v] (`_unpacked` undoes it; latent attention's
+    values are narrower than its keys). The transfers are then not the forward pass's: identical
+    ones XLA reuses (CSE), which holds every device's blocks from the forward to the backward pass,
+    what `keep_kv` does on purpose. One transfer a step instead of two."""
     k, v, segments = kv
-    return jnp.stack([k, v], axis=2), segments
+    return jnp.concatenate([k, v], axis=-1), segments
 
 
-def _unpacked(visit):
-    """`visit` for blocks packed by `_sent_again`."""
-    return lambda kv, *args: visit((kv[0][:, :, 0], kv[0][:, :, 1], kv[1]), *args)
+def _unpacked(visit, width: int):
+    """`visit` for blocks packed by `_sent_again`, whose keys have `width` dimensions a head."""
+    return lambda kv, *args: visit((kv[0][..., :width], kv[0][..., width:], kv[1]), *args)
 
 
 def _reach(ring, length: int, window: int) -> tuple[int, ...] | None:
@@ -456,12 +457,12 @@ def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False, steps: 
             if keep:
                 (dq, dk, dv), _ = _hop_walk(ring, (k, v, segments), block_grads, steps, received=received, send=send)
             else:
-                (dq, dk, dv), _ = _hop_walk(ring, _sent_again((k, v, segments)), _unpacked(block_grads), steps,
-                                            send=send)
+                (dq, dk, dv), _ = _hop_walk(ring, _sent_again((k, v, segments)), _unpacked(block_grads, k.shape[-1]),
+                                            steps, send=send)
         elif keep:
             (dq, dk, dv), _ = _walk(ring, (k, v, segments), visit, _Kept(received))
         else:
-            (dq, dk, dv), _ = _walk(ring, _sent_again((k, v, segments)), _unpacked(visit), _Passed(ring))
+            (dq, dk, dv), _ = _walk(ring, _sent_again((k, v, segments)), _unpacked(visit, k.shape[-1]), _Passed(ring))
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attend.defvjp(forward, backward)
@@ -571,7 +572,7 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
             if keep:
                 keys, gathered_visit, everything = (k, v, segments), collect, received
             else:
-                keys, gathered_visit = _sent_again((k, v, segments)), _unpacked(collect)
+                keys, gathered_visit = _sent_again((k, v, segments)), _unpacked(collect, k.shape[-1])
                 everything = ring.gather(keys)
             (dq, dk, dv), _ = _walk(ring, keys, gathered_visit, _Gathered(everything, ring.size), unroll=True)
             dk, dv = (jax.lax.psum_scatter(x.astype(y.dtype), ring.axes, scatter_dimension=1, tiled=True)
@@ -579,8 +580,8 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
         elif keep:
             (dq, dk, dv), _ = _walk(ring, (k, v, segments), travel, _Kept(received), unroll=True, home_last=True)
         else:
-            (dq, dk, dv), _ = _walk(ring, _sent_again((k, v, segments)), _unpacked(travel), _Passed(ring),
-                                    unroll=True, home_last=True)
+            (dq, dk, dv), _ = _walk(ring, _sent_again((k, v, segments)), _unpacked(travel, k.shape[-1]),
+                                    _Passed(ring), unroll=True, home_last=True)
         return _join(*dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
     attend.defvjp(forward, backward)

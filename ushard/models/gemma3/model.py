@@ -24,6 +24,7 @@ from ushard.models.config import ModelConfig, RopeScaling
 from ushard.models.decoder import Decoder, Period, Stack
 from ushard.models.family import AttentionShape
 from ushard.models.layers import BTD, RMSNorm, SwiGLU
+from ushard.models.mla import refuse_latent_attention
 from ushard.sharding import constrain
 
 GEMMA_NORM = 1.0  # RMSNorm's offset: Gemma stores scale - 1
@@ -93,6 +94,7 @@ def attention_shape(cfg: ModelConfig) -> AttentionShape:
 
 
 def check(cfg: ModelConfig) -> None:
+    refuse_latent_attention(cfg, "gemma3")
     if cfg.moe.num_experts:
         raise UserError(f"model.moe.num_experts={cfg.moe.num_experts}: Gemma 3 has no mixture-of-experts layers; "
                         f"use model.family='qwen3' or 'llama' for an MoE model.")

@@ -16,15 +16,22 @@ from ushard.models.attention import Attention
 from ushard.models.config import ModelConfig
 from ushard.models.decoder import Decoder, Period, Stack
 from ushard.models.layers import BTD, RMSNorm, SwiGLU
+from ushard.models.mla import refuse_latent_attention
 from ushard.models.moe import MoE
 from ushard.sharding import constrain
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False, qk_norm: bool = False):
+    """`attention(cfg, dtype, rngs)` makes the layer's attention (default: grouped-query `Attention`,
+    with QK-norm where `qk_norm`; DeepSeek's: latent attention)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False, qk_norm: bool = False, attention=None):
         dtype = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
-        self.attn = Attention(cfg, dtype, rngs, qk_norm=qk_norm)
+        if attention is None:
+            self.attn = Attention(cfg, dtype, rngs, qk_norm=qk_norm)
+        else:
+            self.attn = attention(cfg, dtype, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, rngs)
         if moe:
             self.mlp = MoE(cfg, dtype, rngs)
@@ -55,9 +62,10 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     return bool(moe.num_experts) and layer >= first and (layer - first) % moe.every == 0
 
 
-def stacks(cfg: ModelConfig, qk_norm: bool = False) -> list[Stack]:
-    """The layer stacks of a Llama-style model of `cfg`, dense or MoE (module docstring)."""
-    block = lambda moe: lambda r: Block(cfg, r, moe=moe, qk_norm=qk_norm)  # noqa: E731
+def stacks(cfg: ModelConfig, qk_norm: bool = False, attention=None) -> list[Stack]:
+    """The layer stacks of a Llama-style model of `cfg`, dense or MoE (module docstring), each layer's
+    attention made by `attention` (`Block`)."""
+    block = lambda moe: lambda r: Block(cfg, r, moe=moe, qk_norm=qk_norm, attention=attention)  # noqa: E731
     moe = cfg.moe
     if not moe.num_experts:
         return [Stack("blocks", cfg.n_layers, 1, block(False))]
@@ -68,9 +76,9 @@ def stacks(cfg: ModelConfig, qk_norm: bool = False) -> list[Stack]:
     return [*dense, Stack("blocks", cfg.moe_layers, moe.every, lambda r: Period(makers, r))]
 
 
-def mtp_block(cfg: ModelConfig, qk_norm: bool = False):
+def mtp_block(cfg: ModelConfig, qk_norm: bool = False, attention=None):
     """The block of a multi-token prediction module: the kind layer n_layers would be (MoE or dense)."""
-    return lambda r: Block(cfg, r, moe=is_moe_layer(cfg, cfg.n_layers), qk_norm=qk_norm)
+    return lambda r: Block(cfg, r, moe=is_moe_layer(cfg, cfg.n_layers), qk_norm=qk_norm, attention=attention)
 
 
 def build(cfg: ModelConfig, rngs: nnx.Rngs) -> Decoder:
@@ -79,6 +87,11 @@ def build(cfg: ModelConfig, rngs: nnx.Rngs) -> Decoder:
 
 def check(cfg: ModelConfig, family: str = "llama") -> None:
     """Refuses the settings of other families' layers."""
+    refuse_windows(cfg, family)
+    refuse_latent_attention(cfg, family)
+
+
+def refuse_windows(cfg: ModelConfig, family: str) -> None:
     for key in ("sliding_window", "local_rope_theta"):
         if getattr(cfg, key):
             raise UserError(f"model.{key}={getattr(cfg, key)!r} is not used by model.family={family!r}, whose "
