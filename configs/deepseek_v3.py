@@ -1,6 +1,6 @@
 """DeepSeek-V3's shapes, as deepseek-ai/DeepSeek-V3's config.json gives them: multi-head latent
-attention and 256 routed experts, 671B parameters, 37B active per token (the report's; without the
-multi-token-prediction module, which this model does not have).
+attention and 256 routed experts, 671B parameters, 37B active per token (the report's, without its
+multi-token prediction module: 14B more, one MoE layer with its projection and norms).
 
 From config.json: vocab_size 129280, hidden_size 7168, num_hidden_layers 61, num_attention_heads 128
 (num_key_value_heads 128), q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
@@ -11,12 +11,14 @@ mscale 1.0, mscale_all_dim 1.0 (so the attention factor is 1 and the softmax sca
 layer (moe_layer_freq 1) MoE with n_routed_experts 256 of moe_intermediate_size 2048 and
 n_shared_experts 1, num_experts_per_tok 8 by sigmoid scores plus the e_score_correction_bias
 (scoring_func sigmoid, topk_method noaux_tc) within the topk_group 4 best of n_group 8 groups,
-norm_topk_prob true, routed_scaling_factor 2.5; tie_word_embeddings false. Its published weights
-are FP8 (quantization_config): ushard imports them dequantized to bfloat16.
+norm_topk_prob true, routed_scaling_factor 2.5; tie_word_embeddings false; num_nextn_predict_layers
+1 (one multi-token prediction module, `model.mtp`, stored as layer 61). Its published weights are
+FP8 (quantization_config): ushard imports them dequantized to bfloat16.
 
 Training as the report's section 4.2 says where ushard has it: auxiliary-loss-free balancing (the
 routing bias moves 0.001 a step against each expert's load) and a sequence-wise balance loss of
-weight 0.0001, no z-loss. The experts over mesh.expert (64, the report's expert parallelism), the rest
+weight 0.0001, no z-loss; the MTP loss weighted 0.3 (the report's for its first 10T tokens, 0.1
+after). The experts over mesh.expert (64, the report's expert parallelism), the rest
 ZeRO-3 over fsdp, full remat, dropless through the ragged dispatch. The layout DeepSeek trained with
 (pipeline x expert x ZeRO-1) is configs/deepseek_v3_layout.py's.
 """
@@ -50,6 +52,8 @@ def get_config():
     a.qk_rope_head_dim = 64
     a.v_head_dim = 128
     c.model.remat = "full"
+    c.model.mtp.depth = 1
+    c.model.mtp.loss_weight = 0.3
     m = c.model.moe
     m.num_experts = 256
     m.top_k = 8

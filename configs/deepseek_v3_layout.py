@@ -1,4 +1,5 @@
-"""deepseek_v3_like laid out as DeepSeek-V3 was trained: pipeline x expert x ZeRO-1 data parallelism.
+"""DeepSeek-V3 (configs/deepseek_v3.py: latent attention, 256 routed experts, a multi-token prediction
+module) laid out as it was trained: pipeline x expert x ZeRO-1 data parallelism.
 
 The layout is the DeepSeek-V3 technical report's (section 3.2, "Training Framework"): 16-way pipeline
 parallelism, 64-way expert parallelism spanning 8 nodes, and ZeRO-1 data parallelism, on 2048 H800s.
@@ -18,10 +19,10 @@ What differs, and why:
 - Layers: 64 MoE layers where DeepSeek-V3 has 61 (3 dense, then 58 MoE). ushard's stages are equal,
   and each stack of layers (the leading dense ones, the MoE ones) is split over the stages on its
   own, so both counts must be multiples of mesh.pipeline x parallel.pipeline_repeats; 61 is prime.
-  The report does not say how its 61 layers (and the multi-token-prediction module, which ushard
-  lacks) sat on the 16 stages. The nearest equal split keeps every layer an MoE layer: 64, 6 more
-  MoE layers and 3 fewer dense ones than DeepSeek-V3 (734B parameters here against
-  deepseek_v3_like's 667B; 34B active against 32B).
+  The report does not say how its 61 layers sat on the 16 stages. The nearest equal split keeps
+  every layer an MoE layer: 64, 6 more MoE layers and 3 fewer dense ones than DeepSeek-V3. The
+  multi-token prediction module runs after the stages with the head, as 1F1B's last stage would
+  hold it.
 - Batch: 16384 sequences of 4096 (67M tokens) in 8 gradient-accumulation parts of 2048, each in 16
   microbatches of 128 sequences, one a device over expert x fsdp at 2048 devices. DeepSeek-V3's batch
   was 15360 (after a ramp from 3072 over the first 469B tokens; ushard has no batch schedule), which
@@ -31,18 +32,16 @@ What differs, and why:
   routing needs more stops the run with a sentence. The first draft of this layout had capacity 1.25,
   because the dispatch then sized its buffers for the worst case (every local token at every expert,
   14 GiB a layer at 4096 tokens a device) and did not fit.
-- Attention is ushard's GQA, not multi-head latent attention (see configs/deepseek_v3_like.py).
 
-Compiled for TPU without a TPU in docs/benchmarks.md ("Production layouts compiled for TPU"): on
-v5p:8x16x16 (2048 chips) the step peaks at 84.2 GiB a chip, of the v5p's 95.7. At 1024 devices each
-holds two sequences of a microbatch, not compiled.
+Compiled for TPU without a TPU in docs/benchmarks.md ("DeepSeek-V3's layout compiled for 2,048 v5p
+chips"). At 1024 devices each holds two sequences of a microbatch, not compiled.
 """
 
-from ushard.configs.deepseek_v3_like import get_config as deepseek_v3_like_config
+from ushard.configs.deepseek_v3 import get_config as deepseek_v3_config
 
 
 def get_config():
-    c = deepseek_v3_like_config()
+    c = deepseek_v3_config()
     c.model.n_layers = 64  # DeepSeek-V3: 61, the first 3 dense; see the docstring
     c.model.moe.first_dense_layers = 0
     c.model.compute_dtype = "bfloat16"

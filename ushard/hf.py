@@ -73,7 +73,7 @@ def read_config(directory: str) -> dict:
 def decided_by_hf(key: str) -> bool:
     """Whether a model setting (dotted, as `ModelConfig.settings` names it) comes from a Hugging Face
     config.json: the architecture, not how it is computed or trained (model.moe.aux_loss_weight, ...)."""
-    if key.startswith("moe."):
+    if key.startswith(("moe.", "mtp.")):
         return key not in ModelConfig.IMPLEMENTATION_SETTINGS
     return key.split(".")[0] in HF_SETTINGS
 
