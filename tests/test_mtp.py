@@ -172,3 +172,17 @@ def test_layouts_match_one_device(single, stdlib_batches, layout):
     got = run_config(small_config("tiny", **MTP, **LAYOUTS[layout]), jax.devices()[:8], stdlib_batches)
     assert_same_training(got, single, RTOL, RTOL)
     assert [a["mtp_loss"] for a in got["aux"]] == pytest.approx([a["mtp_loss"] for a in single["aux"]], rel=RTOL)
+
+
+def test_one_f_one_b_refuses_an_moe_module_and_gpipe_runs_it(stdlib_batches):
+    """1F1B runs the head (and the modules) batched over its stages and row groups, where the experts'
+    grouped matmul has no batching rule; GPipe runs them after the stages."""
+    import ushard
+
+    moe = {"model.mtp.depth": 1, "model.moe.expert_d_ff": 32, "mesh.pipeline": 2, "mesh.fsdp": 2,
+           "mesh.expert": 2, "parallel.pipeline_microbatches": 4, "train.steps": 1}
+    with pytest.raises(UserError, match="parallel.pipeline_schedule='1f1b' with model.mtp.depth=1"):
+        ushard.build(small_config("tiny_moe", **moe, **{"parallel.pipeline_schedule": "1f1b"}), jax.devices()[:8])
+    got = run_config(small_config("tiny_moe", **moe, **{"parallel.pipeline_schedule": "gpipe"}), jax.devices()[:8],
+                     stdlib_batches)
+    assert np.isfinite(got["losses"]).all() and got["aux"][0]["mtp_loss"] > 0

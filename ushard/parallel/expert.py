@@ -126,10 +126,12 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
         return (jax.lax.psum(y, hidden_axes) if hidden_axes else y), overflow
 
     tokens = layout.spec((*TOKEN_NAMES, None))
-    # The mesh's axes of one device are manual too (it changes nothing for them): a TPU Pallas kernel
-    # (megablox) lowers only inside a map manual over every mesh axis.
+    # Every other mesh axis is manual too, the values replicated over it (each device computes the
+    # same): a TPU Pallas kernel (megablox) lowers only inside a map manual over every mesh axis, and
+    # outside a pipeline's stages (a multi-token prediction module's block, after them) the stage
+    # axis is one of those.
     already = set(jax.sharding.get_abstract_mesh().manual_axes)  # a pipeline stage's
-    single = {a for a, size in layout.mesh.shape.items() if size == 1 and a not in already}
+    single = {a for a in layout.mesh.shape if a not in already}
     return jax.shard_map(
         per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, tokens, stored), out_specs=(tokens, P()),
         axis_names=set(token_axes + expert_axes + hidden_axes) | single,
