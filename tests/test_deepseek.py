@@ -187,13 +187,13 @@ def test_round_trip_is_exact_and_transformers_loads_the_export(checkpoints, impo
     np.testing.assert_allclose(torch_logits(reloaded, TOKENS), expected, rtol=0, atol=1e-5)
 
 
-def test_decode_with_a_cache_matches_the_whole_sequence(imported):
-    """Keys of the q·k head size (24) and values of their own (12) in the cache."""
+def test_decode_with_a_cache_of_latents_matches_the_whole_sequence(imported):
+    """The cache holds a token's latent (16) and RoPE key (8), not its 4 heads' keys (24) and values (12)."""
     model, params = imported["v3"].model, imported["v3"].params
     tokens, positions = TOKENS[:1, :24], np.arange(24, dtype=np.int32)[None]
     whole, _ = model.apply(params, tokens, positions)
     cache = model.init_cache(1, 32)
-    assert cache["k"].shape == (3, 1, 32, 4, 24) and cache["v"].shape == (3, 1, 32, 4, 12)
+    assert cache["k"].shape == (3, 1, 32, 1, 16) and cache["v"].shape == (3, 1, 32, 1, 8)
     decode = jax.jit(model.decode)
     logits, cache = decode(params, tokens[:, :16], positions[:, :16], cache)
     steps = [logits]
