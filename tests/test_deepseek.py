@@ -9,7 +9,7 @@ group_limited_greedy, 2 shared experts, routed_scaling_factor) are saved with `s
 class with the same logits, and the round trip is bit-exact. Each thing the match depends on (YaRN's
 two scale corrections, the interleaved columns' reordering, the group limit and its score, the
 routing bias) is shown to move the logits when changed, so the comparison cannot pass without it.
-Refusals name the field; decoding with a cache matches the whole sequence.
+Refusals name the field; decoding with a cache of latents matches the whole sequence.
 
 Skipped without torch and transformers (the `hf` extra).
 """
