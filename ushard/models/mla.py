@@ -57,8 +57,9 @@ def softmax_gain(scaling) -> float:
 class LatentAttention(nnx.Module):
     """One layer's multi-head latent attention (module docstring); called as `Attention` is.
 
-    The down-projections' latent outputs are unnamed, as they share their weight with `embed` (which
-    ZeRO-3 splits); the up-projections' latent inputs are `latent`, split as `embed` is.
+    A weight can name a mesh axis once: the down-projections' latent outputs are unnamed, their
+    `embed` input carrying ZeRO-3's split, and the up-projections' latent inputs are `latent`, split
+    as `embed` is, so that ZeRO-3 splits every weight of the layer.
     """
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
