@@ -9,7 +9,7 @@ group_limited_greedy, 2 shared experts, routed_scaling_factor) are saved with `s
 class with the same logits, and the round trip is bit-exact. Each thing the match depends on (YaRN's
 two scale corrections, the interleaved columns' reordering, the group limit and its score, the
 routing bias) is shown to move the logits when changed, so the comparison cannot pass without it.
-Refusals name the field; decoding with a cache matches the whole sequence.
+Refusals name the field; decoding with a cache of latents matches the whole sequence.
 
 Skipped without torch and transformers (the `hf` extra).
 """
@@ -23,15 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import test_hf
 import ushard
-from test_hf import relative_error, torch_logits
+from test_hf import FINETUNE, cli, first_batch, first_loss, relative_error, torch_logits, transformers_loss
 from ushard import hf
 from ushard.errors import UserError
 from ushard.models.config import MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeScaling
 from ushard.models.definition import model_definition
 from ushard.trained import TrainedModel
 
-VOCAB = 300
+text_file = test_hf.text_file  # the fixture, shared
+VOCAB = 300  # at least the byte tokenizer's 257, for the fine-tuning run
 KINDS = ("v3", "v2")
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 40)).astype(np.int32)
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -214,13 +216,13 @@ def test_round_trip_is_exact_and_transformers_loads_the_export(checkpoints, impo
     np.testing.assert_allclose(torch_logits(reloaded, TOKENS), expected, rtol=0, atol=1e-5)
 
 
-def test_decode_with_a_cache_matches_the_whole_sequence(imported):
-    """Keys of the q·k head size (24) and values of their own (12) in the cache."""
+def test_decode_with_a_cache_of_latents_matches_the_whole_sequence(imported):
+    """The cache holds a token's latent (16) and RoPE key (8), not its 4 heads' keys (24) and values (12)."""
     model, params = imported["v3"].model, imported["v3"].params
     tokens, positions = TOKENS[:1, :24], np.arange(24, dtype=np.int32)[None]
     whole, _ = model.apply(params, tokens, positions)
     cache = model.init_cache(1, 32)
-    assert cache["k"].shape == (3, 1, 32, 4, 24) and cache["v"].shape == (3, 1, 32, 4, 12)
+    assert cache["k"].shape == (3, 1, 32, 1, 16) and cache["v"].shape == (3, 1, 32, 1, 8)
     decode = jax.jit(model.decode)
     logits, cache = decode(params, tokens[:, :16], positions[:, :16], cache)
     steps = [logits]
@@ -228,6 +230,31 @@ def test_decode_with_a_cache_matches_the_whole_sequence(imported):
         logits, cache = decode(params, tokens[:, i:i + 1], positions[:, i:i + 1], cache)
         steps.append(logits)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_finetune_from_a_converted_checkpoint_starts_at_transformers_loss(checkpoints, text_file, tmp_path):
+    """docs/finetuning.md's recipe on DeepSeek-V3: convert, train with the printed settings, export."""
+    import transformers
+
+    directory, model, _ = checkpoints["v3"]
+    converted, run, exported = (str(tmp_path / name) for name in ("converted", "run", "exported"))
+    status, out, err = cli("convert", "--from-hf", directory, "--to", converted)
+    assert status == 0, err
+    settings = [a for a in out.split() if a.startswith("--config.model.")]
+    assert "--config.model.family=deepseek" in settings and "--config.model.mla.kv_lora_rank=16" in settings
+    sizes = [a for a in FINETUNE if not a.startswith(("--config.model.", "--config.train.seq_len"))]
+    status, out, err = cli("train", *sizes, *settings, "--config.train.seq_len=32", f"--config.data.paths={text_file}",
+                           f"--config.checkpoint.init_from={converted}", "--workdir", run)
+    assert status == 0, err
+    expected = transformers_loss(model, first_batch(text_file))
+    assert abs(first_loss(run) - expected) <= 1e-5 * expected
+    status, _, err = cli("convert", "--from", run, "--to-hf", exported)
+    assert status == 0, err
+    trained = ushard.load_model(run, log=lambda *_: None)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    assert type(reloaded) is type(model)
+    assert relative_error(trained(TOKENS), torch_logits(reloaded, TOKENS)) <= 1e-4
 
 
 @pytest.mark.parametrize("kind, changes, match", [

@@ -92,9 +92,8 @@ def generation_bytes(cfg: ModelConfig, prompt_len: int, positions: int) -> int:
     """Estimated peak bytes of generating up to `positions` tokens after a `prompt_len`-token prompt: the
     KV cache (CACHE_COPIES times) and the prefill's float32 attention scores and probabilities, which
     span every cache slot."""
-    shape = family(cfg.family).attention_shape(cfg)  # keys and values of the family's head sizes
-    per_head = shape.qk_head_dim + shape.v_head_dim
-    cache = cfg.n_layers * cfg.n_kv_heads * per_head * np.dtype(cfg.compute_dtype).itemsize
+    heads, k_dim, v_dim = family(cfg.family).attention_shape(cfg).cache_dims(cfg.n_kv_heads)  # the family's entries
+    cache = cfg.n_layers * heads * (k_dim + v_dim) * np.dtype(cfg.compute_dtype).itemsize
     scores = 2 * prompt_len * cfg.n_heads * 4
     return positions * (CACHE_COPIES * cache + scores)
 

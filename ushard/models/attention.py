@@ -66,14 +66,10 @@ def cached_attention(q, k_cache, v_cache, length, window: int = 0):
     0 .. length + i (causal in cache order, as training's mask is within a document) and none of the
     empty slots after them (with a `window`, nor the slots window or more before its own). Plain XLA
     attention with an explicit mask: S is the cache size, fixed for a whole generation, so one compiled
-    step serves every length. The values may be narrower than q·k's heads (latent attention's): JAX's
-    attention takes one head size, so those run as `xla_block`'s einsum.
+    step serves every length.
     """
     t, s = q.shape[1], k_cache.shape[1]
     query_slot = length + jnp.arange(t)
-    if v_cache.shape[-1] != q.shape[-1]:
-        out, _ = kernels.xla_block(q, k_cache, v_cache, query_slot[None], jnp.arange(s)[None], None, None, window)
-        return out.astype(q.dtype)
     mask = jnp.arange(s)[None, :] <= query_slot[:, None]  # [T, S]
     if window:
         mask &= jnp.arange(s)[None, :] > query_slot[:, None] - window

@@ -94,12 +94,14 @@ def stacked(count: int, make, rngs: nnx.Rngs):
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, shape: AttentionShape | None = None) -> dict:
-    """An empty KV cache for `Decoder.decode`: keys [n_layers, batch, max_len, n_kv_heads, qk head size]
-    and values [..., v head size] in the compute dtype (unless `dtype` is given), and `length`, the
-    slots filled so far. The head sizes are `shape`'s, the family's (latent attention's keys are wider
-    than its values), by default model.head_dim for both."""
-    k_dim, v_dim = (cfg.head_dim, cfg.head_dim) if shape is None else (shape.qk_head_dim, shape.v_head_dim)
-    rows = (cfg.n_layers, batch, max_len, cfg.n_kv_heads)
+    """An empty KV cache for `Decoder.decode`: "k" [n_layers, batch, max_len, heads, k size] and "v"
+    [..., v size] in the compute dtype (unless `dtype` is given), and `length`, the slots filled so
+    far. The sizes are `shape`'s (the family's `AttentionShape.cache_dims`: latent attention's keys
+    are wider than its values, and it caches its latent instead), by default model.n_kv_heads heads
+    of model.head_dim."""
+    shape = shape or AttentionShape(cfg.n_heads, cfg.head_dim, cfg.head_dim, ())
+    heads, k_dim, v_dim = shape.cache_dims(cfg.n_kv_heads)
+    rows = (cfg.n_layers, batch, max_len, heads)
     dtype = jnp.dtype(cfg.compute_dtype if dtype is None else dtype)
     return {"k": jnp.zeros((*rows, k_dim), dtype), "v": jnp.zeros((*rows, v_dim), dtype),
             "length": jnp.zeros((), jnp.int32)}

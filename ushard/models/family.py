@@ -17,12 +17,20 @@ from ushard.models.config import ModelConfig
 @dataclass(frozen=True)
 class AttentionShape:
     """Attention's sizes in every layer, for FLOPs: the query heads, the size of one head in q·k and
-    in the values, and each layer's sliding window (0: the layer attends to the whole context)."""
+    in the values, and each layer's sliding window (0: the layer attends to the whole context).
+    `cache`: what a decoding cache holds for a token in each layer, (heads, its "k" size, its "v"
+    size), where that is not the keys and values (latent attention caches its latent); None: the
+    keys and values of model.n_kv_heads heads."""
 
     heads: int
     qk_head_dim: int
     v_head_dim: int
     windows: tuple[int, ...]
+    cache: tuple[int, int, int] | None = None
+
+    def cache_dims(self, n_kv_heads: int) -> tuple[int, int, int]:
+        """(heads, k size, v size) of one token's cache entries in one layer."""
+        return self.cache or (n_kv_heads, self.qk_head_dim, self.v_head_dim)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs a token spends in attention's two matmuls (scores and values), forward and

@@ -14,8 +14,9 @@ which leaves the function as it was. With YaRN (`model.rope_scaling.type="yarn"`
 carry YaRN's attention factor, as in every family, and the softmax scale qk_head_dim ** -0.5 is
 multiplied by mscale(factor, mscale_all_dim) ** 2, DeepSeek's own correction (`softmax_gain`).
 
-Decoding caches the expanded keys and values, like the other families' attention; caching the latent
-(kv_lora_rank + qk_rope_head_dim numbers a token instead of heads x (192 + 128)) is the known saving.
+Decoding caches the latent and the RoPE key, kv_lora_rank + qk_rope_head_dim numbers a token
+(DeepSeek-V3: 576, against 128 heads x (192 + 128) expanded), with the expansion absorbed into the
+queries and the output (`LatentAttention.decode`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ushard.errors import UserError
-from ushard.models.attention import cached_attention, causal_attention
+from ushard.models.attention import causal_attention
 from ushard.models.config import MLAConfig, ModelConfig
 from ushard.models.layers import (
     BTD,
@@ -56,8 +57,9 @@ def softmax_gain(scaling) -> float:
 class LatentAttention(nnx.Module):
     """One layer's multi-head latent attention (module docstring); called as `Attention` is.
 
-    The down-projections' latent outputs are unnamed, as they share their weight with `embed` (which
-    ZeRO-3 splits); the up-projections' latent inputs are `latent`, split as `embed` is.
+    A weight can name a mesh axis once: the down-projections' latent outputs are unnamed, their
+    `embed` input carrying ZeRO-3's split, and the up-projections' latent inputs are `latent`, split
+    as `embed` is, so that ZeRO-3 splits every weight of the layer.
     """
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
@@ -82,42 +84,70 @@ class LatentAttention(nnx.Module):
         self.query_gain = softmax_gain(cfg.rope_scaling)
         self.impl, self.document_mask = cfg.attention_impl, cfg.document_mask
 
-    def _project(self, x, positions):
-        """Queries [B, T, heads, qk], keys [B, T, heads, qk] and values [B, T, heads, v] of x."""
+    def _queries(self, x, positions):
+        """Queries [B, T, heads, qk] of x: the nope part, then the rotated part; DeepSeek's softmax
+        correction folded in."""
         if self.q_lora:
             latent = constrain(project("btd,dr->btr", x, self.wq_a[...], self.fp8), LATENT_NAMES)
             q = project("btr,rhk->bthk", self.q_norm(latent), self.wq_b[...], self.fp8)
         else:
             q = project("btd,dhk->bthk", x, self.wq[...], self.fp8)
         q = constrain(q, Q_NAMES)
+        q_rot = rotary(q[..., self.nope:], positions, *self._rope())
+        q = jnp.concatenate([q[..., :self.nope], q_rot], axis=-1)
+        return q * jnp.asarray(self.query_gain, q.dtype) if self.query_gain != 1.0 else q
+
+    def _rope(self):
+        return rope_frequencies(self.rope, self.rope_theta, self.rope_scaling), rope_attention_factor(self.rope_scaling)
+
+    def _latent(self, x, positions):
+        """The normalised latent [B, T, kv_lora_rank] of x and its rotated key [B, T, qk_rope_head_dim],
+        one for every head: all that a token's keys and values are made of."""
         kv_a = constrain(project("btd,dr->btr", x, self.wkv_a[...], self.fp8), LATENT_NAMES)
         latent, k_rot = kv_a[..., :self.kv_rank], kv_a[..., self.kv_rank:]
-        kv = constrain(project("btr,rhk->bthk", self.kv_norm(latent), self.wkv_b[...], self.fp8), KV_NAMES)
+        return self.kv_norm(latent), rotary(k_rot[:, :, None, :], positions, *self._rope())[:, :, 0]
+
+    def _keys_values(self, latent, k_rot):
+        """Keys [B, T, heads, qk] and values [B, T, heads, v], expanded from the latent."""
+        kv = constrain(project("btr,rhk->bthk", latent, self.wkv_b[...], self.fp8), KV_NAMES)
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
-        freqs = rope_frequencies(self.rope, self.rope_theta, self.rope_scaling)
-        gain = rope_attention_factor(self.rope_scaling)
-        q_rot = rotary(q[..., self.nope:], positions, freqs, gain)
-        k_rot = rotary(k_rot[:, :, None, :], positions, freqs, gain)  # one key for every head
-        q = jnp.concatenate([q[..., :self.nope], q_rot], axis=-1)
-        if self.query_gain != 1.0:
-            q = q * jnp.asarray(self.query_gain, q.dtype)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (*k_nope.shape[:-1], self.rope))], axis=-1)
-        return q, constrain(k, KV_NAMES), constrain(v, KV_NAMES)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None], (*k_nope.shape[:-1], self.rope))], axis=-1)
+        return constrain(k, KV_NAMES), constrain(v, KV_NAMES)
 
     def _output(self, out):
         out = constrain(out, Q_NAMES)
         return constrain(project("bthk,hkd->btd", out, self.wo[...], self.fp8), BTD)
 
     def __call__(self, x, positions, segment_ids):
-        q, k, v = self._project(x, positions)
+        q = self._queries(x, positions)
+        k, v = self._keys_values(*self._latent(x, positions))
         return self._output(causal_attention(q, k, v, segment_ids if self.document_mask else None, self.impl))
 
     def decode(self, x, positions, k_cache, v_cache, length):
-        """As `Attention.decode`: caches [B, S, heads, qk] and [B, S, heads, v]."""
-        q, k, v = self._project(x, positions)
-        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), length, axis=1)
-        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), length, axis=1)
-        out = cached_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), length)
+        """Attention for new tokens with a cache of latents (inference only; see `Attention.decode`).
+
+        The cache holds each token's latent (k_cache [B, S, 1, kv_lora_rank]) and rotated key (v_cache
+        [B, S, 1, qk_rope_head_dim]), not its keys and values: 576 numbers a token and layer for
+        DeepSeek-V3 instead of 128 x (192 + 128). The expansion is absorbed into the queries and the
+        output instead of applied to every cached token: a head's score is q_nope · (W_k c) + q_rot ·
+        k_rot = (W_k^T q_nope) · c + q_rot · k_rot, and its output W_v (sum_s p_s c_s). The same
+        function as the expanded keys and values, summed in another order.
+        """
+        q = self._queries(x, positions)
+        latent, k_rot = self._latent(x, positions)
+        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, latent[:, :, None].astype(k_cache.dtype), length, axis=1)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, k_rot[:, :, None].astype(v_cache.dtype), length, axis=1)
+        latents, rot_keys = k_cache[:, :, 0].astype(q.dtype), v_cache[:, :, 0].astype(q.dtype)
+        w_kv = self.wkv_b[...].astype(q.dtype)  # [kv_lora_rank, heads, nope + v]
+        q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :self.nope], w_kv[..., :self.nope])
+        scores = (jnp.einsum("bthr,bsr->bhts", q_latent, latents, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthk,bsk->bhts", q[..., self.nope:], rot_keys, preferred_element_type=jnp.float32))
+        scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
+        slots = jnp.arange(k_cache.shape[1])
+        visible = slots[None, :] <= (length + jnp.arange(q.shape[1]))[:, None]  # [T, S], as `cached_attention`
+        weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        out_latent = jnp.einsum("bhts,bsr->bthr", weights.astype(q.dtype), latents)
+        out = jnp.einsum("bthr,rhv->bthv", out_latent, w_kv[..., self.nope:])
         return self._output(out), k_cache, v_cache
 
 

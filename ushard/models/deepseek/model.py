@@ -30,8 +30,11 @@ def build(cfg: ModelConfig, rngs: nnx.Rngs) -> Decoder:
 
 
 def attention_shape(cfg: ModelConfig) -> AttentionShape:
-    """Every layer global; q·k over the heads' nope and rope parts, values of v_head_dim."""
-    return AttentionShape(cfg.n_heads, cfg.mla.qk_head_dim, cfg.mla.v_head_dim, (0,) * cfg.n_layers)
+    """Every layer global; q·k over the heads' nope and rope parts, values of v_head_dim; the decoding
+    cache holds a token's latent and its RoPE key (ushard/models/mla.py)."""
+    mla = cfg.mla
+    return AttentionShape(cfg.n_heads, mla.qk_head_dim, mla.v_head_dim, (0,) * cfg.n_layers,
+                          cache=(1, mla.kv_lora_rank, mla.qk_rope_head_dim))
 
 
 def check(cfg: ModelConfig) -> None:
