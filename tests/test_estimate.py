@@ -162,6 +162,10 @@ TPU = {
     "tiny_v5p8_sequence2_ring": ("tiny", {**SPLASH_CP, "model.document_mask": True}),
     "tiny_v5p8_sequence2_all_gather": ("tiny", {**SPLASH_CP, "parallel.context_parallel": "all_gather"}),
     "tiny_v5p8_sequence2_ring_keep_kv": ("tiny", {**SPLASH_CP, "parallel.context_keep_kv": True}),
+    # An unrolled stack under dots_attention (the one-GPU config's settings): no logits' gradient is
+    # written (estimate.logits_gradient); the peak is the backward pass's.
+    "qwen3_1_7b_v5p8_unrolled": ("qwen3_1_7b", {"model.n_layers": 4, "model.scan_unroll": 4, "mesh.fsdp": 8,
+                                                "train.batch_size": 16}),
 }
 
 
@@ -173,6 +177,31 @@ def test_the_estimate_matches_the_tpu_compiler(name):
     config = load_config(config_name)
     apply_overrides(config, [f"{k}={v}" for k, v in overrides.items()])
     assert_estimate_matches_compiler(build_for(config, "v5p:2x2x2"))
+
+
+def tpu_setup(config_name="qwen3_1_7b", **overrides):
+    """A shipped config laid out on v5p:2x2x1's four chips (libtpu's devices; nothing is compiled), its
+    two layers rolled unless `overrides` say otherwise."""
+    pytest.importorskip("libtpu")
+    config = load_config(config_name)
+    settings = {"model.n_layers": 2, "model.scan_unroll": 1, "train.seq_len": 256, "train.batch_size": 8,
+                "mesh.fsdp": 4, **overrides}
+    apply_overrides(config, [f"{k}={v}" for k, v in settings.items()])
+    return build_for(config, "v5p:2x2x1")
+
+
+def test_on_tpus_only_a_rolled_stack_writes_the_logits_gradient():
+    """An unrolled stack's head fuses the loss's backward into both of its matmuls, leaving the logits
+    live through the backward pass instead (estimate.logits_gradient): no phase of its own."""
+    from ushard import estimate as e
+
+    setup = tpu_setup()
+    rolled, work, cfg = estimate(setup), e.device_work(setup), setup.model_config
+    assert rolled.logits_gradient == work.rows * work.length * cfg.vocab_size * 2  # bfloat16
+    assert rolled.phases()["the loss"]["logits_gradient"] == rolled.logits_gradient
+    unrolled = estimate(tpu_setup(**{"model.scan_unroll": 2}))
+    assert unrolled.logits_gradient == 0 and unrolled.phases()["the loss"] == {}
+    assert unrolled.saved_activations == rolled.saved_activations  # the logits among them either way
 
 
 def test_layouts_it_does_not_model_are_refused():

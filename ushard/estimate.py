@@ -335,10 +335,17 @@ def logits_gradient(setup, work: DeviceWork) -> int:
     compiler materialises as the backward pass starts, while the saved logits and the vocabulary's
     buffers are still live (measured through libtpu's memory analysis, tests/test_estimate.py). Not
     charged on CPU, where the grid matches without it (not investigated further), nor on GPUs, where
-    it has not been checked."""
-    if setup.plan.platform != "tpu":
-        return 0
+    it has not been checked.
+
+    Nor with a fully unrolled stack: there the loss's backward (softmax minus one-hot, elementwise on
+    the saved logits, ushard/training/loss.py) fuses into both matmuls of the LM head that read it, and
+    the head's weight gradient is scheduled after the layers' backward pass: the logits stay live
+    through that pass (among the saved activations) and no [tokens, vocabulary] gradient is written
+    (libtpu's buffers for qwen3_1_7b and its Llama twin at four unrolled layers, and for tiny at a 32k
+    vocabulary; docs/dev-notes.md)."""
     cfg = setup.model_config
+    if setup.plan.platform != "tpu" or cfg.scan_unroll >= cfg.n_layers:
+        return 0
     return work.rows * work.length * cfg.vocab_size // work.vocab_ways * jnp.dtype(cfg.compute_dtype).itemsize
 
 
