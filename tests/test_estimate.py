@@ -204,6 +204,20 @@ def test_on_tpus_only_a_rolled_stack_writes_the_logits_gradient():
     assert unrolled.saved_activations == rolled.saved_activations  # the logits among them either way
 
 
+def test_on_tpus_a_rolled_zero3_stack_keeps_its_weight_shards_cast_to_the_compute_dtype():
+    """The cast of the stacked layer shards (float32 -> bfloat16) is hoisted out of the layer loops and
+    kept across both (estimate.hoisted_cast): half the stack's float32 shards, counted beside every phase."""
+    setup = tpu_setup()
+    stack = setup.model.split_stack(setup.steps.abstract_state().params)[0]
+    from ushard.estimate import shard_bytes
+
+    m = estimate(setup)
+    assert m.kept_weights == shard_bytes(stack) // 2 > 0
+    assert m.temporaries == m.kept_weights + max(sum(t.values()) for t in m.phases().values())
+    for other in ({"model.scan_unroll": 2}, {"parallel.zero_stage": 1}, {"model.param_dtype": "bfloat16"}):
+        assert estimate(tpu_setup(**other)).kept_weights == 0, other
+
+
 def test_layouts_it_does_not_model_are_refused():
     setup = build(small_config("tiny_moe", **{"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_microbatches": 4,
                                               "model.n_layers": 4, "model.moe.first_dense_layers": 2}))

@@ -374,6 +374,8 @@ def kept_weights(setup) -> int:
     gathered = gathers_weights(setup)
     merged = cfg.remat == "none" and cfg.scan_unroll >= cfg.n_layers
     one_f_one_b = layout.pipeline is not None and layout.pipeline.name == "1f1b"
+    if gathered and not layout.zero.keep_gathered and hoisted_cast(setup):
+        return cast_layer_shards(setup)
     if not gathered or one_f_one_b or not (layout.zero.keep_gathered or merged):
         return 0
     if gpu_without_remat(setup):
@@ -386,6 +388,27 @@ def kept_weights(setup) -> int:
     return sum(shard_bytes(jax.ShapeDtypeStruct(shape.shape, dtype, sharding=layout.sharding(names)))
                for shape, names in zip(jax.tree.leaves(stack_shapes), jax.tree.leaves(stack_names, is_leaf=_is_names))
                if "norm" not in names)
+
+
+def hoisted_cast(setup) -> bool:
+    """Whether the TPU compiler casts the whole stack of layer weight shards to the compute dtype once,
+    ahead of the rolled layer loop, and keeps the cast for the backward loop: every layer then gathers
+    its 16-bit shard (ZeRO-3). Seen in libtpu's buffers of each scanned ZeRO-3 step read (qwen3_1_7b,
+    gemma3_1b, qwen3_30b_a3b: `convert` of the stacked shards, live across both loops). Not in a fully
+    unrolled stack, which casts each layer's as it runs; not where the weights are stored in the
+    compute dtype; not under a pipeline (its stage's own buffers, `one_f_one_b_buffers`). CPUs hold
+    float32 (no cast, `held_dtype`); GPUs have not been checked."""
+    cfg = setup.model_config
+    return (setup.plan.platform == "tpu" and setup.layout.pipeline is None and cfg.scan_unroll < cfg.n_layers
+            and jnp.dtype(cfg.param_dtype) != jnp.dtype(cfg.compute_dtype))
+
+
+def cast_layer_shards(setup) -> int:
+    """One device's bytes of the layer stack's weight shards, split as stored, in the compute dtype:
+    the cast `hoisted_cast` keeps."""
+    model, dtype = setup.model, jnp.dtype(setup.model_config.compute_dtype)
+    shapes, shardings = model.split_stack(model.shapes)[0], model.split_stack(setup.steps.shardings.params)[0]
+    return shard_bytes(jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, dtype, sharding=s), shapes, shardings))
 
 
 def _is_names(x) -> bool:
