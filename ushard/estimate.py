@@ -42,7 +42,8 @@ Beside these, named terms for what the compiler holds around the weights and the
 - The logits' gradient (`logits_gradient`, TPU only): the TPU compiler materialises the gradient of the
   [tokens, vocabulary] logits as the backward pass starts, while every saved activation (the logits
   among them), the vocabulary's buffers and the gradients are live: a third phase (`MemoryEstimate.phases`).
-  On CPU the grid matches without it, so it is not charged there. The layers' gradients are live
+  On CPU the grid matches without it, so it is not charged there; nor on TPUs for a fully unrolled
+  stack, whose head fuses the loss's backward into both its matmuls. The layers' gradients are live
   there only where a scanned stack's backward loop has allocated their stacked buffer; a fully
   unrolled stack writes each layer's as its backward pass runs (`MemoryEstimate.gradients_at_loss`).
 - The vocabulary's buffers as the forward pass starts (`vocabulary_buffers`): the embedding table and
@@ -51,7 +52,8 @@ Beside these, named terms for what the compiler holds around the weights and the
 - Kept state (`kept_state`): with train.on_nonfinite "skip", copies of the old optimizer moments
   (not on TPUs, whose compiles peak the same with "skip" and "stop").
 - Kept weights (`kept_weights`): ZeRO-3's gathered layer weights where they live from the forward pass
-  to the backward (reshard_after_forward false, or no remat in a fully unrolled stack).
+  to the backward (reshard_after_forward false, or no remat in a fully unrolled stack); on TPUs, a
+  rolled stack's weight shards cast to the compute dtype once, ahead of the layer loops (`hoisted_cast`).
 The peak holds the kept weights and the largest of the phases: the backward pass's (activations,
 gradients, pipeline buffers), the forward pass's start (vocabulary's buffers and kept state), on
 TPUs the loss's (saved activations, the logits' gradient, the vocabulary's buffers, the gradients)
