@@ -398,19 +398,21 @@ def hoisted_cast(setup) -> bool:
     its 16-bit shard (ZeRO-3). Seen in libtpu's buffers of each scanned ZeRO-3 step read (qwen3_1_7b,
     gemma3_1b, qwen3_30b_a3b: `convert` of the stacked shards, live across both loops). Not in a fully
     unrolled stack, which casts each layer's as it runs; not where the weights are stored in the
-    compute dtype; not under a pipeline (its stage's own buffers, `one_f_one_b_buffers`). CPUs hold
-    float32 (no cast, `held_dtype`); GPUs have not been checked."""
+    compute dtype; not under a pipeline (not checked; 1F1B prepares its stage's weights itself,
+    `one_f_one_b_buffers`). CPUs hold float32 (no cast, `held_dtype`); GPUs have not been checked."""
     cfg = setup.model_config
     return (setup.plan.platform == "tpu" and setup.layout.pipeline is None and cfg.scan_unroll < cfg.n_layers
             and jnp.dtype(cfg.param_dtype) != jnp.dtype(cfg.compute_dtype))
 
 
 def cast_layer_shards(setup) -> int:
-    """One device's bytes of the layer stack's weight shards, split as stored, in the compute dtype:
-    the cast `hoisted_cast` keeps."""
+    """One device's bytes of the layer stack's matmul weight shards, split as stored, in the compute
+    dtype: the cast `hoisted_cast` keeps (norm scales are used as stored, `weight_for_compute`)."""
     model, dtype = setup.model, jnp.dtype(setup.model_config.compute_dtype)
     shapes, shardings = model.split_stack(model.shapes)[0], model.split_stack(setup.steps.shardings.params)[0]
-    return shard_bytes(jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, dtype, sharding=s), shapes, shardings))
+    names = jax.tree.leaves(model.split_stack(model.logical)[0], is_leaf=_is_names)
+    return sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, dtype, sharding=s))
+               for p, s, n in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), names) if "norm" not in n)
 
 
 def _is_names(x) -> bool:
