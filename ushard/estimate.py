@@ -137,6 +137,8 @@ class MemoryEstimate:
     gradients_apart: bool = False
     # TPUs: whether the layers' gradients are live at the loss (a scanned stack's stacked buffer).
     gradients_at_loss: bool = True
+    # TPUs: the loss is a phase of its own, also where no logits' gradient is written (an unrolled stack).
+    loss_phase: bool = False
 
     def phases(self) -> dict[str, dict[str, int]]:
         """What the step holds beside the state at each of its peaks, term by term (the fields the terms
@@ -145,10 +147,11 @@ class MemoryEstimate:
           as it starts: no gradient yet) and a pipeline's buffers;
         - the forward pass's start: the vocabulary's buffers and the copied moments, which cannot go in
           the donated state buffers the copies free (`kept_state`);
-        - the loss, where the logits' gradient is materialised (TPUs): every saved activation (the
-          logits among them), the logits' gradient, the vocabulary's buffers (the head's weights it
-          multiplies by, the embedding's gradient allocated ahead) and, where a scanned stack's
-          backward loop holds them already (`gradients_at_loss`), the gradients;
+        - the loss (TPUs), where the logits' gradient is materialised (none for an unrolled stack,
+          `logits_gradient`): every saved activation (the logits among them), the logits' gradient,
+          the vocabulary's buffers (the head's weights it multiplies by, the embedding's gradient
+          allocated ahead) and, where a scanned stack's backward loop holds them already
+          (`gradients_at_loss`), the gradients;
         - with `gradients_apart`, the backward pass's end: every gradient, the residual stream's
           gradient and the vocabulary's buffers (the embedding's gradient among them)."""
         phases = {
@@ -159,7 +162,7 @@ class MemoryEstimate:
             "the forward pass's start": {"vocabulary_buffers": self.vocabulary_buffers, "kept_state": self.kept_state},
             "the loss": {},
         }
-        if self.logits_gradient:
+        if self.logits_gradient or self.loss_phase:
             phases["the loss"] = {"saved_activations": self.saved_activations, "logits_gradient": self.logits_gradient,
                                   "vocabulary_buffers": self.vocabulary_buffers,
                                   "gradients": self.gradients if self.gradients_at_loss else 0}
@@ -253,6 +256,7 @@ def estimate(setup) -> MemoryEstimate:
         logits_gradient=logits_gradient(setup, work),
         gradients_apart=gpu_without_remat(setup),
         gradients_at_loss=setup.model_config.scan_unroll < setup.model_config.n_layers,
+        loss_phase=setup.plan.platform == "tpu",
     )
 
 
@@ -344,7 +348,8 @@ def logits_gradient(setup, work: DeviceWork) -> int:
     the head's weight gradient is scheduled after the layers' backward pass: the logits stay live
     through that pass (among the saved activations) and no [tokens, vocabulary] gradient is written
     (libtpu's buffers for qwen3_1_7b and its Llama twin at four unrolled layers, and for tiny at a 32k
-    vocabulary; docs/dev-notes.md)."""
+    vocabulary; docs/dev-notes.md). The loss stays a phase there (`MemoryEstimate.loss_phase`): the
+    saved activations and the vocabulary's buffers peak together (bench_1b's shrunk rows)."""
     cfg = setup.model_config
     if setup.plan.platform != "tpu" or cfg.scan_unroll >= cfg.n_layers:
         return 0
