@@ -42,7 +42,8 @@ Beside these, named terms for what the compiler holds around the weights and the
 - The logits' gradient (`logits_gradient`, TPU only): the TPU compiler materialises the gradient of the
   [tokens, vocabulary] logits as the backward pass starts, while every saved activation (the logits
   among them), the vocabulary's buffers and the gradients are live: a third phase (`MemoryEstimate.phases`).
-  On CPU the grid matches without it, so it is not charged there. The layers' gradients are live
+  On CPU the grid matches without it, so it is not charged there; nor on TPUs for a fully unrolled
+  stack, whose head fuses the loss's backward into both its matmuls. The layers' gradients are live
   there only where a scanned stack's backward loop has allocated their stacked buffer; a fully
   unrolled stack writes each layer's as its backward pass runs (`MemoryEstimate.gradients_at_loss`).
 - The vocabulary's buffers as the forward pass starts (`vocabulary_buffers`): the embedding table and
@@ -51,7 +52,8 @@ Beside these, named terms for what the compiler holds around the weights and the
 - Kept state (`kept_state`): with train.on_nonfinite "skip", copies of the old optimizer moments
   (not on TPUs, whose compiles peak the same with "skip" and "stop").
 - Kept weights (`kept_weights`): ZeRO-3's gathered layer weights where they live from the forward pass
-  to the backward (reshard_after_forward false, or no remat in a fully unrolled stack).
+  to the backward (reshard_after_forward false, or no remat in a fully unrolled stack); on TPUs, a
+  rolled stack's weight shards cast to the compute dtype once, ahead of the layer loops (`hoisted_cast`).
 The peak holds the kept weights and the largest of the phases: the backward pass's (activations,
 gradients, pipeline buffers), the forward pass's start (vocabulary's buffers and kept state), on
 TPUs the loss's (saved activations, the logits' gradient, the vocabulary's buffers, the gradients)
@@ -135,6 +137,8 @@ class MemoryEstimate:
     gradients_apart: bool = False
     # TPUs: whether the layers' gradients are live at the loss (a scanned stack's stacked buffer).
     gradients_at_loss: bool = True
+    # TPUs: the loss is a phase of its own, also where no logits' gradient is written (an unrolled stack).
+    loss_phase: bool = False
 
     def phases(self) -> dict[str, dict[str, int]]:
         """What the step holds beside the state at each of its peaks, term by term (the fields the terms
@@ -143,10 +147,11 @@ class MemoryEstimate:
           as it starts: no gradient yet) and a pipeline's buffers;
         - the forward pass's start: the vocabulary's buffers and the copied moments, which cannot go in
           the donated state buffers the copies free (`kept_state`);
-        - the loss, where the logits' gradient is materialised (TPUs): every saved activation (the
-          logits among them), the logits' gradient, the vocabulary's buffers (the head's weights it
-          multiplies by, the embedding's gradient allocated ahead) and, where a scanned stack's
-          backward loop holds them already (`gradients_at_loss`), the gradients;
+        - the loss (TPUs), where the logits' gradient is materialised (none for an unrolled stack,
+          `logits_gradient`): every saved activation (the logits among them), the logits' gradient,
+          the vocabulary's buffers (the head's weights it multiplies by, the embedding's gradient
+          allocated ahead) and, where a scanned stack's backward loop holds them already
+          (`gradients_at_loss`), the gradients;
         - with `gradients_apart`, the backward pass's end: every gradient, the residual stream's
           gradient and the vocabulary's buffers (the embedding's gradient among them)."""
         phases = {
@@ -157,7 +162,7 @@ class MemoryEstimate:
             "the forward pass's start": {"vocabulary_buffers": self.vocabulary_buffers, "kept_state": self.kept_state},
             "the loss": {},
         }
-        if self.logits_gradient:
+        if self.logits_gradient or self.loss_phase:
             phases["the loss"] = {"saved_activations": self.saved_activations, "logits_gradient": self.logits_gradient,
                                   "vocabulary_buffers": self.vocabulary_buffers,
                                   "gradients": self.gradients if self.gradients_at_loss else 0}
@@ -251,6 +256,7 @@ def estimate(setup) -> MemoryEstimate:
         logits_gradient=logits_gradient(setup, work),
         gradients_apart=gpu_without_remat(setup),
         gradients_at_loss=setup.model_config.scan_unroll < setup.model_config.n_layers,
+        loss_phase=setup.plan.platform == "tpu",
     )
 
 
@@ -335,10 +341,18 @@ def logits_gradient(setup, work: DeviceWork) -> int:
     compiler materialises as the backward pass starts, while the saved logits and the vocabulary's
     buffers are still live (measured through libtpu's memory analysis, tests/test_estimate.py). Not
     charged on CPU, where the grid matches without it (not investigated further), nor on GPUs, where
-    it has not been checked."""
-    if setup.plan.platform != "tpu":
-        return 0
+    it has not been checked.
+
+    Nor with a fully unrolled stack: there the loss's backward (softmax minus one-hot, elementwise on
+    the saved logits, ushard/training/loss.py) fuses into both matmuls of the LM head that read it, and
+    the head's weight gradient is scheduled after the layers' backward pass: the logits stay live
+    through that pass (among the saved activations) and no [tokens, vocabulary] gradient is written
+    (libtpu's buffers for qwen3_1_7b and its Llama twin at four unrolled layers, and for tiny at a 32k
+    vocabulary; docs/dev-notes.md). The loss stays a phase there (`MemoryEstimate.loss_phase`): the
+    saved activations and the vocabulary's buffers peak together (bench_1b's shrunk rows)."""
     cfg = setup.model_config
+    if setup.plan.platform != "tpu" or cfg.scan_unroll >= cfg.n_layers:
+        return 0
     return work.rows * work.length * cfg.vocab_size // work.vocab_ways * jnp.dtype(cfg.compute_dtype).itemsize
 
 
@@ -367,6 +381,8 @@ def kept_weights(setup) -> int:
     gathered = gathers_weights(setup)
     merged = cfg.remat == "none" and cfg.scan_unroll >= cfg.n_layers
     one_f_one_b = layout.pipeline is not None and layout.pipeline.name == "1f1b"
+    if gathered and not layout.zero.keep_gathered and hoisted_cast(setup):
+        return cast_layer_shards(setup)
     if not gathered or one_f_one_b or not (layout.zero.keep_gathered or merged):
         return 0
     if gpu_without_remat(setup):
@@ -379,6 +395,29 @@ def kept_weights(setup) -> int:
     return sum(shard_bytes(jax.ShapeDtypeStruct(shape.shape, dtype, sharding=layout.sharding(names)))
                for shape, names in zip(jax.tree.leaves(stack_shapes), jax.tree.leaves(stack_names, is_leaf=_is_names))
                if "norm" not in names)
+
+
+def hoisted_cast(setup) -> bool:
+    """Whether the TPU compiler casts the whole stack of layer weight shards to the compute dtype once,
+    ahead of the rolled layer loop, and keeps the cast for the backward loop: every layer then gathers
+    its 16-bit shard (ZeRO-3). Seen in libtpu's buffers of each scanned ZeRO-3 step read (qwen3_1_7b,
+    gemma3_1b, qwen3_30b_a3b: `convert` of the stacked shards, live across both loops). Not in a fully
+    unrolled stack, which casts each layer's as it runs; not where the weights are stored in the
+    compute dtype; not under a pipeline (not checked; 1F1B prepares its stage's weights itself,
+    `one_f_one_b_buffers`). CPUs hold float32 (no cast, `held_dtype`); GPUs have not been checked."""
+    cfg = setup.model_config
+    return (setup.plan.platform == "tpu" and setup.layout.pipeline is None and cfg.scan_unroll < cfg.n_layers
+            and jnp.dtype(cfg.param_dtype) != jnp.dtype(cfg.compute_dtype))
+
+
+def cast_layer_shards(setup) -> int:
+    """One device's bytes of the layer stack's matmul weight shards, split as stored, in the compute
+    dtype: the cast `hoisted_cast` keeps (norm scales are used as stored, `weight_for_compute`)."""
+    model, dtype = setup.model, jnp.dtype(setup.model_config.compute_dtype)
+    shapes, shardings = model.split_stack(model.shapes)[0], model.split_stack(setup.steps.shardings.params)[0]
+    names = jax.tree.leaves(model.split_stack(model.logical)[0], is_leaf=_is_names)
+    return sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, dtype, sharding=s))
+               for p, s, n in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), names) if "norm" not in n)
 
 
 def _is_names(x) -> bool:
