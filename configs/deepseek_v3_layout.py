@@ -34,7 +34,9 @@ What differs, and why:
   14 GiB a layer at 4096 tokens a device) and did not fit.
 
 Compiled for TPU without a TPU in docs/benchmarks.md ("DeepSeek-V3's layout compiled for 2,048 v5p
-chips"). At 1024 devices each holds two sequences of a microbatch, not compiled.
+chips"): it does not fit yet, 176.84 GiB of temporaries a chip (99.85 without the MTP module) of the
+v5p's 95.7; the GQA stand-in it laid out before needed 93.3. At 1024 devices each holds two
+sequences of a microbatch, not compiled.
 """
 
 from ushard.configs.deepseek_v3 import get_config as deepseek_v3_config
