@@ -119,9 +119,12 @@ def test_shipped_configs_are_valid_and_the_size_they_say(name, params):
     ("mixtral_8x7b", 64, {"expert": 8, "fsdp": 8}, 46_702_792_704 + 32 * 8, 12_748_587_008),
     ("deepseek_v3_like", 512, {"expert": 64, "fsdp": 8}, 666_776_743_424, 32_375_046_144),
     # DeepSeek's published 15.7B, 2.4B active (V2-Lite) and 671B, 37B active (V3, without its MTP
-    # module), each count here the weights plus the routing biases of its 26 or 58 MoE layers.
+    # module), each count here the weights plus the routing biases of its 26 or 58 MoE layers; V3 ships
+    # with its MTP module too: 11,610,068,224 more (an MoE layer with its biases, the projection, three
+    # norms; it shares the embedding and head), 688,062,464 of them active.
     ("deepseek_v2_lite", 64, {"expert": 8, "fsdp": 8}, 15_706_484_224 + 26 * 64, 2_451_308_544),
-    ("deepseek_v3", 512, {"expert": 64, "fsdp": 8}, 671_026_404_352 + 58 * 256, 36_624_596_992),
+    ("deepseek_v3", 512, {"expert": 64, "fsdp": 8}, 671_026_404_352 + 58 * 256 + 11_610_068_224,
+     36_624_596_992 + 688_062_464),
 ])
 def test_shipped_moe_configs_are_valid_and_the_size_they_say(name, devices, mesh, params, active):
     from ushard.models.config import ModelConfig

@@ -132,21 +132,21 @@ def test_aux_terms_join_the_loss_token_weighted_and_are_reported(stdlib_batches)
     config = small_config(**{"train.grad_accum": 2, "mesh.fsdp": 8, "train.batch_size": 16})
     setup = build(config)
     model = setup.model
-    plain_apply = model.apply
+    plain_apply, plain_training = model.apply, model.apply_for_training
 
-    def apply_with_penalty(params, *args):
-        logits, aux = plain_apply(params, *args)
-        return logits, {**aux, "penalty": 0.01 * jnp.mean(logits.astype(jnp.float32) ** 2)}
+    def apply_with_penalty(params, batch):
+        logits, aux, mtp_logits = plain_training(params, batch)
+        return logits, {**aux, "penalty": 0.01 * jnp.mean(logits.astype(jnp.float32) ** 2)}, mtp_logits
 
     host, _ = stdlib_batches.train_batch(stdlib_batches.initial_state(), 16)
     batch = place_batch(host, setup.layout.batch, (16, config.train.seq_len))
     state = setup.steps.init(0)
-    model.apply = apply_with_penalty
+    model.apply_for_training = apply_with_penalty
     try:
         _, metrics = jax.jit(setup.steps._train_step)(state, batch)
         loss, aux, grads, _ = jax.jit(setup.steps._mean_loss_and_grads)(state.params, batch)
     finally:
-        del model.apply  # back to the class's method (the definition is shared by a cache)
+        del model.apply_for_training  # back to the class's method (the definition is shared by a cache)
 
     from ushard.training.loss import cross_entropy_sums
 

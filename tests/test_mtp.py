@@ -166,23 +166,32 @@ def single(stdlib_batches):
     return run_config(small_config("tiny", **MTP), jax.devices()[:1], stdlib_batches)
 
 
-# fsdp in the slow tier (`-m slow`): ZeRO-3 places the modules' weights as any other's.
-@pytest.mark.parametrize("layout", [pytest.param("fsdp", marks=pytest.mark.slow), "ring", "1f1b"])
+# fsdp and the ring in the slow tier (`-m slow`): ZeRO-3 places the modules' weights as any other's,
+# and the DeepSeek model's ring row (tests/test_family_layouts.py) trains with a module.
+@pytest.mark.parametrize("layout", [pytest.param("fsdp", marks=pytest.mark.slow),
+                                    pytest.param("ring", marks=pytest.mark.slow), "1f1b"])
 def test_layouts_match_one_device(single, stdlib_batches, layout):
     got = run_config(small_config("tiny", **MTP, **LAYOUTS[layout]), jax.devices()[:8], stdlib_batches)
     assert_same_training(got, single, RTOL, RTOL)
     assert [a["mtp_loss"] for a in got["aux"]] == pytest.approx([a["mtp_loss"] for a in single["aux"]], rel=RTOL)
 
 
-def test_one_f_one_b_refuses_an_moe_module_and_gpipe_runs_it(stdlib_batches):
+MOE_PIPELINE = {"model.mtp.depth": 1, "model.moe.expert_d_ff": 32, "mesh.pipeline": 2, "mesh.fsdp": 2,
+                "mesh.expert": 2, "parallel.pipeline_microbatches": 4, "train.steps": 1}
+
+
+def test_one_f_one_b_refuses_an_moe_module():
     """1F1B runs the head (and the modules) batched over its stages and row groups, where the experts'
-    grouped matmul has no batching rule; GPipe runs them after the stages."""
+    grouped matmul has no batching rule."""
     import ushard
 
-    moe = {"model.mtp.depth": 1, "model.moe.expert_d_ff": 32, "mesh.pipeline": 2, "mesh.fsdp": 2,
-           "mesh.expert": 2, "parallel.pipeline_microbatches": 4, "train.steps": 1}
     with pytest.raises(UserError, match="parallel.pipeline_schedule='1f1b' with model.mtp.depth=1"):
-        ushard.build(small_config("tiny_moe", **moe, **{"parallel.pipeline_schedule": "1f1b"}), jax.devices()[:8])
-    got = run_config(small_config("tiny_moe", **moe, **{"parallel.pipeline_schedule": "gpipe"}), jax.devices()[:8],
-                     stdlib_batches)
+        ushard.build(small_config("tiny_moe", **MOE_PIPELINE, **{"parallel.pipeline_schedule": "1f1b"}),
+                     jax.devices()[:8])
+
+
+@pytest.mark.slow  # the suite's time: the DeepSeek layouts' ring row runs an MoE module in the default tier
+def test_gpipe_runs_an_moe_module_after_its_stages(stdlib_batches):
+    got = run_config(small_config("tiny_moe", **MOE_PIPELINE, **{"parallel.pipeline_schedule": "gpipe"}),
+                     jax.devices()[:8], stdlib_batches)
     assert np.isfinite(got["losses"]).all() and got["aux"][0]["mtp_loss"] > 0
