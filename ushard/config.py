@@ -471,7 +471,8 @@ def check_pipeline(config, mesh: dict[str, int]) -> None:
         )
     if stages == 1:
         return
-    stacks = model_definition(ModelConfig.from_config(config.model)).stacks()
+    model_cfg = ModelConfig.from_config(config.model)
+    stacks = model_definition(model_cfg).stacks()
     if schedule == "1f1b" and len(stacks) > 1:
         why = {"dense_blocks": "model.moe.first_dense_layers=0",
                "tail_blocks": "model.n_layers a multiple of model.sliding_window_pattern"}
@@ -481,7 +482,6 @@ def check_pipeline(config, mesh: dict[str, int]) -> None:
             f"{len(stacks)} ({', '.join(f'{name}: {n} layers' for name, n, _ in stacks)}); use "
             f"pipeline_schedule='gpipe' or 'circular', which pipeline each stack in turn, or {fix}."
         )
-    model_cfg = ModelConfig.from_config(config.model)
     if schedule == "1f1b" and model_cfg.mtp.depth and model_cfg.moe.num_experts:
         raise UserError(
             f"parallel.pipeline_schedule='1f1b' with model.mtp.depth={model_cfg.mtp.depth}: the multi-token "

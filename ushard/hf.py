@@ -365,17 +365,16 @@ def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, 
     config.json and model.safetensors, or shards and an index past `max_file_bytes`. `dtype`: the
     weights' dtype on disk (default: the parameters')."""
     dtype = dtype or cfg.param_dtype
-    hf_map = family(cfg.family).hf
-    hf_map.check_export(cfg)
+    family(cfg.family).hf.check_export(cfg)
+    tensors, config = tensor_map(cfg), hf_config(cfg, dtype, max_positions)
     if cfg.moe.num_experts:
-        architecture = hf_map.config(cfg, dtype, max_positions)["architectures"][0]
-        _check_no_routing_bias(params, model_definition(cfg), architecture, {t.param for t in tensor_map(cfg)})
+        _check_no_routing_bias(params, model_definition(cfg), config["architectures"][0], {t.param for t in tensors})
     if dtype not in DTYPE_NAMES:
         raise UserError(f"dtype={dtype!r} is not one safetensors export takes; "
                         f"choose one of: {', '.join(DTYPE_NAMES)}.")
     np_dtype = np.dtype(DTYPE_NAMES[dtype])
     shapes = {path: s.shape for path, s in _param_shapes(model_definition(cfg)).items()}
-    named = _named(tensor_map(cfg), shapes)
+    named = _named(tensors, shapes)
     sizes = [math.prod(t.hf_shape(shapes[t.param][1:] if t.stacked else shapes[t.param])) * np_dtype.itemsize
              for _, t, _, _ in named]
     groups = _file_groups(sizes, max_file_bytes)
@@ -384,9 +383,9 @@ def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, 
     writer = jax.process_index() == 0
     if writer:
         os.makedirs(directory, exist_ok=True)
-    tensors = _hf_tensors(params, named)
+    arrays_in_order = _hf_tensors(params, named)
     for file, group in zip(files, groups):
-        arrays = {named[i][0]: np.ascontiguousarray(next(tensors).astype(np_dtype)) for i in group}
+        arrays = {named[i][0]: np.ascontiguousarray(next(arrays_in_order).astype(np_dtype)) for i in group}
         if writer:  # transformers refuses safetensors without this format tag
             save_file(arrays, os.path.join(directory, file), metadata={"format": "pt"})
     if not writer:
@@ -395,7 +394,7 @@ def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, 
         index = {"metadata": {"total_size": sum(sizes)},
                  "weight_map": {named[i][0]: file for file, group in zip(files, groups) for i in group}}
         _write_json(os.path.join(directory, INDEX_FILE), index)
-    _write_json(os.path.join(directory, "config.json"), hf_config(cfg, dtype, max_positions))
+    _write_json(os.path.join(directory, "config.json"), config)
 
 
 def _write_json(path: str, value) -> None:

@@ -68,12 +68,24 @@ def cached_attention(q, k_cache, v_cache, length, window: int = 0):
     attention with an explicit mask: S is the cache size, fixed for a whole generation, so one compiled
     step serves every length.
     """
-    t, s = q.shape[1], k_cache.shape[1]
-    query_slot = length + jnp.arange(t)
-    mask = jnp.arange(s)[None, :] <= query_slot[:, None]  # [T, S]
-    if window:
-        mask &= jnp.arange(s)[None, :] > query_slot[:, None] - window
+    mask = cache_visibility(length, q.shape[1], k_cache.shape[1], window)
     return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[None, None], implementation="xla")
+
+
+def cache_visibility(length, new: int, slots: int, window: int = 0):
+    """[new, slots] booleans: which cache slots each of `new` tokens in slots [length, length + new)
+    sees (`cached_attention`'s rule)."""
+    query_slot = length + jnp.arange(new)
+    mask = jnp.arange(slots)[None, :] <= query_slot[:, None]
+    if window:
+        mask &= jnp.arange(slots)[None, :] > query_slot[:, None] - window
+    return mask
+
+
+def attention_output(out, wo, fp8: bool):
+    """Attention's output projection: heads [B, T, heads, v] through `wo` [heads, v, d_model]."""
+    out = constrain(out, Q_NAMES)
+    return constrain(project("bthk,hkd->btd", out, wo, fp8), BTD)
 
 
 def kv_head_copies(n_kv_heads: int) -> int:
@@ -141,8 +153,7 @@ class Attention(nnx.Module):
         return q, k, v
 
     def _output(self, out):
-        out = constrain(out, Q_NAMES)
-        return constrain(project("bthk,hkd->btd", out, self.wo[...], self.fp8), BTD)
+        return attention_output(out, self.wo[...], self.fp8)
 
     def __call__(self, x, positions, segment_ids):
         q, k, v = self._project(x, positions)

@@ -81,16 +81,16 @@ class ModelDef:
         the multi-token prediction modules' logits, one [batch, length, vocab] per depth)."""
         module = self.module(params)
         x, aux = module.layers(module.embed(batch["inputs"]), batch["positions"], batch["segment_ids"])
-        return (module.head(x), aux, *self._mtp(module, x, batch))
+        return module.head(x), aux, self._mtp_logits(module, x, batch)
 
     def head_for_training(self, others, x, batch):
         """The pipeline's last part of `apply_for_training`: (logits, the MTP modules' logits)."""
         module = self.module(others)
-        return module.head(x), *self._mtp(module, x, batch)
+        return module.head(x), self._mtp_logits(module, x, batch)
 
-    def _mtp(self, module, x, batch) -> tuple[list]:
+    def _mtp_logits(self, module, x, batch) -> list:
         tokens = mtp_tokens(batch, self.cfg.mtp.depth)
-        return (module.mtp_logits(x, batch["positions"], batch["segment_ids"], tokens),)
+        return module.mtp_logits(x, batch["positions"], batch["segment_ids"], tokens)
 
     # The model in three parts, for a pipeline schedule that runs them per microbatch on different
     # stages (1F1B): apply = head(layers(embed(tokens))). Each takes only the params it uses.

@@ -26,10 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ushard.errors import UserError
-from ushard.models.attention import causal_attention
+from ushard.models.attention import attention_output, cache_visibility, causal_attention
 from ushard.models.config import MLAConfig, ModelConfig
 from ushard.models.layers import (
-    BTD,
     RMSNorm,
     fan_in_init,
     param,
@@ -115,8 +114,7 @@ class LatentAttention(nnx.Module):
         return constrain(k, KV_NAMES), constrain(v, KV_NAMES)
 
     def _output(self, out):
-        out = constrain(out, Q_NAMES)
-        return constrain(project("bthk,hkd->btd", out, self.wo[...], self.fp8), BTD)
+        return attention_output(out, self.wo[...], self.fp8)
 
     def __call__(self, x, positions, segment_ids):
         q = self._queries(x, positions)
@@ -143,8 +141,7 @@ class LatentAttention(nnx.Module):
         scores = (jnp.einsum("bthr,bsr->bhts", q_latent, latents, preferred_element_type=jnp.float32)
                   + jnp.einsum("bthk,bsk->bhts", q[..., self.nope:], rot_keys, preferred_element_type=jnp.float32))
         scores = scores / jnp.sqrt(jnp.float32(q.shape[-1]))
-        slots = jnp.arange(k_cache.shape[1])
-        visible = slots[None, :] <= (length + jnp.arange(q.shape[1]))[:, None]  # [T, S], as `cached_attention`
+        visible = cache_visibility(length, q.shape[1], k_cache.shape[1])
         weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
         out_latent = jnp.einsum("bhts,bsr->bthr", weights.astype(q.dtype), latents)
         out = jnp.einsum("bthr,rhv->bthv", out_latent, w_kv[..., self.nope:])

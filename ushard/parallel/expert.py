@@ -131,10 +131,10 @@ def routed_experts(x, experts, gates, keep, weights: dict, weight_names: dict, e
     # outside a pipeline's stages (a multi-token prediction module's block, after them) the stage
     # axis is one of those.
     already = set(jax.sharding.get_abstract_mesh().manual_axes)  # a pipeline stage's
-    single = {a for a in layout.mesh.shape if a not in already}
+    rest = {a for a in layout.mesh.shape if a not in already}
     return jax.shard_map(
         per_device, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, tokens, stored), out_specs=(tokens, P()),
-        axis_names=set(token_axes + expert_axes + hidden_axes) | single,
+        axis_names=set(token_axes + expert_axes + hidden_axes) | rest,
     )(x, experts, gates, keep, weights)
 
 
