@@ -104,7 +104,8 @@ def ushard_objective(model, params, batch):
     return terms[0] / count, (loss / count, {k: v / count for k, v in weighted_aux.items()})
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+# Depth 1 in the slow tier (`-m slow`), for the suite's time: depth 2's first module is the same path.
+@pytest.mark.parametrize("depth", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_loss_and_gradients_match_a_plain_reference(depth):
     cfg = dataclasses.replace(CFG, mtp=MTPConfig(depth=depth, loss_weight=0.4))
     model = model_definition(cfg)

@@ -117,6 +117,7 @@ def test_recommend_adds_no_pipeline_on_one_host_where_memory_does_not_force_it()
     assert found and all(a.overrides["mesh.pipeline"] == 1 for a in found)
 
 
+@pytest.mark.slow  # the suite's time: a search over an MoE model's layouts
 def test_recommend_splits_an_moe_models_experts_before_tensor_parallelism():
     """The first layout that splits the model's weights splits its experts (not tensor parallelism),
     and a layout with tensor parallelism has its experts split as far as the devices left allow."""
