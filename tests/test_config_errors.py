@@ -100,7 +100,10 @@ def test_shipped_tiny_is_valid_on_8_and_1_devices():
 
 
 @pytest.mark.parametrize("name, params", [
-    ("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496), ("bench_1b", 953_223_168)])
+    ("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496), ("bench_1b", 953_223_168),
+    # 16 x (q 2048 x 3072, latent 2048 x 576 and its norm, keys and values 512 x 16 x 256, output
+    # 2048 x 2048, the MLP, two norms) + two embeddings + the final norm.
+    ("bench_mla", 904_996_864)])
 def test_shipped_configs_are_valid_and_the_size_they_say(name, params):
     from ushard.models.config import ModelConfig
     from ushard.models.definition import ModelDef

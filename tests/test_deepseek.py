@@ -314,6 +314,35 @@ def test_yarn_frequencies_and_factor_are_transformers():
         assert math.isclose(rope_attention_factor(scaling), factor, rel_tol=1e-12)
 
 
+def test_cudnn_takes_latent_values_as_they_are_where_its_version_does(monkeypatch):
+    """From cuDNN 9.10 `whole_sequence` hands cuDNN's blocks values of their own width (192 / 128
+    without padding; tools/mla_attention.py checks the kernels on a GPU); before it, and with a
+    document mask (which only JAX's public function takes), the values are padded."""
+    from ushard.kernels import attention as kernels
+    from ushard.kernels import cudnn
+
+    widths = []
+
+    def forward(q, k, v, causal, q_segments, k_segments, window=0):
+        widths.append(v.shape[-1])
+        return kernels.FLASH_SHAPES.forward(q, k, v, causal, q_segments, k_segments)
+
+    monkeypatch.setattr(cudnn, "CUDNN_BLOCKS", kernels.BlockKernel(forward, kernels.FLASH_SHAPES.backward))
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda q, k, v, **kw: widths.append(v.shape[-1]) or q)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k = (jax.random.normal(key, (1, 16, 2, 24), jnp.bfloat16) for key in keys[:2])
+    v = jax.random.normal(keys[2], (1, 16, 2, 12), jnp.bfloat16)
+    index = jnp.arange(16)[None]
+    want = kernels.xla_block(q, k, v, index, index, None, None)[0]
+    for version, segments, width in ((91900, None, 12), (90800, None, 24), (91900, jnp.zeros((1, 16), int), 24)):
+        monkeypatch.setattr(cudnn, "cudnn_version", lambda version=version: version)
+        widths.clear()
+        out = kernels.whole_sequence(q, k, v, segments, "cudnn")
+        assert widths == [width] and out.shape == v.shape
+        if width == 12:
+            np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2e-2, atol=2e-2)
+
+
 def test_values_narrower_than_qk_run_exactly_on_a_kernel_that_takes_one_head_size():
     """`values_padded` around JAX's attention (one head size) against the XLA einsum of two sizes,
     forward and backward."""

@@ -1,7 +1,8 @@
 """Attention kernels: the contract, the XLA implementation, and the one place that picks a kernel.
 
 Causal attention of q [B, T, heads, hd] over k [B, T, kv_heads, hd] and v [B, T, kv_heads, vd]
-(grouped-query heads as they are; vd = hd but for latent attention's values, `values_padded`); with
+(grouped-query heads as they are; vd = hd but for latent attention's values: cuDNN takes them as
+they are, other kernels padded, `values_padded`); with
 segment ids [B, T] a token sees only keys of its own document; with a `window` w > 0
 (sliding-window attention, Hugging Face's `sliding_window`: Mistral, Gemma 3) the query at position i
 sees key j only if i - w < j <= i, itself and the w - 1 keys before it (0: no window). Two forms:
@@ -245,6 +246,10 @@ def whole_sequence(q, k, v, segment_ids, impl: str, window: int = 0):
             index = jnp.arange(q.shape[1])[None]
             out, _ = xla_block(q, k, v, index, index, segment_ids, segment_ids, window)
             return out.astype(q.dtype)
+        if impl == "cudnn" and segment_ids is None and not _traced_off_the_chip and cudnn_takes_value_widths():
+            from ushard.kernels.cudnn import CUDNN_BLOCKS
+
+            return by_halves(CUDNN_BLOCKS, q, k, v, None, window)
         return values_padded(lambda v: whole_sequence(q, k, v, segment_ids, impl, window), q, v)
     if impl == "cudnn" and _traced_off_the_chip:
         return by_halves(FLASH_SHAPES, q, k, v, segment_ids, window)
@@ -266,13 +271,25 @@ def whole_sequence(q, k, v, segment_ids, impl: str, window: int = 0):
                                         implementation=impl)
 
 
+def cudnn_takes_value_widths() -> bool:
+    """Whether this process's cuDNN computes values narrower than q·k as they are (latent attention's
+    192 / 128): cuDNN 9.10 and later do (JAX's cuDNN module checks the same), through the internal
+    forward and backward that `ushard.kernels.cudnn`'s blocks call; JAX's public function takes one
+    head size, so before that the values are padded (`values_padded`)."""
+    from ushard.kernels.cudnn import cudnn_version
+
+    return cudnn_version() >= 91000
+
+
 def values_padded(attend, q, v):
     """`attend(v)` for values with fewer dimensions than q·k (latent attention's: DeepSeek-V3's heads
     are 192 in q·k and 128 in values), run on a kernel that takes one head size: v padded with zeros to
     q's size and the output's padding sliced off. Exact, forward and backward: the scores and their
     softmax never see v, the padded columns of the output are zeros, and the gradient of the padding is
     dropped by the slice's transpose. It costs the kernel's value matmuls the padding (half again at
-    192 / 128), the price of one contract for every kernel until one takes two head sizes.
+    192 / 128), the price of one contract for every kernel until one takes two head sizes: cuDNN's
+    do from 9.10 (`cudnn_takes_value_widths`), on whole sequences without documents; a split
+    sequence's blocks are still padded (the ring on cuDNN's blocks needs two GPUs to check).
     The one place values are padded: `whole_sequence` and the blocks of a split sequence call it."""
     width, size = q.shape[-1], v.shape[-1]
     if size == width:

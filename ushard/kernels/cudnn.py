@@ -24,6 +24,14 @@ def _cudnn():
     return fused_attention_stablehlo
 
 
+def cudnn_version() -> int:
+    """cuDNN's version as JAX reads it (9.10.0 is 91000); 0 where there is none (no GPU build)."""
+    try:
+        return int(_cudnn().check_cudnn_version())
+    except (ImportError, RuntimeError):
+        return 0
+
+
 def _mask(causal: bool):
     mask_type = _cudnn().MaskType
     return mask_type.CAUSAL if causal else mask_type.NO_MASK
@@ -51,11 +59,12 @@ def _backward(q, k, v, out, lse, d_out, causal, q_segments=None, k_segments=None
     diagonal_only(causal, window)
     fa = _cudnn()
     unused = jnp.zeros(0, q.dtype)  # no bias, sequence lengths, offsets or page tables
-    return fa._dot_product_attention_bwd_p_wrapper.bind(
+    # The primitive gives a list; the callers' maps (`by_halves`' shard_map) expect the tuple they name.
+    return tuple(fa._dot_product_attention_bwd_p_wrapper.bind(
         q, k, v, unused, unused, unused, unused, unused, unused, unused,
         jnp.swapaxes(lse, 1, 2), out.astype(q.dtype), d_out.astype(q.dtype),
         scale=1 / math.sqrt(q.shape[-1]), seed=0, dropout_rate=0.0, variadic_args=(False, False),
-        mask_type=_mask(causal), layout=fa.AttentionLayout.BTNH.value, sliding_window_length=window or None)
+        mask_type=_mask(causal), layout=fa.AttentionLayout.BTNH.value, sliding_window_length=window or None))
 
 
 CUDNN_BLOCKS = BlockKernel(forward=_forward, backward=_backward, windows=True)
