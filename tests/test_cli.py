@@ -1,9 +1,16 @@
-"""`ushard train` end to end: a short real run writes the metrics contract and TensorBoard events."""
+"""`ushard train` end to end: a short real run writes the metrics contract and TensorBoard events;
+`ushard convert`'s output directories."""
 
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
+
+import pytest
+
+from ushard import cli
+from ushard.errors import UserError
 
 REQUIRED_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tflops_per_device", "mfu"}
 
@@ -48,3 +55,16 @@ def test_xla_flags_from_the_config_yield_to_the_users(monkeypatch):
     xla_flags.apply(load_config("tiny"))  # 0: XLA's defaults, nothing set
     assert "XLA_FLAGS" not in os.environ
 
+
+
+def test_convert_into_a_directory_it_cannot_create_says_so_before_any_work(tmp_path):
+    """Both directions of `ushard convert` create their output first: a path under a file is one
+    sentence, before a checkpoint is read (the input directories here hold none)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    nothing = dict(from_hf=None, to=None, from_workdir=None, to_hf=None, dtype=None)
+    for flag, given in (("--to", dict(from_hf=str(tmp_path), to=str(blocker / "w"))),
+                        ("--to-hf", dict(from_workdir=str(tmp_path), to_hf=str(blocker / "hf")))):
+        with pytest.raises(UserError, match=f"^cannot create {flag} {blocker}/.*: Not a directory; give a writable "
+                                            "directory.$"):
+            cli.convert(SimpleNamespace(**{**nothing, **given}))

@@ -197,6 +197,18 @@ def train(args, overrides) -> None:
               f"checkpoints in {os.path.join(workdir, 'checkpoints')}")
 
 
+def _writable_directory(path: str, flag: str) -> None:
+    """Creates `path` (a conversion's output) before any work, or says in a sentence why it cannot."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{flag} {path} exists and is not a directory; give a directory.") from None
+    except OSError as e:
+        raise UserError(f"cannot create {flag} {path}: {e.strerror}; give a writable directory.") from None
+    if not os.access(path, os.W_OK):
+        raise UserError(f"cannot write into {flag} {path}: permission denied; give a writable directory.")
+
+
 def convert(args) -> None:
     from ushard import hf
 
@@ -205,8 +217,10 @@ def convert(args) -> None:
     if all(importing) and not any(exporting):
         if args.dtype:
             raise UserError("--dtype applies to --to-hf; an imported checkpoint keeps float32 parameters.")
+        _writable_directory(args.to, "--to")
         hf.convert_from_hf(args.from_hf, args.to)
     elif all(exporting) and not any(importing):
+        _writable_directory(args.to_hf, "--to-hf")
         hf.convert_to_hf(args.from_workdir, args.to_hf, args.dtype)
     else:
         raise UserError("convert takes either --from-hf DIR --to WORKDIR (import) or --from WORKDIR --to-hf DIR "

@@ -14,6 +14,8 @@ import importlib.util
 import math
 import numbers
 import os
+import re
+import traceback
 from importlib import resources
 
 import ml_collections
@@ -199,9 +201,11 @@ def load_config(name: str, overrides=()) -> ml_collections.ConfigDict:
     try:
         config = module.get_config()
     except AttributeError as e:
-        raise UserError(f"config file {path} sets a key ushard does not know: {_reason(e, typed=False)}.") from None
+        raise UserError(f"config file {path}{_file_line(e, path)} sets a key ushard does not know: "
+                        f"{_unknown_key(e)}.") from None
     except TypeError as e:  # a locked ConfigDict refuses a value of another type
-        raise UserError(f"config file {path} sets a value of the wrong type: {_reason(e, typed=False)}.") from None
+        raise UserError(f"config file {path}{_file_line(e, path)} sets a value of the wrong type: "
+                        f"{_reason(e, typed=False)}.") from None
     except Exception as e:
         raise UserError(f"config file {path}: get_config() failed with {_reason(e)}.") from None
     if not isinstance(config, ml_collections.ConfigDict):
@@ -211,6 +215,26 @@ def load_config(name: str, overrides=()) -> ml_collections.ConfigDict:
         )
     apply_overrides(config, overrides)
     return config
+
+
+def _file_line(e: Exception, path: str) -> str:
+    """', line N (the line)' of the config file's last frame in `e`'s traceback, or ''."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.samefile(f.filename, path)]
+    if not frames:
+        return ""
+    return f", line {frames[-1].lineno} ({(frames[-1].line or '').strip()}),"
+
+
+def _unknown_key(e: AttributeError) -> str:
+    """ml_collections' refusal of a new key in a locked group, as the command line says it: the key,
+    and the closest of the group's keys (its message lists them in a dict's repr, nested groups too)."""
+    text = str(e)
+    key = re.search(r'Key "([^"]+)" does not exist', text)
+    if not key:
+        return _reason(e, typed=False)
+    present = re.findall(r"\\?'(\w+)\\?':", text.partition("Other fields present")[2])  # quotes escaped or not
+    close = difflib.get_close_matches(key[1], present, n=1)
+    return f"{key[1]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
 def _reason(e: Exception, typed: bool = True) -> str:
