@@ -68,3 +68,34 @@ def test_convert_into_a_directory_it_cannot_create_says_so_before_any_work(tmp_p
         with pytest.raises(UserError, match=f"^cannot create {flag} {blocker}/.*: Not a directory; give a writable "
                                             "directory.$"):
             cli.convert(SimpleNamespace(**{**nothing, **given}))
+
+
+def test_jax_platforms_is_cpu_only_where_no_accelerator_shows_and_the_user_set_none(tmp_path, monkeypatch):
+    from ushard import xla_flags
+
+    device = tmp_path / "sys/bus/pci/devices/0000:00:04.0"
+    device.mkdir(parents=True)
+    (device / "vendor").write_text("0x1af4\n")  # a virtio disk
+    assert not xla_flags.accelerators_present(str(tmp_path))
+    for vendor in xla_flags.ACCELERATOR_VENDORS:
+        (device / "vendor").write_text(vendor + "\n")
+        assert xla_flags.accelerators_present(str(tmp_path))
+    (device / "vendor").write_text("0x1af4\n")
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev/nvidia0").write_text("")
+    assert xla_flags.accelerators_present(str(tmp_path))
+
+    for present, given, expected in ((False, None, "cpu"), (True, None, None), (False, "tpu", "tpu")):
+        monkeypatch.setattr(xla_flags, "accelerators_present", lambda present=present: present)
+        if given is None:
+            monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+        else:
+            monkeypatch.setenv("JAX_PLATFORMS", given)
+        xla_flags.skip_an_absent_tpu()
+        assert os.environ.get("JAX_PLATFORMS") == expected
+
+
+def test_train_help_names_the_overrides(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "--config.a.b=value" in capsys.readouterr().out

@@ -254,7 +254,8 @@ HEADER = "from ushard.config import default_config\n"
         ("raise RuntimeError('boom')\n", r"failed to load: RuntimeError: boom"),
         ("CONFIG = 1\n", r"defines no get_config\(\)"),
         (HEADER + "def get_config():\n    c = default_config()\n    c.model.d_modle = 3\n    return c\n",
-         r", line 4 \(c.model.d_modle = 3\), sets a key ushard does not know: 'd_modle' \(did you mean 'd_model'\?\)\.$"),
+         r", line 4 \(c.model.d_modle = 3\), sets a key ushard does not know: 'd_modle' "
+         r"\(did you mean 'd_model'\?\)\.$"),
         (HEADER + "def get_config():\n    c = default_config()\n    c.train.steps = 'abc'\n    return c\n",
          r"sets a value of the wrong type.*steps"),
     ],

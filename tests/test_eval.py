@@ -200,7 +200,8 @@ def test_tasks_without_lm_eval_installed_is_one_sentence(run, capsys, monkeypatc
         monkeypatch.setitem(sys.modules, name, None)  # importing it fails as if it were not installed
     monkeypatch.delitem(sys.modules, "ushard.lm_eval_adapter", raising=False)
     monkeypatch.delattr(ushard, "lm_eval_adapter", raising=False)
-    one_sentence(eval_cli(capsys, "--workdir", run[0], "--tasks", "ushard_tiny_choice"), "pip install 'ushard[eval]'")
+    one_sentence(eval_cli(capsys, "--workdir", run[0], "--tasks", "ushard_tiny_choice"),
+                 "pip install -e '.[eval]' in a clone of ushard")
 
 
 @pytest.mark.slow  # lm-eval indexes its 14,000 tasks to suggest a name: the suite's time

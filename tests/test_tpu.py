@@ -192,7 +192,8 @@ def test_without_libtpu_the_compile_command_says_what_to_install(monkeypatch, ca
     monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu raises ImportError
     assert main(["compile", "--config", "tiny", "--topology", "v5p:2x2x2"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "ushard: error: compiling for a TPU topology needs libtpu; install it with pip install 'ushard[tpu]'."]
+        "ushard: error: compiling for a TPU topology needs libtpu; pip install -e '.[tpu]' in a clone of ushard "
+        "(pip install 'ushard[tpu]' from a package index)."]
 
 
 def test_the_compile_command_prints_memory_and_collectives(capsys):

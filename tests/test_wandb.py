@@ -133,7 +133,8 @@ def test_missing_package_stops_before_training(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     with pytest.raises(UserError) as stopped:
         ushard.train(_config(2), str(tmp_path / "run"), log=lambda line: None)
-    assert str(stopped.value) == "metrics.wandb=true needs the wandb package: pip install 'ushard[wandb]'."
+    assert str(stopped.value) == ("metrics.wandb=true needs the wandb package: pip install -e '.[wandb]' in a "
+                                  "clone of ushard (pip install 'ushard[wandb]' from a package index).")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

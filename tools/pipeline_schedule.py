@@ -8,7 +8,8 @@ The tables are the ones the training step runs (ushard/parallel/pipeline.py). GP
 their forward loop and then the backward pass autodiff makes of it (the same ticks in reverse);
 circular labels a microbatch m in round r as "m.r". 1F1B runs a forward and a backward slot in each
 tick. The title gives the theoretical bubble (`bubble_fraction`) and how many microbatches' inputs a
-stage keeps at most. Writes a PNG with matplotlib (`pip install 'ushard[plot]'`); prints the grid as
+stage keeps at most. Writes a PNG with matplotlib (the `plot` extra, `pip install -e '.[plot]'` in a
+clone); prints the grid as
 text without it.
 """
 
@@ -126,7 +127,7 @@ def main(argv=None) -> None:
         draw(cells, heading, args.out, chosen["microbatches"])
         print(f"{heading}\nwrote {args.out}")
     except ImportError:
-        print(f"{heading}\n{as_text(cells)}\n(install matplotlib, `pip install 'ushard[plot]'`, for a PNG)")
+        print(f"{heading}\n{as_text(cells)}\n(install matplotlib, `pip install -e '.[plot]'` in a clone, for a PNG)")
 
 
 if __name__ == "__main__":

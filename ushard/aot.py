@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import jax
 
-from ushard.errors import UserError
+from ushard.errors import UserError, install_hint
 
 # libtpu looks for a TPU VM's metadata when it starts, and lets one process at a time hold the chips
 # (/tmp/libtpu_lockfile); off a TPU VM there are no chips, and these keep it quiet and unlocked.
@@ -43,8 +43,7 @@ def tpu_devices(topology: str, num_slices: int = 1) -> list:
     try:
         import libtpu  # noqa: F401
     except ImportError:
-        raise UserError("compiling for a TPU topology needs libtpu; install it with "
-                        "pip install 'ushard[tpu]'.") from None
+        raise UserError(f"compiling for a TPU topology needs libtpu; {install_hint('tpu')}.") from None
     from jax.experimental import topologies
 
     _quiet_libtpu()

@@ -20,8 +20,7 @@ import sys
 import time
 
 from ushard import xla_flags
-from ushard.errors import UserError
-from ushard.training.loop import Preempted
+from ushard.errors import Preempted, UserError, install_hint
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -47,7 +46,11 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ushard", description="SPMD training of transformer language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model", description="Train a model from a config.")
+    train = sub.add_parser(
+        "train", help="train a model", description="Train a model from a config.",
+        epilog="Any config key can be set after --config: --config.a.b=value (or --config.a.b value), e.g. "
+               "--config.train.steps=500 --config.mesh.tensor=2; docs/config.md lists every key, its default and "
+               "its meaning. A wrong key or value is refused before anything runs, with the keys it could mean.")
     train.add_argument("--config", required=True, help="a shipped config name (e.g. tiny) or a path to a config .py")
     train.add_argument("--workdir", help="where metrics.jsonl and TensorBoard events go (default: runs/NAME-TIME)")
     train.add_argument("--coordinator_address", help="HOST:PORT of process 0, for multi-process runs")
@@ -298,7 +301,7 @@ def benchmarks(args, overrides, devices) -> None:
     except ImportError as e:
         if e.name is None or not e.name.startswith("lm_eval"):
             raise
-        raise UserError("--tasks needs lm-evaluation-harness; pip install 'ushard[eval]'.") from None
+        raise UserError(f"--tasks needs lm-evaluation-harness; {install_hint('eval')}.") from None
     from ushard import evaluate as evaluation
 
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]

@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
-from ushard.errors import UserError
+from ushard.errors import UserError, install_hint
 
 GIB = 2**30
 GPU_FORM = "KIND:PERxHOSTS, e.g. h100:8x4 (4 hosts of 8 H100s) or h200:4"
@@ -571,7 +571,7 @@ def chart(found: list[Assessment], target: Target, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError("--chart needs matplotlib; pip install 'ushard[plot]'.") from None
+        raise UserError(f"--chart needs matplotlib; {install_hint('plot')}.") from None
     names = [f"{i + 1}" if a.overrides else "this layout" for i, a in enumerate(found)]
     figure, (memory_axes, time_axes) = plt.subplots(1, 2, figsize=(12, 1.2 + 0.9 * len(found)))
     colours = {}  # one colour a part, the same in every layout's bar; labelled once

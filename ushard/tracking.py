@@ -24,7 +24,7 @@ import secrets
 
 import jax
 
-from ushard.errors import UserError
+from ushard.errors import UserError, install_hint
 
 RUN_ID_FILE = "wandb_run_id"
 OFFLINE_MODES = ("offline", "dryrun", "disabled")  # WANDB_MODE values that never talk to a server
@@ -115,7 +115,7 @@ def _import_wandb():
     try:
         import wandb
     except ImportError:
-        raise UserError("metrics.wandb=true needs the wandb package: pip install 'ushard[wandb]'.") from None
+        raise UserError(f"metrics.wandb=true needs the wandb package: {install_hint('wandb')}.") from None
     return wandb
 
 

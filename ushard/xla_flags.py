@@ -9,6 +9,7 @@ platform, rather than leaving it to act silently or not at all. No GPU setting h
 
 from __future__ import annotations
 
+import glob
 import os
 
 COMBINED_COLLECTIVES = ("all_gather", "reduce_scatter")
@@ -43,3 +44,32 @@ def ignored_settings(config, platform: str) -> list[str]:
         notes.append("parallel.reshard_after_forward=false is a GPU setting; ignored on tpu, where it turned the "
                      "gradients' reduce-scatters into all-reduces.")
     return notes
+
+
+# PCI vendor ids: Google's (TPU chips), NVIDIA's and AMD's (GPUs).
+ACCELERATOR_VENDORS = ("0x1ae0", "0x10de", "0x1002")
+
+
+def accelerators_present(root: str = "/") -> bool:
+    """Whether this machine shows a TPU chip or a GPU: a PCI device of their vendors (TPU VMs and GPU
+    hosts list theirs under /sys/bus/pci) or a GPU driver's device files, read without starting JAX."""
+    for path in glob.glob(os.path.join(root, "sys/bus/pci/devices/*/vendor")):
+        try:
+            with open(path) as f:
+                if f.read().strip() in ACCELERATOR_VENDORS:
+                    return True
+        except OSError:
+            continue
+    dev = os.path.join(root, "dev")
+    return bool(glob.glob(os.path.join(dev, "nvidia[0-9]*")) or glob.glob(os.path.join(dev, "accel*"))
+                or os.path.exists(os.path.join(dev, "kfd")))
+
+
+def skip_an_absent_tpu() -> None:
+    """JAX_PLATFORMS=cpu on a machine without an accelerator, unless the user set JAX_PLATFORMS: with
+    libtpu installed (the tpu extra), JAX otherwise tries the TPU backend at start-up and libtpu prints
+    its errors about the missing chip before every command. Compiling for a TPU topology (`ushard
+    compile`, `ushard plan --topology`) needs no TPU backend: libtpu compiles under JAX_PLATFORMS=cpu.
+    `import ushard` calls it, before JAX starts; where JAX started first, it changes nothing."""
+    if "JAX_PLATFORMS" not in os.environ and not accelerators_present():
+        os.environ["JAX_PLATFORMS"] = "cpu"

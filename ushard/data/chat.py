@@ -29,7 +29,7 @@ import numpy as np
 
 from ushard.data.sources import read_bytes
 from ushard.data.tokenizer import HFTokenizer
-from ushard.errors import UserError
+from ushard.errors import UserError, install_hint
 
 # The byte tokenizer's template: each turn is a header line `<|role|>` then its content; a user,
 # system or tool turn ends with a newline, an assistant turn with the end-of-document token (what the
@@ -83,7 +83,7 @@ class HFChatTemplate:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:
             raise UserError("data.source='chat' with a Hugging Face tokenizer needs jinja2 for its chat template; "
-                            "pip install 'ushard[data]'.") from None
+                            f"{install_hint('data')}.") from None
         self._errors = (jinja2.TemplateError, TemplateRaised)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson

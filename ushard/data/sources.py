@@ -14,7 +14,7 @@ import json
 import os
 import sysconfig
 
-from ushard.errors import UserError
+from ushard.errors import UserError, install_hint
 
 
 def stdlib_files() -> list[str]:
@@ -149,7 +149,7 @@ def parquet_records(path: str, *columns: str):
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError("data.source='parquet' needs pyarrow; pip install 'ushard[data]'.") from None
+        raise UserError(f"data.source='parquet' needs pyarrow; {install_hint('data')}.") from None
     try:
         file = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as e:

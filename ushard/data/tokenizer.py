@@ -1,7 +1,7 @@
 """Tokenizers: `data.tokenizer` is "byte" or the path of a Hugging Face `tokenizer.json`.
 
 The byte tokenizer needs no vocabulary file: tokens 0-255 are bytes, 256 ends a document. A
-Hugging Face tokenizer is read with the `tokenizers` library (`pip install 'ushard[data]'`); its end
+Hugging Face tokenizer is read with the `tokenizers` library (the `data` extra); its end
 of document is its first special token named like one (EOS_NAMES), and its vocabulary size counts the
 added tokens, since their ids index the embedding too.
 """
@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from ushard.errors import UserError
+from ushard.errors import UserError, install_hint
 
 # The end-of-document tokens of the common tokenizer families, most specific first: Llama 3
 # (<|end_of_text|>), GPT-2 / Qwen (<|endoftext|>), Llama 2 / Mistral (</s>), Gemma (<eos>).
@@ -57,7 +57,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise UserError(f"data.tokenizer={path!r} needs the `tokenizers` library; "
-                            f"pip install 'ushard[data]'.") from None
+                            f"{install_hint('data')}.") from None
         try:
             self._tokenizer = Tokenizer.from_file(path)
         except Exception as e:  # the file is user input; the library's errors are many and untyped

@@ -23,21 +23,12 @@ from ushard import planner, tracking
 from ushard.build import build
 from ushard.checkpoint import Checkpoints
 from ushard.data import local_block, make_batches, place_batch
-from ushard.errors import UserError
+from ushard.errors import Preempted, UserError
 from ushard.metrics import MetricsWriter, peak_flops
 from ushard.models.moe import DISPATCH_OVERFLOW
 from ushard.training import processes
 from ushard.training.init_from import initial_params
 from ushard.training.state import TrainState
-
-
-class Preempted(Exception):
-    """Training stopped by a signal; the exit status is 128 + signal number. `where` ends the sentence:
-    when it stopped and what was saved."""
-
-    def __init__(self, signum: int, where: str):
-        self.signum = signum
-        super().__init__(f"stopped by {signal.Signals(signum).name} {where}.")
 
 
 class StopSignals:
