@@ -38,11 +38,11 @@ def model(run):
 
 @pytest.fixture
 def offline(monkeypatch, tmp_path):
-    """lm-eval reads the local task's data set from the working directory, without a network."""
+    """lm-eval reads the local task's data set without a network, from another working directory."""
     for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    monkeypatch.chdir(DATA)
+    monkeypatch.chdir(tmp_path)  # not the task's folder: its data is found from its own file
 
 
 def eval_cli(capsys, *args) -> tuple[int, str, str]:
