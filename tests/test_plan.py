@@ -100,9 +100,16 @@ def test_recommend_takes_the_lowest_zero_stage_that_fits():
     zero = {stage: planner.assess(small_config("tiny", **BASE, **fsdp8, **{"parallel.zero_stage": stage}), target)
             for stage in (0, 1)}
     hbm = (zero[0].memory.peak + zero[1].memory.peak) / 2 / planner.GIB
-    found = planner.recommend(config, planner.target_for(devices=8, hbm_gib=hbm), top=50)
+    said = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(planner, "PROGRESS_EVERY", 3)  # its progress lines too, at this search's size
+        found = planner.recommend(config, planner.target_for(devices=8, hbm_gib=hbm), top=50, log=said.append)
     flat = [a for a in found if all(a.overrides[f"mesh.{x}"] == 1 for x in ("tensor", "pipeline", "sequence"))]
     assert flat and all(a.overrides["parallel.zero_stage"] == 1 for a in flat)
+    # The search says what it searches, then how far it has come, while it runs.
+    progress = [line for line in said if not line.startswith("skipped ")]
+    assert progress[0].startswith("searching ") and " layouts of 8 " in progress[0]
+    assert progress[1:] and all(" layouts searched, " in line for line in progress[1:])
 
 
 @pytest.mark.slow  # the suite's time: a search over two hosts' layouts

@@ -504,6 +504,11 @@ def _leanest_fits(config, target: Target) -> bool:
         return False
 
 
+# `--recommend` says how far its search has come every this many layouts (each takes up to a few
+# estimates of a second or so on a CPU).
+PROGRESS_EVERY = 10
+
+
 def _search(config, target: Target, forced: bool, log=None) -> list[Assessment]:
     from ushard.config import apply_override_dict
 
@@ -520,7 +525,12 @@ def _search(config, target: Target, forced: bool, log=None) -> list[Assessment]:
     found = []
     candidates = [(variant, reasons + more) for mesh, reasons in mesh_candidates(config, target, forced)
                   for variant, more in layout_variants(config, mesh, unroll=target.hardware.platform == "gpu")]
-    for variant, reasons in candidates:
+    if log:
+        log(f"searching {len(candidates)} layouts of {target.what}" + (" with pipeline stages" if forced else "")
+            + ": each mesh shape's settings, from its leanest")
+    for index, (variant, reasons) in enumerate(candidates, 1):
+        if log and index % PROGRESS_EVERY == 0:
+            log(f"  {index} of {len(candidates)} layouts searched, {len(found)} fit so far")
         # Its leanest setting first (ZeRO-3, the most recomputation): where that does not fit, no
         # other does, and the search moves on after one estimate instead of sixteen.
         leanest = assessed({**variant, "parallel.zero_stage": 3, "model.remat": REMAT_ORDER[-1]})
