@@ -75,6 +75,17 @@ def test_bad_machines_get_one_sentence(capsys, argv, words):
     assert code == 2 and words in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("machine, words, not_words", [
+    (["--devices", "8"], ("8 a host)", "shared SMs"), ("slice", "TensorCores")),
+    (["--topology", "v5p:2x2x2"], ("8 a slice)", "shared TensorCores"), ("a host", "SMs")),
+])
+def test_a_plan_speaks_of_its_platform(capsys, machine, words, not_words):
+    """A GPU plan's fast links join a host's GPUs, a TPU plan's a slice's chips."""
+    code, out, err = run_cli(capsys, "plan", "--config", "tiny", *OVERRIDES, *machine)
+    assert code == 0, err
+    assert all(w in out for w in words) and not any(w in out for w in not_words), out
+
+
 def test_the_chart_is_written(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "plan.png"

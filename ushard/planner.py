@@ -304,7 +304,7 @@ def report(a: Assessment, target: Target) -> str:
     """The text `ushard plan` prints for one layout."""
 
     head = (f"ushard plan: {a.setup.model.num_params() / 1e9:.2f}B parameters on {target.what} "
-            f"({target.count} devices, {target.per_host} a host)")
+            f"({target.count} devices, {target.per_host} a {target.hardware.host})")
     hw = target.hardware
     links = (f"links (GB/s a device): intra_host {hw.intra_host_bw / 1e9:.0f}, p2p {hw.p2p_bw / 1e9:.0f}, "
              f"inter_host {hw.inter_host_bw / 1e9:.1f} (--bandwidth NAME=GB/s to change)")
@@ -394,22 +394,23 @@ def mesh_candidates(config, target: Target, forced: bool = False) -> list[tuple[
                 ways = rest // sequence // expert
                 mesh = {"pipeline": pipeline, "data": 1, "fsdp": ways, "expert": expert, "sequence": sequence,
                         "tensor": tensor}
-                reasons = _mesh_reasons(mesh, per_host, hosts, moe, forced)
+                reasons = _mesh_reasons(mesh, per_host, hosts, moe, forced, target.hardware.host)
                 shapes.append((mesh, reasons))
                 replicas = hosts // pipeline
                 if replicas > 1 and ways % replicas == 0 and ways > replicas:
                     shapes.append((dict(mesh, data=replicas, fsdp=ways // replicas),
-                                   reasons + [f"data={replicas}: a replica a host, fsdp inside it"]))
+                                   reasons + [f"data={replicas}: a replica a {target.hardware.host}, fsdp "
+                                              "inside it"]))
     return shapes
 
 
-def _mesh_reasons(mesh: dict, per_host: int, hosts: int, moe: int, forced: bool) -> list[str]:
+def _mesh_reasons(mesh: dict, per_host: int, hosts: int, moe: int, forced: bool, host: str = "host") -> list[str]:
     reasons = []
     if mesh["tensor"] > 1:
-        reasons.append(f"tensor={mesh['tensor']} inside a host of {per_host}")
+        reasons.append(f"tensor={mesh['tensor']} inside a {host} of {per_host}")
     if mesh["pipeline"] > 1:
         reasons.append(f"pipeline={mesh['pipeline']}: " + ("nothing without stages fits" if forced else
-                                                           f"stages across the {hosts} hosts"))
+                                                           f"stages across the {hosts} {host}s"))
     if mesh["sequence"] > 1:
         reasons.append(f"sequence={mesh['sequence']}: context parallelism for the long sequence")
     if mesh["expert"] > 1:

@@ -62,6 +62,16 @@ class Hardware:
     def replace(self, **changes) -> "Hardware":
         return dataclasses.replace(self, **changes)
 
+    @property
+    def host(self) -> str:
+        """What the fast link joins, in a plan's words: a GPU host (NVLink), a TPU slice (ICI)."""
+        return "slice" if self.platform == "tpu" else "host"
+
+    @property
+    def cores(self) -> str:
+        """The compute units a collective's kernels share with the matmuls, in a plan's words."""
+        return "TensorCores" if self.platform == "tpu" else "SMs"
+
 
 GB = 1e9
 HARDWARE = {
@@ -639,7 +649,8 @@ def _link_seconds(item: _Item, ways: int, hosts: int, hw: Hardware) -> tuple[flo
     return item.count * result, item.count * wire, item.count * wire / bw, "inter-host" if inter else "intra-host"
 
 
-def _exposed(item: _Item, seconds: float, layer_compute_s: float, layers: int, eff: Efficiency) -> tuple[float, str]:
+def _exposed(item: _Item, seconds: float, layer_compute_s: float, layers: int, eff: Efficiency,
+             cores: str = "SMs") -> tuple[float, str]:
     """The seconds of `item` the step waits for, and why."""
     if item.overlap == "exposed":
         return seconds, item.why
@@ -653,7 +664,7 @@ def _exposed(item: _Item, seconds: float, layer_compute_s: float, layers: int, e
     hidden = seconds - waiting
     exposed = waiting + eff.contention * hidden
     verdict = "hidden" if per_layer <= layer_compute_s else "exposed: a layer's transfer outlasts its compute"
-    return exposed, f"{item.why} ({verdict}; {eff.contention:.0%} of the hidden time still costs shared SMs)"
+    return exposed, f"{item.why} ({verdict}; {eff.contention:.0%} of the hidden time still costs shared {cores})"
 
 
 def predict(setup_or_config, hw: Hardware | str = "h100", *, mesh_shape: dict | None = None,
@@ -680,7 +691,7 @@ def predict(setup_or_config, hw: Hardware | str = "h100", *, mesh_shape: dict | 
     s = dataclasses.replace(s, exchange=resolved_exchange(s.exchange, hw.platform))
     for item in collective_items(s):
         result, wire, seconds, link = _link_seconds(item, s.size(item.axis), hosts[item.axis], hw)
-        exposed, why = _exposed(item, seconds, layer_compute, layers, eff)
+        exposed, why = _exposed(item, seconds, layer_compute, layers, eff, hw.cores)
         collectives.append(Collective(item.axis, item.kind, item.what, item.count, result, wire, seconds, link,
                                       exposed, why))
     exposed = sum(c.exposed_s for c in collectives)
