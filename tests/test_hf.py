@@ -512,3 +512,39 @@ def test_convert_mistakes_are_one_sentence(argv, match):
     status, _, err = cli(*argv)
     assert status == 2 and err.startswith("ushard: error: ")
     assert len(err.strip().splitlines()) == 1 and re.search(match, err)
+
+
+def test_an_export_carries_the_runs_tokenizer_and_its_special_token_ids(saved, tmp_path):
+    """Beside the weights: a Hugging Face tokenizer's files, config.json's and generation_config.json's
+    bos and eos ids (the document end and the chat turn's end), which transformers reads; the byte
+    tokenizer's end of document; for an unknown tokenizer, nothing and a note."""
+    tokenizers = pytest.importorskip("tokenizers")
+    source = tmp_path / "tokenizer"
+    source.mkdir()
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_end|>", "<s>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["some words to learn from"] * 10, trainer)
+    tokenizer.save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": "<s>",
+                                                              "chat_template": "{{ messages }}"}))
+    model = ushard.from_hf(saved)
+    cases = {str(source): ({"bos_token_id": 2, "eos_token_id": [0, 1]}, {"tokenizer.json", "tokenizer_config.json"}),
+             "byte": ({"eos_token_id": 256}, set()), None: ({}, set())}
+    for name, (ids, files) in cases.items():
+        out, notes = tmp_path / f"export-{name is None}-{name == 'byte'}", []
+        ushard.to_hf(dataclasses.replace(model, tokenizer=name), str(out), log=notes.append)
+        written = set(os.listdir(out)) - {"config.json", "model.safetensors"}
+        assert written == files | ({"generation_config.json"} if ids else set())
+        config = json.loads((out / "config.json").read_text())
+        assert {k: config[k] for k in ids} == ids and not ({"bos_token_id", "eos_token_id"} - set(ids)) & set(config)
+        if ids:
+            assert json.loads((out / "generation_config.json").read_text()) == ids
+        assert any("tokenizer is unknown" in n for n in notes) == (name is None)
+    assert (tmp_path / "export-False-False" / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    transformers = pytest.importorskip("transformers")
+    loaded = transformers.GenerationConfig.from_pretrained(str(tmp_path / "export-False-False"))
+    assert (loaded.bos_token_id, loaded.eos_token_id) == (2, [0, 1])
+    reread = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export-False-False"))
+    assert reread.eos_token == "<|im_end|>" and reread.chat_template == "{{ messages }}"

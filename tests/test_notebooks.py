@@ -67,5 +67,7 @@ def test_finetune_from_hf():
         assert "perplexity" in printed[5] and "from the run's held-out split" in printed[5]
         assert "|stdlib_modules|" in printed[5] and "|acc " in printed[5]
         assert "fine-tuned logits, ushard vs transformers: max relative difference" in printed[-1]
+        # the export carries the run's tokenizer and stops generating at the chat turn's end
+        assert "'tokenizer.json', 'tokenizer_config.json'" in printed[-1] and "generation stops at [" in printed[-1]
     finally:
         shutil.rmtree(ns["work"], ignore_errors=True)

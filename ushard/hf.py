@@ -32,6 +32,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from ushard import hf_tokenizer
 from ushard.errors import UserError
 from ushard.models.config import ModelConfig, MoEConfig, MTPConfig
 from ushard.models.definition import ModelDef, dotted, model_definition
@@ -360,13 +361,14 @@ def _file_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
 
 
 def save_hf(params, cfg: ModelConfig, directory: str, dtype: str | None = None, max_positions: int = 2048,
-            max_file_bytes: int = MAX_FILE_BYTES) -> None:
+            max_file_bytes: int = MAX_FILE_BYTES, token_ids: dict | None = None) -> None:
     """Writes `params` (ushard's parameter tree of `cfg`) as a Hugging Face checkpoint in `directory`:
     config.json and model.safetensors, or shards and an index past `max_file_bytes`. `dtype`: the
-    weights' dtype on disk (default: the parameters')."""
+    weights' dtype on disk (default: the parameters'). `token_ids`: config.json's special-token ids
+    (ushard/hf_tokenizer.py)."""
     dtype = dtype or cfg.param_dtype
     family(cfg.family).hf.check_export(cfg)
-    tensors, config = tensor_map(cfg), hf_config(cfg, dtype, max_positions)
+    tensors, config = tensor_map(cfg), {**hf_config(cfg, dtype, max_positions), **(token_ids or {})}
     if cfg.moe.num_experts:
         _check_no_routing_bias(params, model_definition(cfg), config["architectures"][0], {t.param for t in tensors})
     if dtype not in DTYPE_NAMES:
@@ -419,7 +421,8 @@ def from_hf(path: str, devices=None, **settings) -> TrainedModel:
 
 def to_hf(model_or_workdir, path: str, dtype: str | None = None, log=print) -> None:
     """Writes a model (a `TrainedModel`, or the newest checkpoint of a workdir) as a Hugging Face
-    checkpoint directory `path`, which `transformers.AutoModelForCausalLM.from_pretrained` loads.
+    checkpoint directory `path`, which `transformers.AutoModelForCausalLM.from_pretrained` loads, with
+    the tokenizer files and special-token ids of the run's tokenizer (ushard/hf_tokenizer.py).
     `dtype`: float32, bfloat16 or float16 on disk (default: the parameters' dtype)."""
     if os.path.isdir(path) and os.listdir(path):
         raise UserError(f"{path} is not empty; write the Hugging Face checkpoint into a new or empty directory.")
@@ -432,7 +435,10 @@ def to_hf(model_or_workdir, path: str, dtype: str | None = None, log=print) -> N
     if cfg.moe.num_experts and cfg.moe.capacity_factor:
         log(f"note: model.moe.capacity_factor={cfg.moe.capacity_factor} is not exported: transformers' Mixtral "
             f"routes every token to its experts (as ushard does with capacity_factor=0).")
-    save_hf(trained.params, cfg, path, dtype, max_positions=_max_positions(trained))
+    ids = hf_tokenizer.token_ids(trained.tokenizer, log)
+    save_hf(trained.params, cfg, path, dtype, max_positions=_max_positions(trained), token_ids=ids)
+    if jax.process_index() == 0:
+        hf_tokenizer.write_beside_weights(trained.tokenizer, path, ids, log)
 
 
 def _max_positions(trained: TrainedModel) -> int:

@@ -68,9 +68,13 @@ class HFTokenizer:
         self.eos_id = self._find_eos()
         self._dtype = token_dtype(self.vocab_size)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of one token's text (a special token's), None where the vocabulary has no such token."""
+        return self._tokenizer.token_to_id(token)
+
     def _find_eos(self) -> int:
         for name in EOS_NAMES:
-            token_id = self._tokenizer.token_to_id(name)
+            token_id = self.token_id(name)
             if token_id is not None:
                 return token_id
         raise UserError(f"data.tokenizer={self.path!r} has none of the end-of-document tokens "
