@@ -99,3 +99,10 @@ def test_train_help_names_the_overrides(capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
     assert "--config.a.b=value" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("address", ["notaport", "127.0.0.1:abc", "127.0.0.1:99999", ":1234", "127.0.0.1:0"])
+def test_a_coordinator_address_that_is_not_host_and_port_is_one_sentence(address):
+    args = SimpleNamespace(coordinator_address=address, num_processes=2, process_id=0)
+    with pytest.raises(UserError, match=f"^--coordinator_address={address!r} is not HOST:PORT"):
+        cli.start_processes(args)

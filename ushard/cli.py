@@ -163,6 +163,15 @@ def _cluster_launched() -> bool:
     )
 
 
+def _check_address(address: str) -> None:
+    """UserError unless `address` is HOST:PORT with a port of 1-65535 (JAX's own checks crash on some:
+    an IndexError, a segmentation fault, or a port past 65535 taken)."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--coordinator_address={address!r} is not HOST:PORT with a port from 1 to 65535 "
+                        f"(process 0's host name or address, e.g. 10.0.0.1:1234).")
+
+
 def start_processes(args, timeout_s: int = 60) -> None:
     """Joins a multi-process run: from the three flags, or detected on SLURM and TPU VMs. JAX's own
     heartbeat check gets `timeout_s` (train.process_timeout_s) and a margin: ushard's watch
@@ -177,6 +186,9 @@ def start_processes(args, timeout_s: int = 60) -> None:
     import jax
 
     if all(given):
+        _check_address(args.coordinator_address)
+        if args.num_processes < 1:
+            raise UserError(f"--num_processes={args.num_processes} must be 1 or more.")
         if not 0 <= args.process_id < args.num_processes:
             raise UserError(f"--process_id={args.process_id} must be between 0 and "
                             f"--num_processes-1={args.num_processes - 1}.")
