@@ -386,16 +386,24 @@ def test_a_checkpoint_the_system_will_not_let_us_read_is_not_called_damaged(tmp_
     shutil.copytree(finished_run, tmp_path, dirs_exist_ok=True)
 
     def denied(self, step, *args, **kwargs):
-        raise ValueError(f'PERMISSION_DENIED: Error opening file "{tmp_path}/checkpoints/{step}/state/manifest.ocdbt": '
-                         f"Permission denied [os_error_code='13']")
+        # As orbax raises it reading an array of a shard file the OS refuses (seen with a directory of
+        # mode 000): its own exception, from TensorStore's, which carries the OS error.
+        try:
+            raise ValueError(f'PERMISSION_DENIED: Error reading "params.embedding/0.0": Failed to open: '
+                             f'"{tmp_path}/checkpoints/{step}/state/ocdbt.process_0/d/33ff": Permission denied '
+                             f"[os_error_code='13']")
+        except ValueError as e:
+            raise Exception("Encountered error while reading array index: (slice(0, 512, 1),). See full "
+                            "TensorStore details: <bound method ...>.") from e
 
     with monkeypatch.context() as patch:
         patch.setattr(ocp.CheckpointManager, "restore", denied)
         status, out, err = run_in_process(tmp_path)
     assert status == 2
     assert err.strip() == (f"ushard: error: checkpoint 12 in {tmp_path / 'checkpoints'} cannot be read ([Errno 13] "
-                           f"Permission denied); nothing was moved: fix the access (permissions, the mount, the disk), "
-                           f"then run the same command again.")
+                           f"Permission denied: {tmp_path}/checkpoints/12/state/ocdbt.process_0/d/33ff); nothing "
+                           f"was moved: fix the access (permissions, the mount, the disk), then run the same command "
+                           f"again.")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "6", "9"]
     assert not (tmp_path / "checkpoints-damaged").exists()
 

@@ -328,7 +328,10 @@ def _read_together(step: int, error: Exception | None) -> tuple[str | None, Exce
     """(the OS error that stops the run, or None; the damage, or None) for checkpoint `step`, as every
     process sees it after each read its own shards (`error`: what this one met, None if it read all):
     denied if any process was refused access, damaged if any found damage."""
-    denied = _cause(error) if error is not None and _os_errno(error) in ACCESS_ERRNOS else None
+    # orbax raises its own "Encountered error while reading array" from TensorStore's error: the OS
+    # error number is in the chain, not on the outermost exception.
+    refused = error is not None and any(_os_errno(e) in ACCESS_ERRNOS for e in _chain(error))
+    denied = _cause(error, with_path=True) if refused else None
     if jax.process_count() == 1:
         return denied, error
     from jax.experimental import multihost_utils
@@ -379,15 +382,26 @@ def _waited_only(error: BaseException) -> bool:
             and all(isinstance(e, TimeoutError) or "Barrier timed out" in str(e) for e in chain))
 
 
-def _cause(error: BaseException) -> str:
-    """Why a write failed, in a few words: an OS error's number and text (TensorStore wraps it in a
-    ValueError as os_error_code='N'), found anywhere in the exception's chain (with several
-    processes orbax raises a barrier's timeout from it), else the exception's first line."""
+def _cause(error: BaseException, with_path: bool = False) -> str:
+    """Why a read or write failed, in a few words: an OS error's number and text (TensorStore wraps it
+    in a ValueError as os_error_code='N'), found anywhere in the exception's chain (with several
+    processes orbax raises a barrier's timeout from it), with the file it names if `with_path`, else
+    the exception's first line."""
     for link in _chain(error):
         number = _os_errno(link)
         if number:
-            return f"[Errno {number}] {os.strerror(number)}"
+            path = _os_path(link) if with_path else None
+            return f"[Errno {number}] {os.strerror(number)}" + (f": {path}" if path else "")
     return _first_line(error)
+
+
+def _os_path(error: BaseException) -> str | None:
+    """The file an OS error is about: an OSError's filename, or the quoted path just before TensorStore's
+    os_error_code (`Failed to open: "PATH": Permission denied [os_error_code='13']`)."""
+    if isinstance(error, OSError) and error.filename:
+        return str(error.filename)
+    path = re.search(r'"([^"]+)": [^"]*\[os_error_code', str(error))
+    return path.group(1) if path else None
 
 
 def _unused(path: str) -> str:
