@@ -284,3 +284,33 @@ def test_the_processes_report_the_failure_that_caused_the_others(monkeypatch, me
             processes.agree(7, None, failure, 1.0, settled)
     else:
         assert processes.agree(7, None, failure, 1.0, settled) == expected
+
+
+def test_processes_started_with_other_configs_or_code_are_refused_naming_what_differs(monkeypatch):
+    """`check_same_run` as two processes would see it: a stand-in for process_allgather puts what the
+    other process gathers (recorded from its own config and code) beside this one's."""
+    import numpy as np
+
+    from ushard.config import load_config
+    from ushard.errors import UserError
+    from ushard.training import processes
+
+    def gathered_by(config) -> list:
+        calls = []
+        processes.check_same_run(config, gather=lambda local: calls.append(local) or np.stack([local, local]))
+        return calls
+
+    def beside(other: list):
+        return lambda local: np.stack([local, other.pop(0)])
+
+    mine = load_config("tiny", ["train.steps=20"])
+    processes.check_same_run(mine, gather=beside(gathered_by(load_config("tiny", ["train.steps=20"]))))
+    with pytest.raises(UserError, match=r"^the processes were started with different configs \(train\.lr, "
+                                        r"train\.steps differ\); start every process with the same --config"):
+        processes.check_same_run(mine, gather=beside(gathered_by(load_config("tiny", ["train.steps=24",
+                                                                                     "train.lr=1e-3"]))))
+    with monkeypatch.context() as patch:
+        patch.setattr(processes, "_code_fingerprint", lambda: "another checkout")
+        other_code = gathered_by(mine)
+    with pytest.raises(UserError, match=r"^process 1 runs other ushard code than process 0"):
+        processes.check_same_run(mine, gather=beside(other_code))

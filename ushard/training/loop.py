@@ -107,6 +107,7 @@ class Trainer:
 
     def __init__(self, config, workdir: str | None = None, devices=None, batches=None):
         tracking.check(config, workdir)  # a missing W&B package or login stops the run before it builds
+        processes.check_same_run(config)  # several processes: one code and one config, or one sentence
         self.config = config
         self.workdir = workdir
         self.setup = build(config, devices)

@@ -14,10 +14,12 @@ A single-process run uses neither.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 import time
+import zlib
 
 import jax
 import numpy as np
@@ -26,6 +28,61 @@ from ushard.errors import UserError
 
 FAILURE_KEY = "ushard/failure/{process}/{step}"  # a process's own sentence for a failure it agreed on
 LEFT = "left"  # a process's heartbeat once its run has ended
+
+
+def check_same_run(config, gather=None) -> None:
+    """UserError, on every process, where the processes were started with different ushard code or
+    different configs (a process given other overrides would train with its own learning-rate
+    schedule until the runs hang on a mismatched collective): the keys whose values differ. `gather`:
+    `process_allgather` (a test's stand-in)."""
+    if jax.process_count() == 1 and gather is None:
+        return
+    if gather is None:
+        from jax.experimental import multihost_utils
+
+        gather = multihost_utils.process_allgather
+    settings = _flat(config.to_dict())
+    code = gather(np.array([_digest(_code_fingerprint()), len(settings)], np.int64))
+    if (code != code[0]).any():
+        other = int(np.argmax((code != code[0]).any(axis=1)))
+        raise UserError(f"process {other} runs other ushard code than process 0 (another version or checkout); "
+                        f"start every process from the same installation.")
+    keys = sorted(settings)
+    values = gather(np.array([_digest(f"{k}={settings[k]}") for k in keys], np.int64))
+    differ = [k for k, column in zip(keys, values.T) if (column != column[0]).any()]
+    if differ:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        raise UserError(f"the processes were started with different configs ({shown} "
+                        f"{'differs' if len(differ) == 1 else 'differ'}); start every process with the same "
+                        f"--config and overrides.")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{"a.b": the value as JSON} of a config's nested dict."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = json.dumps(value, sort_keys=True, default=str)
+    return flat
+
+
+def _digest(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _code_fingerprint() -> str:
+    """The ushard package's source, as one digest of its files' names and bytes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = 0
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                digest = zlib.crc32(os.path.relpath(path, root).encode() + f.read(), digest)
+    return str(digest)
 
 
 def _client():
