@@ -21,9 +21,9 @@ GROUPS = {
     "model": "The model's function and how it is computed (`ushard/models/config.py`).",
     "train": "The optimizer, the schedule and the training loop.",
     "checkpoint": "Checkpoints in `WORKDIR/checkpoints` (orbax).",
-    "mesh": "Device mesh axis sizes; the product of all sizes is the device count (README, Parallelism).",
+    "mesh": "Device mesh axis sizes; the product of all sizes is the device count (docs/parallelism.md).",
     "parallel": "How the parallelisms run (ZeRO stage, pipeline schedule, context parallelism).",
-    "data": "Documents, the tokenizer and the token stream the batches are cut from (README, Data).",
+    "data": "Documents, the tokenizer and the token stream the batches are cut from (docs/training.md, Data).",
     "metrics": "Where the rows of `WORKDIR/metrics.jsonl` go besides it and TensorBoard (docs/finetuning.md).",
 }
 
