@@ -160,15 +160,15 @@ def _gather(w, stored, compute):
 RECEIVE_BUCKETS = 8
 # Whether the backward pass keeps both exchanges' results (the rows received, the outputs sent back)
 # under the "dots" remat policies, tagged like the experts' matmul outputs. Otherwise the recomputed
-# forward runs both exchanges again: six a layer and step instead of four (bench_moe expert=4 on
-# 4 x H200: 314 TFLOP/s a GPU kept, 288 not, for 0.2 GiB more; docs/benchmarks.md).
+# forward runs both exchanges again: six a layer and step instead of four (keeping them measured
+# faster for a little more memory: docs/benchmarks.md, expert parallelism on four H200s).
 KEEP_EXCHANGED = True
 # How the ragged dispatch moves rows between devices with `exchange="auto"`, per platform
-# ("all_to_all" where not named): XLA's `ragged_all_to_all` moved 7 GB/s a device on 4 x H200
-# (JAX 0.11.2) against the dense all_to_all's 133 (docs/benchmarks.md), so GPUs use the dense one;
-# TPUs keep `ragged_all_to_all`: their compiles were checked with it, and the dense exchange was
-# measured on GPUs only. GPUs take "all_gather" (`_gathered`): it ran `bench_moe` `expert=4` faster
-# than the dense exchange at the same headroom on 4 x H200 (docs/benchmarks.md).
+# ("all_to_all" where not named). On GPUs XLA's `ragged_all_to_all` moved a small fraction of the
+# dense all_to_all's bytes a second, and "all_gather" (`_gathered`) ran faster than the dense exchange
+# at the same headroom (docs/benchmarks.md, expert parallelism on four H200s), so GPUs take
+# "all_gather"; TPUs keep `ragged_all_to_all`: their compiles were checked with it, and the other
+# exchanges were measured on GPUs only.
 AUTO_EXCHANGE = {"tpu": "ragged_all_to_all", "gpu": "all_gather"}
 
 
