@@ -8,17 +8,14 @@ values over 128) and its projections (6 x parameters), as the planner counts the
 """
 
 from ushard.configs.bench_1b import get_config as bench_1b_config
+from ushard.configs.deepseek_v2_lite import get_config as deepseek_v2_lite_config
 
 
 def get_config():
     c = bench_1b_config()
     c.model.family = "deepseek"
-    a = c.model.mla
-    a.q_lora_rank = 0
-    a.kv_lora_rank = 512
-    a.qk_nope_head_dim = 128
-    a.qk_rope_head_dim = 64
-    a.v_head_dim = 128
+    for key, value in deepseek_v2_lite_config().model.mla.items():  # its latent attention, not its YaRN or MoE
+        c.model.mla[key] = value
     c.train.batch_size = 8
     c.train.seq_len = 4096
     return c
