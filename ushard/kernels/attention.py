@@ -1,8 +1,8 @@
 """Attention kernels: the contract, the XLA implementation, and the one place that picks a kernel.
 
 Causal attention of q [B, T, heads, hd] over k [B, T, kv_heads, hd] and v [B, T, kv_heads, vd]
-(grouped-query heads as they are; vd = hd but for latent attention's values: cuDNN takes them as
-they are, other kernels padded, `values_padded`); with
+(grouped-query heads as they are; vd = hd but for latent attention's values: cuDNN and ours
+(`flash.takes_value_widths`) take them as they are, other kernels padded, `values_padded`); with
 segment ids [B, T] a token sees only keys of its own document; with a `window` w > 0
 (sliding-window attention, Hugging Face's `sliding_window`: Mistral, Gemma 3) the query at position i
 sees key j only if i - w < j <= i, itself and the w - 1 keys before it (0: no window). Two forms:
@@ -111,6 +111,10 @@ def typed(blocks: BlockKernel) -> BlockKernel:
 
 # The kernels whose whole-sequence form takes a sliding window (`whole_sequence`'s `window`).
 WINDOWED = ("xla", "cudnn", "splash", "flash")
+# q·k head dims at which ours runs (`flash_fits`) but `auto` does not pick it: latent attention's
+# 192 (values 128), whose kernels were written and lowered without a GPU and never checked nor timed
+# on one (docs/dev-notes.md); `auto` keeps cuDNN there (XLA where cuDNN cannot run), as before them.
+AUTO_SKIPS_FLASH = (192,)
 
 
 def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False, head_dim: int = 128,
@@ -129,7 +133,7 @@ def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False
         # with and without its window). With a sliding window and no documents both skip the
         # blocks outside it, and ours measured faster on the Mosaic GPU kernels' head dims
         # (Hopper); at head dim 256 the Triton kernels trail cuDNN's there (docs/benchmarks.md).
-        fits = flash_fits(length, head_dim, window)
+        fits = flash_fits(length, head_dim, window) and head_dim not in AUTO_SKIPS_FLASH
         if not in_stage and not split and documents:
             return "flash" if fits else "cudnn"
         if not in_stage and not split and window:
@@ -145,8 +149,9 @@ def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False
 
 
 def flash_fits(length: int, head_dim: int, window: int = 0) -> bool:
-    """Whether ushard's flash kernel has blocks for this sequence length and head dim (and masks
-    this `window`)."""
+    """Whether ushard's flash kernel has blocks for this sequence length and q·k head dim (and masks
+    this `window`); it takes values of that head dim or narrower (latent attention's 192 / 128 as
+    they are on Hopper, `flash.takes_value_widths`)."""
     from ushard.kernels.flash import TUNING
 
     return length % LANES == 0 and head_dim in TUNING and (not window or "flash" in WINDOWED)
@@ -176,7 +181,10 @@ def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: 
             reason = "a sliding window: ours skips the blocks outside it, measured faster than cuDNN's window"
         else:
             return f"{name} (cuDNN takes 16-bit compute only)"
-        if resolved == "xla":
+        if resolved == "xla" and head_dim in AUTO_SKIPS_FLASH:
+            reason += (f"; ushard's flash runs q·k heads of {head_dim} but was never checked nor timed on a GPU, "
+                       f"so auto does not pick it (attention_impl='flash' does)")
+        elif resolved == "xla":
             from ushard.kernels.flash import TUNING
 
             reason += (f"; ushard's flash needs 16-bit compute, sequences a multiple of {LANES} tokens and head "
@@ -250,6 +258,11 @@ def whole_sequence(q, k, v, segment_ids, impl: str, window: int = 0):
             from ushard.kernels.cudnn import CUDNN_BLOCKS
 
             return by_halves(CUDNN_BLOCKS, q, k, v, None, window)
+        if impl == "flash":
+            from ushard.kernels.flash import FLASH_BLOCKS, takes_value_widths
+
+            if takes_value_widths(q, k, v):
+                return by_halves(FLASH_BLOCKS, q, k, v, segment_ids, window)
         return values_padded(lambda v: whole_sequence(q, k, v, segment_ids, impl, window), q, v)
     if impl == "cudnn" and _traced_off_the_chip:
         return by_halves(FLASH_SHAPES, q, k, v, segment_ids, window)
@@ -288,8 +301,9 @@ def values_padded(attend, q, v):
     softmax never see v, the padded columns of the output are zeros, and the gradient of the padding is
     dropped by the slice's transpose. It costs the kernel's value matmuls the padding (half again at
     192 / 128), the price of one contract for every kernel until one takes two head sizes: cuDNN's
-    do from 9.10 (`cudnn_takes_value_widths`), on whole sequences without documents; a split
-    sequence's blocks are still padded (the ring on cuDNN's blocks needs two GPUs to check).
+    do from 9.10 (`cudnn_takes_value_widths`), on whole sequences without documents, and ours
+    (`flash.takes_value_widths`) on whole sequences; a split sequence's blocks are still padded (the
+    ring on cuDNN's blocks needs two GPUs to check).
     The one place values are padded: `whole_sequence` and the blocks of a split sequence call it."""
     width, size = q.shape[-1], v.shape[-1]
     if size == width:
