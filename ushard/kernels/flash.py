@@ -339,8 +339,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal, blocks: Blocks, length, 
         p = jnp.exp2(s - shift[:, None])
         total = total * rescale + jnp.sum(p, axis=1)
         v = _load(v_ref, (pl.ds(k_first, bk),), value_parts)
-        p = p.astype(v[0].dtype)
-        acc = tuple(acc_part * rescale[:, None] + _dot(p, v_part) for acc_part, v_part in zip(acc, v))
+        acc = tuple(acc_part * rescale[:, None] + _dot(p.astype(part.dtype), part) for acc_part, part in zip(acc, v))
         return acc, new_peak, total, n + 1
 
     acc = tuple(jnp.zeros((bq, size), jnp.float32) for _, size in value_parts)
@@ -452,7 +451,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal,
         return _run_loops(step, carry, ranges, order_ref)
 
     dk = tuple(jnp.zeros(part.shape, jnp.float32) for part in k)
-    dv = tuple(jnp.zeros(part.shape, jnp.float32) for part in v)
+    dv = dk if k_ref.shape == v_ref.shape else tuple(jnp.zeros(part.shape, jnp.float32) for part in v)
     dk, dv, n = lax.fori_loop(0, group, head, (dk, dv, jnp.int32(0)))
     _store(dk_ref, [(part * scale).astype(dk_ref.dtype) for part in dk], parts)
     _store(dv_ref, [part.astype(dv_ref.dtype) for part in dv], value_parts)

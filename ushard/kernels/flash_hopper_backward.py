@@ -197,7 +197,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
                 return carry
 
             dk = plgpu.layout_cast(jnp.zeros((ROWS, hd), jnp.float32), plgpu.Layout.WGMMA)
-            dv = plgpu.layout_cast(jnp.zeros((ROWS, vd), jnp.float32), plgpu.Layout.WGMMA)
+            dv = dk if vd == hd else plgpu.layout_cast(jnp.zeros((ROWS, vd), jnp.float32), plgpu.Layout.WGMMA)
             dk, dv = lax.fori_loop(0, group, head, (dk, dv))
             k_smem[...] = (dk * scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
