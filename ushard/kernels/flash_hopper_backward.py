@@ -240,7 +240,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
     if segments:
         args += [plan, q_segments, k_segments]
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    row_bytes = 2 * q.size // b * q.dtype.itemsize  # a row's Q and dO
+    row_bytes = (q.size + d_out.size) // b * q.dtype.itemsize  # a row's Q and dO
     return _launch(kernel, smem, barriers, args, out_type, kv_heads, n_tiles, b, group, row_bytes)
 
 
@@ -393,5 +393,5 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
     if segments:
         args += [plan, q_segments, k_segments]
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]
-    row_bytes = 2 * q.size // b * q.dtype.itemsize  # a row's Q and dO
+    row_bytes = (q.size + d_out.size) // b * q.dtype.itemsize  # a row's Q and dO
     return tuple(_launch(kernel, smem, barriers, args, out_type, heads, n_tiles, b, group, row_bytes))
