@@ -111,9 +111,10 @@ def typed(blocks: BlockKernel) -> BlockKernel:
 
 # The kernels whose whole-sequence form takes a sliding window (`whole_sequence`'s `window`).
 WINDOWED = ("xla", "cudnn", "splash", "flash")
-# q·k head dims at which ours runs (`flash_fits`) but `auto` does not pick it: latent attention's
-# 192 (values 128), whose kernels were written and lowered without a GPU and never checked nor timed
-# on one (docs/dev-notes.md); `auto` keeps cuDNN there (XLA where cuDNN cannot run), as before them.
+# q·k head dims at which `auto` prefers cuDNN to ours where both can run: latent attention's 192
+# (values 128), where ours (exact) measured slower than cuDNN's own two-width kernels
+# (docs/benchmarks.md). Where cuDNN cannot run (pipeline stages, a split sequence with documents)
+# ours runs there as at every head dim it fits.
 AUTO_SKIPS_FLASH = (192,)
 
 
@@ -133,13 +134,14 @@ def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False
         # with and without its window). With a sliding window and no documents both skip the
         # blocks outside it, and ours measured faster on the Mosaic GPU kernels' head dims
         # (Hopper); at head dim 256 the Triton kernels trail cuDNN's there (docs/benchmarks.md).
-        fits = flash_fits(length, head_dim, window) and head_dim not in AUTO_SKIPS_FLASH
+        fits = flash_fits(length, head_dim, window)
+        preferred = fits and head_dim not in AUTO_SKIPS_FLASH  # over cuDNN, where both run
         if not in_stage and not split and documents:
-            return "flash" if fits else "cudnn"
+            return "flash" if preferred else "cudnn"
         if not in_stage and not split and window:
             from ushard.kernels.flash_hopper import BLOCKS as MOSAIC_HEAD_DIMS
 
-            return "flash" if fits and head_dim in MOSAIC_HEAD_DIMS else "cudnn"
+            return "flash" if preferred and head_dim in MOSAIC_HEAD_DIMS else "cudnn"
         if not in_stage and not documents:
             return "cudnn"
         return "flash" if fits else "xla"
@@ -181,10 +183,7 @@ def why(impl: str, resolved: str, platform: str, in_stage: bool = False, split: 
             reason = "a sliding window: ours skips the blocks outside it, measured faster than cuDNN's window"
         else:
             return f"{name} (cuDNN takes 16-bit compute only)"
-        if resolved == "xla" and head_dim in AUTO_SKIPS_FLASH:
-            reason += (f"; ushard's flash runs q·k heads of {head_dim} but was never checked nor timed on a GPU, "
-                       f"so auto does not pick it (attention_impl='flash' does)")
-        elif resolved == "xla":
+        if resolved == "xla":
             from ushard.kernels.flash import TUNING
 
             reason += (f"; ushard's flash needs 16-bit compute, sequences a multiple of {LANES} tokens and head "

@@ -407,7 +407,7 @@ def forward(q, k, v, causal, q_segments=None, k_segments=None, window=0, *, tuni
     whenever `tuning` is given, the Triton forward here. `tuning`: block sizes other than TUNING's
     (the tests' small ones, the bench's sweep). `window` > 0: causal attention within a sliding window
     (kernels.attention), whose out-of-window blocks are never visited."""
-    if on_hopper(q, k, tuning, v):
+    if on_hopper(q, k, tuning, v) and q.shape[-1] in flash_hopper.FORWARD_HEAD_DIMS:
         _check(q, k, v, q_segments, k_segments, None, causal, window, hopper=True)
         return flash_hopper.forward(q, k, v, causal, q_segments, k_segments, window=window)
     out, lse = _forward_call(q, k, v, causal, q_segments, k_segments, tuning, window=window)

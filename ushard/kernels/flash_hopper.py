@@ -69,6 +69,11 @@ BLOCKS = {64: (64, 128, 2), 128: (64, 128, 2), 192: (64, 64, 2)}
 # The values' head dim the kernels take for each q·k head dim: the same but for latent attention's
 # 192 / 128 (DeepSeek-V2/V3), whose output (128 wide) leaves through a buffer of its own.
 VALUE_DIMS = {64: 64, 128: 128, 192: 128}
+# The head dims `flash.forward` runs this forward at. At 192 it deadlocks once a program runs more
+# than one tile (on an H200: B1 T1024 H4, a tile a program, matched float32; B1 T4096 H16 never
+# returned; docs/dev-notes.md), so until that is found the forward at 192 runs on the Triton kernel
+# while the backward kernels (not persistent: a program a tile) run here.
+FORWARD_HEAD_DIMS = (64, 128)
 # When the device does not say how many multiprocessors it has.
 H100_MULTIPROCESSORS = 132
 # With segment ids: the copying warpgroup fetches a tile's visit range PLAN_AHEAD tiles ahead, into a
