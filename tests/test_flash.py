@@ -229,21 +229,26 @@ def test_a_length_that_is_not_a_multiple_of_the_blocks_is_refused():
         flash.forward(q[..., :48], k[..., :48], v[..., :48], True)
 
 
-@pytest.mark.parametrize("hd,dtype,window", [(128, jnp.bfloat16, 0), (64, jnp.float16, 0), (256, jnp.bfloat16, 0),
-                                             (128, jnp.bfloat16, 100)])
-def test_kernels_lower_to_triton(monkeypatch, hd, dtype, window):
+@pytest.mark.parametrize("hd,vd,dtype,window", [(128, 128, jnp.bfloat16, 0), (64, 64, jnp.float16, 0),
+                                                (256, 256, jnp.bfloat16, 0), (128, 128, jnp.bfloat16, 100),
+                                                (192, 128, jnp.bfloat16, 0), (192, 192, jnp.bfloat16, 0)])
+def test_kernels_lower_to_triton(monkeypatch, hd, vd, dtype, window):
     """Every kernel, with and without documents, lowers to Triton's IR for a CUDA GPU, at the table's
-    block sizes (the Triton compiler itself runs only on a GPU); with a window too."""
+    block sizes (the Triton compiler itself runs only on a GPU); with a window too; latent attention's
+    192 / 128 in 128 + 64 wide pieces (Triton's arrays are powers of two), and its values padded to 192 (a
+    split sequence's blocks, `values_padded`)."""
     monkeypatch.setattr(flash, "_interpret", lambda: False)
     q = jax.ShapeDtypeStruct((B, 256, HEADS, hd), dtype)
-    kv = jax.ShapeDtypeStruct((B, 256, KV_HEADS, hd), dtype)
+    k = jax.ShapeDtypeStruct((B, 256, KV_HEADS, hd), dtype)
+    v = jax.ShapeDtypeStruct((B, 256, KV_HEADS, vd), dtype)
+    d_out = jax.ShapeDtypeStruct((B, 256, HEADS, vd), dtype)
     lse = jax.ShapeDtypeStruct((B, 256, HEADS), jnp.float32)
     for segments in (None, jax.ShapeDtypeStruct((B, 256), jnp.int32)):
         def step(q, k, v, segments, d_out, d_lse):
             outputs, pullback = jax.vjp(lambda *a: flash.attention(*a, segments, window=window), q, k, v)
             return outputs, pullback((d_out, d_lse))
 
-        text = jax.jit(step).trace(q, kv, kv, segments, q, lse).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(step).trace(q, k, v, segments, d_out, lse).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("xla.gpu.triton") == 3  # forward, dkdv, dq
 
 
@@ -340,3 +345,35 @@ def test_head_dim_256_forward_and_backward(dtype, length, documents, window):
     for name, got, want in zip(["out", "dq", "dk", "dv"], [out, *got_grads], [want_out, *want_grads]):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         assert np.linalg.norm(got - want) <= tolerance * np.linalg.norm(want), name
+
+
+def test_latent_attention_heads_through_whole_sequence_match_float32():
+    """Latent attention's heads (q·k over 192, values of 128) through `whole_sequence(..., "flash")`,
+    the values as they are (not padded), forward and backward against float32 attention: on this CPU
+    the Triton kernels in Pallas's interpreter, at TUNING's 192 blocks (q·k in 128 + 64 wide pieces),
+    grouped heads, two documents (a boundary inside dK/dV's 32-key blocks)."""
+    from ushard.kernels.attention import whole_sequence
+
+    rng = np.random.default_rng(12)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    t = 64
+    q, k, v, d_out = normal(1, t, 2, 192), normal(1, t, 1, 192), normal(1, t, 1, 128), normal(1, t, 2, 128)
+    ids = jnp.asarray(np.searchsorted([23], np.arange(t), side="right")[None], jnp.int32)
+    assert flash.takes_value_widths(q, k, v)
+    assert "pad" not in str(jax.make_jaxpr(lambda *a: whole_sequence(*a, ids, "flash"))(q, k, v))  # as they are
+
+    def out_and_grads(attend, *inputs):
+        out, pullback = jax.vjp(attend, *inputs)
+        return (out, *pullback(d_out))
+
+    got = jax.jit(lambda *a: out_and_grads(lambda *b: whole_sequence(*b, ids, "flash"), *a))(q, k, v)
+    want = out_and_grads(lambda *a: windowed_reference(*a, ids, 0)[0], q, k, v)
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+        assert g.shape == w.shape, name
+        close(g, w, name)
+
+
+def test_head_pieces_are_powers_of_two_covering_the_head():
+    assert flash._parts(192) == ((0, 128), (128, 64))
+    assert flash._parts(128) == ((0, 128),)
+    assert flash._parts(96) == ((0, 64), (64, 32))

@@ -156,6 +156,32 @@ def test_windowed_kernels_lower_for_the_gpu(segments):
     assert "mosaic_gpu" in _lowered_for_gpu(both, q, kv, kv, ids)
 
 
+@pytest.mark.skipif(not flash_hopper._API, reason="this JAX has no Mosaic GPU Pallas API")
+@pytest.mark.parametrize("causal,segments,window,block_q", [(True, False, 0, None), (True, True, 0, None),
+                                                            (False, True, 0, None), (True, True, 300, 64)])
+def test_latent_attention_kernels_lower_for_the_gpu(causal, segments, window, block_q):
+    """Latent attention's heads (q·k over 192, values of 128) as they are, grouped, through Mosaic GPU's
+    lowering: the forward (64-key blocks, the output through its own buffer), dQ, and dK/dV on
+    32-query blocks (64-byte swizzle) or 64 (`block_q`); the kernels' variants as the tests above
+    lower them at 64 and 128."""
+    q = jax.ShapeDtypeStruct((2, 512, 4, 192), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 512, 2, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 512, 2, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, 512), jnp.int32) if segments else None
+
+    def both(q, k, v, ids):
+        out, lse = flash_hopper.forward(q, k, v, causal, ids, ids, window=window)
+        lse2 = jnp.swapaxes(lse, 1, 2)
+        dq, delta = flash_hopper_backward.dq(q, k, v, out, lse2, out, causal, ids, ids, d_lse=lse2, window=window)
+        return out, dq, *flash_hopper_backward.dkdv(q, k, v, out, lse2, delta, causal, ids, ids, window=window,
+                                                    block_q=block_q)
+
+    out, dq, dk, dv = jax.eval_shape(both, q, k, v, ids)
+    assert (out.shape, dq.shape, dk.shape, dv.shape) == ((2, 512, 4, 128), q.shape, k.shape, v.shape)
+    assert str(jax.make_jaxpr(both)(q, k, v, ids)).count("wgmma") >= 9  # forward 2, dK/dV 4, dQ 3
+    assert "mosaic_gpu" in _lowered_for_gpu(both, q, k, v, ids)
+
+
 def test_window_bounds_cover_the_window_and_free_only_whole_blocks():
     """The Mosaic GPU kernels' window bounds against brute force over positions: a query block's
     first visited key block holds its first query's first key; the free blocks start where every
@@ -178,6 +204,10 @@ def test_supported_shapes_and_the_triton_kernels_off_hopper():
     assert not flash_hopper.supported(q.astype(jnp.float32), q)  # 16-bit only
     assert not flash_hopper.supported(jnp.zeros((1, 192, 2, 128), jnp.bfloat16), q)  # not whole tiles
     assert not flash_hopper.supported(jnp.zeros((1, 256, 2, 96), jnp.bfloat16), q)
+    mla_q, mla_v = jnp.zeros((1, 256, 2, 192), jnp.bfloat16), jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    assert flash_hopper.supported(mla_q, mla_q, mla_v)  # latent attention's 192 / 128 as they are
+    assert not flash_hopper.supported(mla_q, mla_q)  # values of 192 do not fit in shared memory
+    assert not flash_hopper.supported(q, q, q[..., :64])  # narrower values at 128: the Triton kernels
     assert not flash_hopper.available()  # no Hopper GPU here
     assert flash_hopper.jax_version("0.11.2") >= flash_hopper.CHECKED_JAX > flash_hopper.jax_version("0.10.2")
     assert flash_hopper.jax_version("0.12.0.dev20260101") == (0, 12, 0)

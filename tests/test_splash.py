@@ -115,6 +115,15 @@ def test_auto_picks_each_platforms_kernel():
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 1000, in_stage=True) == "xla"
     assert resolve_impl("auto", "gpu", jnp.float32, 8192, in_stage=True) == "xla"
     assert resolve_impl("auto", "cpu", jnp.bfloat16, 8192) == "xla"
+    # Latent attention's q·k heads of 192: ours runs them (flash_fits), slower than cuDNN's two-width
+    # kernels, so auto keeps cuDNN where it runs, and ours where it cannot (pipeline stages).
+    from ushard.kernels.attention import flash_fits
+
+    assert flash_fits(8192, 192)
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, head_dim=192) == "cudnn"
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, documents=True, head_dim=192) == "cudnn"
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 8192, in_stage=True, head_dim=192) == "flash"
+    assert resolve_impl("flash", "gpu", jnp.bfloat16, 8192, head_dim=192) == "flash"
 
 
 @pytest.mark.parametrize("mode,documents", [("ring", False), ("ring", True), ("all_gather", True)])

@@ -1,7 +1,7 @@
 """Our flash kernels against float32 attention, on the device they run on: the forward's out and lse,
 and the backward's dq, dk and dv with a random cotangent for both outputs, over the cases the
 kernels must take: causal or not, no documents, equal and ragged documents, grouped K/V heads, head
-dims 64, 128 and 256, short and long rows, sliding windows.
+dims 64, 128 and 256, latent attention's 192 / 128 (q·k, values), short and long rows, sliding windows.
 
     python3 tools/attention_check.py [--tolerance 0.01] [--only window,hd256] [--cudnn]
 
@@ -28,8 +28,8 @@ import numpy as np
 from ushard.kernels import flash
 from ushard.kernels.attention import xla_block
 
-# name: (batch, length, heads, kv heads, head dim, causal, documents: None, a count of equal ones, or
-# "ragged" for five boundaries at random places[, sliding window: 0 for none])
+# name: (batch, length, heads, kv heads, head dim (or (q·k's, values') for two), causal, documents: None,
+# a count of equal ones, or "ragged" for five boundaries at random places[, sliding window: 0 for none])
 CASES = {
     "hd128": (2, 2048, 16, 16, 128, True, None),
     "hd128 4 documents": (2, 2048, 16, 16, 128, True, 4),
@@ -49,6 +49,12 @@ CASES = {
     # Gemma 3 1B's attention (one of its 4 rows): its local layers' window, and its global layers.
     "gemma3_1b 4 documents window 512": (1, 8192, 4, 1, 256, True, 4, 512),
     "gemma3_1b 4 documents": (1, 8192, 4, 1, 256, True, 4, 0),
+    # DeepSeek-V2/V3's latent attention: q·k over 192 a head, values of 128.
+    "mla 192/128": (2, 2048, 16, 16, (192, 128), True, None),
+    "mla 192/128 grouped 2:1 ragged": (2, 2048, 16, 8, (192, 128), True, "ragged"),
+    "mla 192/128 not causal 4 documents": (2, 1024, 8, 8, (192, 128), False, 4),
+    "mla 192/128 window 300": (2, 2048, 8, 8, (192, 128), True, None, 300),
+    "mla 192/128 short rows": (2, 256, 4, 4, (192, 128), True, None),
 }
 
 
@@ -100,10 +106,12 @@ def errors(case, seed: int = 1, impl: str = "ours") -> dict:
     """Relative error of out, lse, dq, dk, dv against float32 attention for one case (`impl` "cudnn":
     cuDNN's, without lse)."""
     b, t, heads, kv_heads, hd, causal, documents, window = (*case, 0)[:8]
+    hd, vd = hd if isinstance(hd, tuple) else (hd, hd)
     keys = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(keys[0], (b, t, heads, hd), jnp.bfloat16)
-    k, v = (jax.random.normal(key, (b, t, kv_heads, hd), jnp.bfloat16) for key in keys[1:3])
-    d_out = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, t, kv_heads, hd), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, t, kv_heads, vd), jnp.bfloat16)
+    d_out = jax.random.normal(keys[3], (b, t, heads, vd), jnp.bfloat16)
     d_lse = jax.random.normal(keys[4], q.shape[:3], jnp.float32)
     ids = segment_ids(b, t, documents)
     if impl == "cudnn":

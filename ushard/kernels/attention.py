@@ -1,8 +1,8 @@
 """Attention kernels: the contract, the XLA implementation, and the one place that picks a kernel.
 
 Causal attention of q [B, T, heads, hd] over k [B, T, kv_heads, hd] and v [B, T, kv_heads, vd]
-(grouped-query heads as they are; vd = hd but for latent attention's values: cuDNN takes them as
-they are, other kernels padded, `values_padded`); with
+(grouped-query heads as they are; vd = hd but for latent attention's values: cuDNN and ours
+(`flash.takes_value_widths`) take them as they are, other kernels padded, `values_padded`); with
 segment ids [B, T] a token sees only keys of its own document; with a `window` w > 0
 (sliding-window attention, Hugging Face's `sliding_window`: Mistral, Gemma 3) the query at position i
 sees key j only if i - w < j <= i, itself and the w - 1 keys before it (0: no window). Two forms:
@@ -111,6 +111,11 @@ def typed(blocks: BlockKernel) -> BlockKernel:
 
 # The kernels whose whole-sequence form takes a sliding window (`whole_sequence`'s `window`).
 WINDOWED = ("xla", "cudnn", "splash", "flash")
+# q·k head dims at which `auto` prefers cuDNN to ours where both can run: latent attention's 192
+# (values 128), where ours (exact) measured slower than cuDNN's own two-width kernels
+# (docs/benchmarks.md). Where cuDNN cannot run (pipeline stages, a split sequence with documents)
+# ours runs there as at every head dim it fits.
+AUTO_SKIPS_FLASH = (192,)
 
 
 def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False, head_dim: int = 128,
@@ -130,12 +135,13 @@ def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False
         # blocks outside it, and ours measured faster on the Mosaic GPU kernels' head dims
         # (Hopper); at head dim 256 the Triton kernels trail cuDNN's there (docs/benchmarks.md).
         fits = flash_fits(length, head_dim, window)
+        preferred = fits and head_dim not in AUTO_SKIPS_FLASH  # over cuDNN, where both run
         if not in_stage and not split and documents:
-            return "flash" if fits else "cudnn"
+            return "flash" if preferred else "cudnn"
         if not in_stage and not split and window:
             from ushard.kernels.flash_hopper import BLOCKS as MOSAIC_HEAD_DIMS
 
-            return "flash" if fits and head_dim in MOSAIC_HEAD_DIMS else "cudnn"
+            return "flash" if preferred and head_dim in MOSAIC_HEAD_DIMS else "cudnn"
         if not in_stage and not documents:
             return "cudnn"
         return "flash" if fits else "xla"
@@ -145,8 +151,9 @@ def resolve(impl: str, platform: str, dtype, length: int, in_stage: bool = False
 
 
 def flash_fits(length: int, head_dim: int, window: int = 0) -> bool:
-    """Whether ushard's flash kernel has blocks for this sequence length and head dim (and masks
-    this `window`)."""
+    """Whether ushard's flash kernel has blocks for this sequence length and q·k head dim (and masks
+    this `window`); it takes values of that head dim or narrower (latent attention's 192 / 128 as
+    they are on Hopper, `flash.takes_value_widths`)."""
     from ushard.kernels.flash import TUNING
 
     return length % LANES == 0 and head_dim in TUNING and (not window or "flash" in WINDOWED)
@@ -250,6 +257,11 @@ def whole_sequence(q, k, v, segment_ids, impl: str, window: int = 0):
             from ushard.kernels.cudnn import CUDNN_BLOCKS
 
             return by_halves(CUDNN_BLOCKS, q, k, v, None, window)
+        if impl == "flash":
+            from ushard.kernels.flash import FLASH_BLOCKS, takes_value_widths
+
+            if takes_value_widths(q, k, v):
+                return by_halves(FLASH_BLOCKS, q, k, v, segment_ids, window)
         return values_padded(lambda v: whole_sequence(q, k, v, segment_ids, impl, window), q, v)
     if impl == "cudnn" and _traced_off_the_chip:
         return by_halves(FLASH_SHAPES, q, k, v, segment_ids, window)
@@ -288,8 +300,9 @@ def values_padded(attend, q, v):
     softmax never see v, the padded columns of the output are zeros, and the gradient of the padding is
     dropped by the slice's transpose. It costs the kernel's value matmuls the padding (half again at
     192 / 128), the price of one contract for every kernel until one takes two head sizes: cuDNN's
-    do from 9.10 (`cudnn_takes_value_widths`), on whole sequences without documents; a split
-    sequence's blocks are still padded (the ring on cuDNN's blocks needs two GPUs to check).
+    do from 9.10 (`cudnn_takes_value_widths`), on whole sequences without documents, and ours
+    (`flash.takes_value_widths`) on whole sequences; a split sequence's blocks are still padded (the
+    ring on cuDNN's blocks needs two GPUs to check).
     The one place values are padded: `whole_sequence` and the blocks of a split sequence call it."""
     width, size = q.shape[-1], v.shape[-1]
     if size == width:

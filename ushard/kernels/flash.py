@@ -84,6 +84,10 @@ TUNING = {
     # (docs/benchmarks.md): the forward's 128 query rows on two warpgroups, 64-row backward blocks
     # (one warpgroup's wgmma M); dQ at 128 x 64 blocks overflows shared memory.
     256: Tuning(forward=Blocks(128, 64, 8, 2), dkdv=Blocks(64, 32, 4, 2), dq=Blocks(64, 64, 4, 2)),
+    # Latent attention's q·k heads of 192 (values of 128; on Hopper the Mosaic GPU kernels run them):
+    # head dim 256's blocks, which hold more; computed as 128 + 64 wide pieces (`_parts`). Not yet
+    # run nor swept on a GPU.
+    192: Tuning(forward=Blocks(128, 64, 8, 2), dkdv=Blocks(64, 32, 4, 2), dq=Blocks(64, 64, 4, 2)),
 }
 
 
@@ -91,10 +95,17 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def on_hopper(q, k, tuning: Tuning | None = None) -> bool:
-    """Whether the Mosaic GPU kernels run (flash_hopper*.py): on Hopper, for shapes they take, unless
-    a `tuning` asks for the Triton kernels' blocks."""
-    return tuning is None and flash_hopper.available() and flash_hopper.supported(q, k)
+def on_hopper(q, k, tuning: Tuning | None = None, v=None) -> bool:
+    """Whether the Mosaic GPU kernels run (flash_hopper*.py): on Hopper, for shapes they take (`v`
+    None: values as wide as q·k), unless a `tuning` asks for the Triton kernels' blocks."""
+    return tuning is None and flash_hopper.available() and flash_hopper.supported(q, k, v)
+
+
+def takes_value_widths(q, k, v) -> bool:
+    """Whether `forward` and `backward` take these values, narrower than q·k, as they are: the Mosaic
+    GPU kernels at their `flash_hopper.VALUE_DIMS` (latent attention's 192 / 128), the Triton ones at
+    any of TUNING's head dims."""
+    return on_hopper(q, k, None, v) or q.shape[-1] in TUNING
 
 
 def _params(blocks: Blocks):
@@ -116,18 +127,24 @@ def _fit(blocks: Blocks, length: int, kernel: str) -> Blocks:
     return blocks._replace(block_q=sizes[0], block_k=sizes[1])
 
 
-def _check(q, k, v, q_segments, k_segments, tuning: Tuning | None, causal: bool = True, window: int = 0) -> Tuning:
-    """The tuning for these inputs, after refusing what the kernels cannot take."""
+def _check(q, k, v, q_segments, k_segments, tuning: Tuning | None, causal: bool = True, window: int = 0,
+           hopper: bool = False) -> Tuning | None:
+    """The tuning for these inputs, after refusing what the kernels cannot take (None for the Mosaic
+    GPU kernels, `hopper`, at a head dim the Triton kernels have no blocks for)."""
     diagonal_only(causal, window)
     b, t, heads, hd = q.shape
-    if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != hd or heads % k.shape[2]:
-        raise ValueError(f"flash attention takes q [B, T, heads, hd] and k, v [B, T, kv_heads, hd] with heads a "
-                         f"multiple of kv_heads; got q {q.shape}, k {k.shape}, v {v.shape}.")
+    if (k.shape[:3] != v.shape[:3] or k.shape[:2] != (b, t) or k.shape[3] != hd or v.shape[3] > hd
+            or heads % k.shape[2]):
+        raise ValueError(f"flash attention takes q [B, T, heads, hd], k [B, T, kv_heads, hd] and v [B, T, kv_heads, "
+                         f"vd] with vd <= hd and heads a multiple of kv_heads; got q {q.shape}, k {k.shape}, "
+                         f"v {v.shape}.")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"flash attention takes q, k and v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}.")
     if (q_segments is None) != (k_segments is None):
         raise ValueError("flash attention takes segment ids for both queries and keys, or for neither.")
     if tuning is None:
+        if hd not in TUNING and hopper:
+            return None
         if hd not in TUNING:
             raise ValueError(f"flash attention has block sizes for head dims {sorted(TUNING)}; got {hd} "
                              f"(pass tuning= for another power of two).")
@@ -246,6 +263,46 @@ def _dot(a, b, contract=(1, 0)):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
+def _parts(width: int) -> tuple[tuple[int, int], ...]:
+    """(start, size) pieces of a head `width` wide, each a power of two, the largest first: Triton's
+    arrays take power-of-two sizes only, so latent attention's q·k heads of 192 are computed as
+    128 + 64 (every other head dim in TUNING is one piece)."""
+    parts, start = [], 0
+    while start < width:
+        size = 1 << ((width - start).bit_length() - 1)
+        parts.append((start, size))
+        start += size
+    return tuple(parts)
+
+
+def _load(ref, index, parts):
+    """`ref[*index, :]` cut along its last dim into `parts`, one array each (`index` None: the whole ref)."""
+    if index is None:
+        index = (slice(None),) * (len(ref.shape) - 1)
+        if len(parts) == 1:
+            return [ref[...]]
+    if len(parts) == 1:
+        return [ref[(*index, slice(None))]]
+    return [ref[(*index, pl.ds(start, size))] for start, size in parts]
+
+
+def _store(ref, pieces, parts):
+    """The whole of `ref` (2-D) from one array per piece of `parts` (`_load`'s inverse)."""
+    if len(parts) == 1:
+        ref[...] = pieces[0]
+        return
+    for (start, size), piece in zip(parts, pieces):
+        ref[:, pl.ds(start, size)] = piece
+
+
+def _scores(a_pieces, b_pieces):
+    """a @ b.T summed over the pieces of their last dim, in float32."""
+    s = _dot(a_pieces[0], b_pieces[0], (1, 1))
+    for a, b in zip(a_pieces[1:], b_pieces[1:]):
+        s = s + _dot(a, b, (1, 1))
+    return s
+
+
 def _plan_refs(refs, segments: bool):
     """(query ids, key ids, visit order, visit counts, the refs after them): the kernels' optional
     inputs, present with segment ids, None without."""
@@ -263,14 +320,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal, blocks: Blocks, length, 
     bq, bk = blocks.block_q, blocks.block_k
     qb = pl.num_programs(0) - 1 - pl.program_id(0)  # the longest causal rows first
     scale = LOG2E / math.sqrt(q_ref.shape[-1])
-    q = q_ref[...]
+    parts, value_parts = _parts(q_ref.shape[-1]), _parts(v_ref.shape[-1])
+    q = _load(q_ref, None, parts)
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
 
     def step(kb, carry, masked):
         acc, peak, total, n = carry
         k_first = pl.multiple_of(kb * bk, bk)
-        k = k_ref[pl.ds(k_first, bk), :]
-        s = _dot(q, k, (1, 1)) * scale  # [bq, bk], base 2
+        k = _load(k_ref, (pl.ds(k_first, bk),), parts)
+        s = _scores(q, k) * scale  # [bq, bk], base 2
         if masked:
             k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(k_first, bk)]
             s = jnp.where(_mask(qb * bq, k_first, bq, bk, causal, q_seg, k_seg, window=window), s, -jnp.inf)
@@ -280,17 +338,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, causal, blocks: Blocks, length, 
         rescale = jnp.exp2(peak - shift)
         p = jnp.exp2(s - shift[:, None])
         total = total * rescale + jnp.sum(p, axis=1)
-        v = v_ref[pl.ds(k_first, bk), :]
-        acc = acc * rescale[:, None] + _dot(p.astype(v.dtype), v)
+        v = _load(v_ref, (pl.ds(k_first, bk),), value_parts)
+        acc = tuple(acc_part * rescale[:, None] + _dot(p.astype(part.dtype), part) for acc_part, part in zip(acc, v))
         return acc, new_peak, total, n + 1
 
-    carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
+    acc = tuple(jnp.zeros((bq, size), jnp.float32) for _, size in value_parts)
+    carry = (acc, jnp.full((bq,), -jnp.inf, jnp.float32),
              jnp.zeros((bq,), jnp.float32), jnp.int32(0))
     ranges = _ranges(qb, causal, False, blocks, length, counts_ref, window)
     acc, peak, total, n = _run_loops(step, carry, ranges, order_ref)
     seen = total > 0
     total = jnp.where(seen, total, 1.0)
-    o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+    _store(o_ref, [(part / total[:, None]).astype(o_ref.dtype) for part in acc], value_parts)
     lse_ref[...] = jnp.where(seen, peak / LOG2E + jnp.log(total), -jnp.inf)
     if count:
         visits_ref[0][...] = n
@@ -312,6 +371,7 @@ def _forward_call(q, k, v, causal, q_segments, k_segments, tuning: Tuning | None
     """(out, lse), plus the number of key blocks each (row, head, query block) visited if `count`."""
     tuning = _check(q, k, v, q_segments, k_segments, tuning, causal, window)
     b, t, heads, hd = q.shape
+    vd = v.shape[-1]
     group = heads // k.shape[2]
     blocks = _fit(tuning.forward, t, "forward")
     bq, bk = blocks.block_q, blocks.block_k
@@ -323,13 +383,13 @@ def _forward_call(q, k, v, causal, q_segments, k_segments, tuning: Tuning | None
 
     in_specs = [pl.BlockSpec((None, bq, None, hd), lambda i, h, r: (r, own(i), h, 0)),
                 pl.BlockSpec((None, t, None, hd), lambda i, h, r: (r, 0, lax.div(h, group), 0)),
-                pl.BlockSpec((None, t, None, hd), lambda i, h, r: (r, 0, lax.div(h, group), 0))]
+                pl.BlockSpec((None, t, None, vd), lambda i, h, r: (r, 0, lax.div(h, group), 0))]
     args = [q, k, v]
     if segments:
         more_specs, more_args = _query_block_plan(q_segments, k_segments, causal, bq, bk, t, own, window)
         in_specs, args = in_specs + more_specs, args + more_args
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, t, heads), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, bq, None, hd), lambda i, h, r: (r, own(i), h, 0)),
+    out_shape = [jax.ShapeDtypeStruct((b, t, heads, vd), q.dtype), jax.ShapeDtypeStruct((b, t, heads), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, bq, None, vd), lambda i, h, r: (r, own(i), h, 0)),
                  pl.BlockSpec((None, bq, None), lambda i, h, r: (r, own(i), h))]
     if count:
         out_shape.append(jax.ShapeDtypeStruct((b, heads, nq), jnp.int32))
@@ -347,8 +407,8 @@ def forward(q, k, v, causal, q_segments=None, k_segments=None, window=0, *, tuni
     whenever `tuning` is given, the Triton forward here. `tuning`: block sizes other than TUNING's
     (the tests' small ones, the bench's sweep). `window` > 0: causal attention within a sliding window
     (kernels.attention), whose out-of-window blocks are never visited."""
-    if on_hopper(q, k, tuning):
-        _check(q, k, v, q_segments, k_segments, None, causal, window)
+    if on_hopper(q, k, tuning, v) and q.shape[-1] in flash_hopper.FORWARD_HEAD_DIMS:
+        _check(q, k, v, q_segments, k_segments, None, causal, window, hopper=True)
         return flash_hopper.forward(q, k, v, causal, q_segments, k_segments, window=window)
     out, lse = _forward_call(q, k, v, causal, q_segments, k_segments, tuning, window=window)
     return out, lse
@@ -364,7 +424,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal,
     bq, bk = blocks.block_q, blocks.block_k
     kb = pl.program_id(0)
     scale = 1 / math.sqrt(k_ref.shape[-1])
-    k, v = k_ref[...], v_ref[...]
+    parts, value_parts = _parts(k_ref.shape[-1]), _parts(v_ref.shape[-1])
+    k, v = _load(k_ref, None, parts), _load(v_ref, None, value_parts)
     k_seg = None if k_seg_ref is None else k_seg_ref[...]
     ranges = _ranges(kb, causal, True, blocks, length, counts_ref, window)
 
@@ -373,25 +434,27 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal,
             dk, dv, n = carry
             q_first = pl.multiple_of(qb * bq, bq)
             rows = pl.ds(q_first, bq)
-            q, do = q_ref[rows, h, :], do_ref[rows, h, :]
-            s = _dot(k, q, (1, 1)) * (scale * LOG2E)  # [bk, bq]: scores transposed, base 2
+            q, do = _load(q_ref, (rows, h), parts), _load(do_ref, (rows, h), value_parts)
+            s = _scores(k, q) * (scale * LOG2E)  # [bk, bq]: scores transposed, base 2
             if masked:
                 q_seg = None if q_seg_ref is None else q_seg_ref[rows]
                 seen = _mask(q_first, kb * bk, bq, bk, causal, q_seg, k_seg, by_key=True, window=window)
                 s = jnp.where(seen, s, -jnp.inf)
             p = jnp.exp2(s - lse_ref[rows, h][None, :])
-            dv = dv + _dot(p.astype(do.dtype), do)
-            dp = _dot(v, do, (1, 1))
+            p16 = p.astype(do[0].dtype)
+            dv = tuple(dv_part + _dot(p16, do_part) for dv_part, do_part in zip(dv, do))
+            dp = _scores(v, do)
             ds = p * (dp - delta_ref[rows, h][None, :])
-            dk = dk + _dot(ds.astype(q.dtype), q)
+            dk = tuple(dk_part + _dot(ds.astype(q_part.dtype), q_part) for dk_part, q_part in zip(dk, q))
             return dk, dv, n + 1
 
         return _run_loops(step, carry, ranges, order_ref)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv, n = lax.fori_loop(0, group, head, (zeros, zeros, jnp.int32(0)))
-    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    dk = tuple(jnp.zeros(part.shape, jnp.float32) for part in k)
+    dv = dk if k_ref.shape == v_ref.shape else tuple(jnp.zeros(part.shape, jnp.float32) for part in v)
+    dk, dv, n = lax.fori_loop(0, group, head, (dk, dv, jnp.int32(0)))
+    _store(dk_ref, [(part * scale).astype(dk_ref.dtype) for part in dk], parts)
+    _store(dv_ref, [part.astype(dv_ref.dtype) for part in dv], value_parts)
     if count:
         visits_ref[0][...] = n
 
@@ -403,24 +466,27 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal, b
     bq, bk = blocks.block_q, blocks.block_k
     qb = pl.num_programs(0) - 1 - pl.program_id(0)
     scale = 1 / math.sqrt(q_ref.shape[-1])
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    parts, value_parts = _parts(q_ref.shape[-1]), _parts(v_ref.shape[-1])
+    q, do, lse, delta = _load(q_ref, None, parts), _load(do_ref, None, value_parts), lse_ref[...], delta_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
 
     def step(kb, carry, masked):
         dq, n = carry
         k_first = pl.multiple_of(kb * bk, bk)
-        k, v = k_ref[pl.ds(k_first, bk), :], v_ref[pl.ds(k_first, bk), :]
-        s = _dot(q, k, (1, 1)) * (scale * LOG2E)
+        k, v = _load(k_ref, (pl.ds(k_first, bk),), parts), _load(v_ref, (pl.ds(k_first, bk),), value_parts)
+        s = _scores(q, k) * (scale * LOG2E)
         if masked:
             k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(k_first, bk)]
             s = jnp.where(_mask(qb * bq, k_first, bq, bk, causal, q_seg, k_seg, window=window), s, -jnp.inf)
         p = jnp.exp2(s - lse[:, None])
-        ds = p * (_dot(do, v, (1, 1)) - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k), n + 1
+        ds = p * (_scores(do, v) - delta[:, None])
+        ds = ds.astype(k[0].dtype)
+        return tuple(dq_part + _dot(ds, k_part) for dq_part, k_part in zip(dq, k)), n + 1
 
     ranges = _ranges(qb, causal, False, blocks, length, counts_ref, window)
-    dq, n = _run_loops(step, (jnp.zeros(q.shape, jnp.float32), jnp.int32(0)), ranges, order_ref)
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dq = tuple(jnp.zeros(part.shape, jnp.float32) for part in q)
+    dq, n = _run_loops(step, (dq, jnp.int32(0)), ranges, order_ref)
+    _store(dq_ref, [(part * scale).astype(dq_ref.dtype) for part in dq], parts)
     if count:
         visits_ref[0][...] = n
 
@@ -429,9 +495,10 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
                    tuning: Tuning | None = None, count: bool = False, window: int = 0):
     """(dq, dk, dv), plus each program's visited blocks if `count`: (dkdv's [B, kv_heads, nk] summed
     over the group's heads, dq's [B, heads, nq]). The Mosaic GPU kernels where `on_hopper`."""
-    hopper = on_hopper(q, k, tuning) and not count
-    tuning = _check(q, k, v, q_segments, k_segments, tuning, causal, window)
+    hopper = on_hopper(q, k, tuning, v) and not count
+    tuning = _check(q, k, v, q_segments, k_segments, tuning, causal, window, hopper)
     b, t, heads, hd = q.shape
+    vd = v.shape[-1]
     kv_heads = k.shape[2]
     group = heads // kv_heads
     segments = q_segments is not None
@@ -460,9 +527,11 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
     bq, bk = blocks.block_q, blocks.block_k
     nk = t // bk
     whole_group = pl.BlockSpec((None, t, group, hd), lambda i, g, r: (r, 0, g, 0))
+    whole_group_out = pl.BlockSpec((None, t, group, vd), lambda i, g, r: (r, 0, g, 0))
     group_rows = pl.BlockSpec((None, t, group), lambda i, g, r: (r, 0, g))
     key_block = pl.BlockSpec((None, bk, None, hd), lambda i, g, r: (r, i, g, 0))
-    in_specs = [whole_group, key_block, key_block, whole_group, group_rows, group_rows]
+    value_block = pl.BlockSpec((None, bk, None, vd), lambda i, g, r: (r, i, g, 0))
+    in_specs = [whole_group, key_block, value_block, whole_group_out, group_rows, group_rows]
     args = [q, k, v, d_out, lse2, delta]
     if segments:
         order, counts = visit_plan(q_segments, k_segments, causal, bq, bk, by_key=True, window=window)
@@ -472,7 +541,7 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
                      pl.BlockSpec((None, None, 2), lambda i, g, r: (r, i, 0))]
         args += [q_segments, k_segments, order, counts]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    out_specs = [key_block, key_block]
+    out_specs = [key_block, value_block]
     if count:
         out_shape.append(jax.ShapeDtypeStruct((b, kv_heads, nk), jnp.int32))
         out_specs.append(pl.BlockSpec((None, None, None), lambda i, g, r: (r, g, i)))
@@ -491,9 +560,11 @@ def _backward_call(q, k, v, out, lse, d_out, causal, q_segments, k_segments, d_l
         return nq - 1 - i
 
     query_block = pl.BlockSpec((None, bq, None, hd), lambda i, h, r: (r, own(i), h, 0))
+    out_block = pl.BlockSpec((None, bq, None, vd), lambda i, h, r: (r, own(i), h, 0))
     query_rows = pl.BlockSpec((None, bq, None), lambda i, h, r: (r, own(i), h))
-    whole_kv = pl.BlockSpec((None, t, None, hd), lambda i, h, r: (r, 0, lax.div(h, group), 0))
-    in_specs = [query_block, whole_kv, whole_kv, query_block, query_rows, query_rows]
+    whole_k = pl.BlockSpec((None, t, None, hd), lambda i, h, r: (r, 0, lax.div(h, group), 0))
+    whole_v = pl.BlockSpec((None, t, None, vd), lambda i, h, r: (r, 0, lax.div(h, group), 0))
+    in_specs = [query_block, whole_k, whole_v, out_block, query_rows, query_rows]
     args = [q, k, v, d_out, lse2, delta]
     if segments:
         more_specs, more_args = _query_block_plan(q_segments, k_segments, causal, bq, bk, t, own, window)

@@ -59,11 +59,21 @@ try:  # Mosaic GPU's Pallas API as JAX 0.11 has it; older JAX runs the Triton fo
 except ImportError:  # pragma: no cover - a JAX without Mosaic GPU
     _API = False
 
-# Per head dim: query rows per compute warpgroup (a wgmma's 64-row M), keys per block, K/V slots, as
+# Per q·k head dim: query rows per compute warpgroup (a wgmma's 64-row M), keys per block, K/V slots, as
 # tools/attention_bench.py --block-sweep chose them on an H200 (docs/benchmarks.md): 64-key blocks and
 # a third slot were slower. Shared memory at head dim 128: 2 buffers x 2 x 64 query rows + 2 slots x
-# 128 keys x (K, V) in bf16 = 192 KiB; a third slot exceeds the 227 KiB a block has.
-BLOCKS = {64: (64, 128, 2), 128: (64, 128, 2)}
+# 128 keys x (K, V) in bf16 = 192 KiB; a third slot exceeds the 227 KiB a block has. At 192 / 128
+# (latent attention) the queries' two buffers take 96 KiB and the output its own 32 KiB buffer (the
+# query buffer is wider than it), so 128-key slots (160 KiB) do not fit: 64-key ones (80 KiB).
+BLOCKS = {64: (64, 128, 2), 128: (64, 128, 2), 192: (64, 64, 2)}
+# The values' head dim the kernels take for each q·k head dim: the same but for latent attention's
+# 192 / 128 (DeepSeek-V2/V3), whose output (128 wide) leaves through a buffer of its own.
+VALUE_DIMS = {64: 64, 128: 128, 192: 128}
+# The head dims `flash.forward` runs this forward at. At 192 it deadlocks once a program runs more
+# than one tile (on an H200: B1 T1024 H4, a tile a program, matched float32; B1 T4096 H16 never
+# returned; docs/dev-notes.md), so until that is found the forward at 192 runs on the Triton kernel
+# while the backward kernels (not persistent: a program a tile) run here.
+FORWARD_HEAD_DIMS = (64, 128)
 # When the device does not say how many multiprocessors it has.
 H100_MULTIPROCESSORS = 132
 # With segment ids: the copying warpgroup fetches a tile's visit range PLAN_AHEAD tiles ahead, into a
@@ -104,10 +114,13 @@ def available() -> bool:
     return getattr(jax.local_devices()[0], "compute_capability", "") == "9.0"
 
 
-def supported(q, k) -> bool:
-    """Whether the kernels take these inputs (on a device where `available`)."""
+def supported(q, k, v=None) -> bool:
+    """Whether the kernels take these inputs (on a device where `available`); `v` None: values as
+    wide as q·k."""
     b, t, heads, hd = q.shape
     if hd not in BLOCKS or q.dtype not in (jnp.bfloat16, jnp.float16):
+        return False
+    if (hd if v is None else v.shape[-1]) != VALUE_DIMS[hd]:
         return False
     block_q, block_k, _ = BLOCKS[hd]
     # Whole 128-row tiles and 128-key blocks (every kernel's, the backward's too), and a program's
@@ -115,7 +128,7 @@ def supported(q, k) -> bool:
     # than the mean: up to 1.35 times it was seen).
     per_program = -(-b * heads * (t // (2 * block_q)) // multiprocessors())
     return (t % (2 * block_q) == 0 and t % block_k == 0 and t % 128 == 0 and k.shape[1] == t
-            and 2 * per_program < MAX_SCHEDULE)
+            and 2 * per_program < max_schedule(hd))
 
 
 def blocks_meet(q_segments, k_segments, block_q: int, block_k: int):
@@ -159,9 +172,11 @@ def kernel_plan(plan):
     return jnp.pad(plan, [(0, 0), (0, 0), (0, PLAN_WIDTH - plan.shape[-1])])
 
 
-def swizzled():
-    """Shared memory's layout for a wgmma operand tile: 8 x 64 tiles, 128-byte swizzle."""
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+def swizzled(swizzle: int = 128):
+    """Shared memory's layout for a 16-bit wgmma operand tile: 8 x 64 tiles, 128-byte swizzle (or
+    8 x swizzle / 2 tiles: a wgmma's operands share one swizzle, and its smem operand's K is a
+    multiple of swizzle / 2)."""
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
 def ranges(start, free_lo, free_hi, stop, causal_free, causal_after: bool, masks: bool):
@@ -227,7 +242,8 @@ def plan_scalars(plan_ref, plan_smem, ready, wg, row, tile, n_blocks, segments):
 
 def forward(q, k, v, causal: bool, q_segments=None, k_segments=None, *, blocks: tuple[int, int, int] | None = None,
             window: int = 0):
-    """(out [B, T, heads, hd] in q's dtype, lse [B, T, heads] float32): `flash.forward`'s contract.
+    """(out [B, T, heads, vd] in q's dtype, lse [B, T, heads] float32): `flash.forward`'s contract (v's
+    head dim vd as VALUE_DIMS has it).
     `blocks`: (query rows a warpgroup, keys a block, slots) other than BLOCKS's (the bench's sweep)."""
     b, t, heads, hd = q.shape
     block_q, block_k, stages = blocks or BLOCKS[hd]
@@ -251,8 +267,13 @@ def multiprocessors() -> int:
 # docs/benchmarks.md), and "tiles" elsewhere.
 ORDER = "auto"
 # The most tiles a program's list (`schedule`) holds: 16 KiB of int32s, within the 227 KiB of shared
-# memory a block has beside the tiles' 192 KiB.
+# memory a block has beside the tiles' 192 KiB; 8 KiB beside latent attention's 211 KiB.
 MAX_SCHEDULE = 4096
+
+
+def max_schedule(head_dim: int) -> int:
+    """MAX_SCHEDULE for q·k heads of `head_dim` (less where the tiles' buffers take more)."""
+    return MAX_SCHEDULE if head_dim <= 128 else MAX_SCHEDULE // 2
 # With ORDER "tiles", the tiles per program that the last heads, taken side by side, hold at least.
 TAIL_TILES = 4
 
@@ -266,7 +287,8 @@ def tile_blocks(tile_index, *, causal: bool, n_k: int, tile: int, block_k: int, 
     return stop - start
 
 
-def schedule(programs: int, rows: int, heads: int, n_tiles: int, blocks, order: str = "tiles"):
+def schedule(programs: int, rows: int, heads: int, n_tiles: int, blocks, order: str = "tiles",
+             limit: int = MAX_SCHEDULE):
     """int32 [programs, width]: program p computes the tiles `table[p, 1:1 + table[p, 0]]` in turn, each
     numbered `(row · heads + head) · n_tiles + n_tiles - 1 - tile index` (`tile_of_work`). `blocks(tile
     index)`: the key blocks a tile visits, its cost.
@@ -301,8 +323,9 @@ def schedule(programs: int, rows: int, heads: int, n_tiles: int, blocks, order: 
             mine[p].append(work)
             heapq.heappush(free, (at + cost[work % n_tiles], p))
     width = -(-(1 + max(len(m) for m in mine)) // PLAN_WIDTH) * PLAN_WIDTH
-    if width > MAX_SCHEDULE:
-        raise ValueError(f"a program's list of {width} tiles exceeds MAX_SCHEDULE ({MAX_SCHEDULE}): use fewer tiles")
+    if width > limit:
+        raise ValueError(f"a program's list of {width} tiles exceeds its limit ({limit}, `max_schedule`): use fewer "
+                         f"tiles")
     table = np.zeros((programs, width), np.int32)
     for p, m in enumerate(mine):
         table[p, 0] = len(m)
@@ -318,6 +341,10 @@ def tile_of_work(work, *, heads: int, n_tiles: int):
 
 def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, stages, programs, window=0):
     b, t, heads, hd = q.shape
+    vd = v.shape[-1]
+    # Values narrower than q·k: the output leaves through a buffer of its own (one per warpgroup),
+    # not the tile's query buffer.
+    own_out = vd != hd
     group = heads // k.shape[2]
     dtype = q.dtype
     tile = 2 * block_q
@@ -328,7 +355,7 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
     segments = plan is not None
     order = ORDER if ORDER != "auto" else ("heads" if segments else "tiles")
     table = schedule(programs, b, heads, n_tiles, functools.partial(
-        tile_blocks, causal=causal, n_k=n_k, tile=tile, block_k=block_k, window=window), order)
+        tile_blocks, causal=causal, n_k=n_k, tile=tile, block_k=block_k, window=window), order, max_schedule(hd))
 
     def kernel(q_ref, k_ref, v_ref, table_ref, *refs, scoped):
         if segments:
@@ -336,7 +363,7 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
         else:
             plan_ref = q_seg_ref = k_seg_ref = None
             out_ref, lse_ref = refs
-        (qo_smem, k_smem, v_smem, lse_smem, q_seg_smem, k_seg_smem, plan_smem, table_smem), barriers = scoped
+        (qo_smem, k_smem, v_smem, lse_smem, q_seg_smem, k_seg_smem, plan_smem, table_smem, *o_smem), barriers = scoped
         (k_ready, v_ready, k_seg_ready, q_ready, q_seg_ready, plan_ready, k_free, v_free, plan_free,
          turn, table_ready) = barriers
         program = lax.axis_index("program")
@@ -470,7 +497,7 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, new_peak, total
 
-                acc = plgpu.layout_cast(jnp.zeros((block_q, hd), jnp.float32), plgpu.Layout.WGMMA)
+                acc = plgpu.layout_cast(jnp.zeros((block_q, vd), jnp.float32), plgpu.Layout.WGMMA)
                 peak = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 total = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 carry = (acc, peak, total)
@@ -496,15 +523,20 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
                 pl.when(wg == 0)(take_turn)
 
                 # The results go out through this tile's query buffer (its last product has read it);
-                # the next tile but one waits for these stores to have read it (`prefetch`).
+                # the next tile but one waits for these stores to have read it (`prefetch`). Narrower
+                # values go through their own buffer, once the last tile's stores have read it.
                 acc, peak, total = carry
                 seen = total > 0
                 total = jnp.where(seen, total, 1.0)
                 acc = acc * lax.broadcast_in_dim(1.0 / total, acc.shape, [0])
-                q_smem[...] = acc.astype(dtype)
+                out_smem = q_smem
+                if own_out:
+                    out_smem = o_smem[0].at[wg]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                out_smem[...] = acc.astype(dtype)
                 lse_out[...] = jnp.where(seen, peak * LN2 + jnp.log(total), -jnp.inf)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_smem, out_ref.at[row, pl.ds(q_first, block_q), head])
+                plgpu.copy_smem_to_gmem(out_smem, out_ref.at[row, pl.ds(q_first, block_q), head])
                 plgpu.copy_smem_to_gmem(lse_out, lse_ref.at[row, head, pl.ds(q_first, block_q)])
                 return first_step + stop - start
 
@@ -550,12 +582,14 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
 
     smem = [plgpu.SMEM((2, 2, block_q, hd), dtype, transforms=swizzled()),  # [buffer, warpgroup]: Q, then out
             plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
-            plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
+            plgpu.SMEM((stages, block_k, vd), dtype, transforms=swizzled()),
             plgpu.SMEM((2, 2, block_q), jnp.float32),
             plgpu.SMEM((2, 2, block_q), jnp.int32),
             plgpu.SMEM((stages, block_k), jnp.int32),
             plgpu.SMEM((PLANS, PLAN_WIDTH), jnp.int32),
             plgpu.SMEM(table.shape[1:], jnp.int32)]
+    if own_out:
+        smem.append(plgpu.SMEM((2, block_q, vd), dtype, transforms=swizzled()))  # [warpgroup]
     barriers = [plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_barriers=4),
                 plgpu.Barrier(num_barriers=PLANS),
@@ -566,7 +600,7 @@ def _call(q, k, v, plan, q_segments, k_segments, *, causal, block_q, block_k, st
     args = [q, k, v, jnp.asarray(table)]
     if segments:
         args += [plan, q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)]
-    out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]
+    out_type = [jax.ShapeDtypeStruct((b, t, heads, vd), dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]
     return launch(kernel, smem, barriers, args, out_type, grid=(programs,), grid_names=("program",))
 
 

@@ -41,7 +41,11 @@ STAGES = 2  # shared-memory slots: a third was slower for both kernels (tools/at
 # Keys a streamed block of the dQ kernel, per head dim, as the sweep on an H200 chose them
 # (docs/benchmarks.md): 128 at head dim 64; at 128 the 64-key blocks, whose [64, 64] scores leave
 # registers to spare.
-DQ_KEYS = {64: 128, 128: 64}
+DQ_KEYS = {64: 128, 128: 64, 192: 64}
+# Queries a streamed block of the dK/dV kernel, per q·k head dim: 64 (a warpgroup's rows) but for
+# latent attention's 192 / 128, whose dK [64, 192] and dV [64, 128] accumulators take 160 of a
+# thread's registers: 32-query blocks halve the scores and dP beside them.
+DKDV_QUERIES = {64: 64, 128: 64, 192: 32}
 # The order in which the block scheduler starts the kernels' programs: "heads", the heads of a tile
 # side by side, or "tiles", a head's tiles one after another. "auto" takes "tiles" where K/V heads are
 # grouped and a row's queries and output gradients over all heads exceed L2_BYTES, "heads"
@@ -83,19 +87,22 @@ def _stream(fetch, free, steps, stages):
 
 
 def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, *, stages: int = STAGES,
-         window: int = 0):
-    """(dk, dv) in k's dtype. lse2, delta: [B, heads, T] float32 (base-2 lse, -inf as 0; D)."""
+         window: int = 0, block_q: int | None = None):
+    """(dk, dv) in k's and v's dtype. lse2, delta: [B, heads, T] float32 (base-2 lse, -inf as 0; D).
+    `block_q`: queries a streamed block (default DKDV_QUERIES's)."""
     b, t, heads, hd = q.shape
+    vd = v.shape[-1]
+    bq = block_q or DKDV_QUERIES[hd]
     kv_heads = k.shape[2]
     group = heads // kv_heads
     dtype = q.dtype
-    n_tiles, n_q = t // TILE, t // ROWS
+    n_tiles, n_q = t // TILE, t // bq
     scale = 1 / math.sqrt(hd)
     segments = q_segments is not None
     plan = None
     if segments:  # per key tile, the query blocks that meet it
         q_segments, k_segments = q_segments.astype(jnp.int32), k_segments.astype(jnp.int32)
-        plan = flash_hopper.kernel_plan(flash_hopper.visit_range(k_segments, q_segments, TILE, ROWS))
+        plan = flash_hopper.kernel_plan(flash_hopper.visit_range(k_segments, q_segments, TILE, bq))
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scoped):
         if segments:
@@ -113,8 +120,8 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
         start, free_lo, free_hi, stop = plan_scalars(plan_ref, plan_smem, own_ready.at[4], wg, row, tile, n_q,
                                                       segments)
         if causal:  # queries before the tile's first key see none of it, nor w or more after its last
-            start = jnp.maximum(start, lax.div(tile * TILE, ROWS))
-            stop = jnp.minimum(stop, flash_hopper.window_stop(tile * TILE + TILE - 1, window, ROWS, n_q))
+            start = jnp.maximum(start, lax.div(tile * TILE, bq))
+            stop = jnp.minimum(stop, flash_hopper.window_stop(tile * TILE + TILE - 1, window, bq, n_q))
             stop = jnp.maximum(stop, start)
         per_head = stop - start
         steps = group * per_head
@@ -151,11 +158,11 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
                     plgpu.wgmma(acc_ref, k_smem, plgpu.transpose_ref(q_smem, (1, 0)))
                     return acc_ref[...]
 
-                s = pl.run_scoped(scores, plgpu.ACC((ROWS, ROWS), jnp.float32))
+                s = pl.run_scoped(scores, plgpu.ACC((ROWS, bq), jnp.float32))
                 lse = load_vector(lse_in.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 if masked:
                     q_seg = load_vector(q_seg_in.at[slot], plgpu.Layout.WGMMA.reduce(0)) if segments else None
-                    seen = mask(causal, segments, i * ROWS, k_first, (ROWS, ROWS), 1, q_seg, k_seg, window)
+                    seen = mask(causal, segments, i * bq, k_first, (ROWS, bq), 1, q_seg, k_seg, window)
                     s = jnp.where(seen, s, -jnp.inf)
                 p = jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse, s.shape, [1]))
 
@@ -164,7 +171,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_smem)
                     plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_smem, (1, 0)))
 
-                zeros = plgpu.layout_cast(jnp.zeros((ROWS, ROWS), jnp.float32), plgpu.Layout.WGMMA)
+                zeros = plgpu.layout_cast(jnp.zeros((ROWS, bq), jnp.float32), plgpu.Layout.WGMMA)
                 dv, dp = pl.run_state(dv_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
                 d = load_vector(delta_in.at[slot], plgpu.Layout.WGMMA.reduce(0))
                 ds = p * (dp - lax.broadcast_in_dim(d, dp.shape, [1]))
@@ -176,10 +183,10 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
-            causal_free = lax.div(k_first + ROWS - 1 + ROWS - 1, ROWS) if causal else 0
+            causal_free = lax.div(k_first + ROWS - 1 + bq - 1, bq) if causal else 0
             my_free_hi = free_hi
             if causal and window:  # query blocks wholly within w of this warpgroup's first key need no mask
-                my_free_hi = jnp.minimum(free_hi, lax.div(k_first + window, ROWS))
+                my_free_hi = jnp.minimum(free_hi, lax.div(k_first + window, bq))
             loops = ranges(start, free_lo, my_free_hi, stop, causal_free, causal_after=True, masks=causal or segments)
 
             def head(g, carry):
@@ -189,8 +196,9 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
                                           carry)
                 return carry
 
-            zeros = plgpu.layout_cast(jnp.zeros((ROWS, hd), jnp.float32), plgpu.Layout.WGMMA)
-            dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+            dk = plgpu.layout_cast(jnp.zeros((ROWS, hd), jnp.float32), plgpu.Layout.WGMMA)
+            dv = dk if vd == hd else plgpu.layout_cast(jnp.zeros((ROWS, vd), jnp.float32), plgpu.Layout.WGMMA)
+            dk, dv = lax.fori_loop(0, group, head, (dk, dv))
             k_smem[...] = (dk * scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -205,7 +213,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
 
             def fetch(step, slot):
                 h, qb = block_of(step)
-                rows = pl.ds(qb * ROWS, ROWS)
+                rows = pl.ds(qb * bq, bq)
                 plgpu.copy_gmem_to_smem(q_ref.at[row, rows, h], q_in.at[slot], ready.at[0, slot])
                 plgpu.copy_gmem_to_smem(do_ref.at[row, rows, h], do_in.at[slot], ready.at[1, slot])
                 plgpu.copy_gmem_to_smem(lse_ref.at[row, h, rows], lse_in.at[slot], ready.at[2, slot])
@@ -215,14 +223,16 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
 
             _stream(fetch, free, steps, stages)
 
-    smem = [plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled()),
-            plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled()),
+    # Blocks of 32 queries are a wgmma's K in dK and dV: a 64-byte swizzle, for all four operands.
+    swizzle = min(128, 2 * bq)
+    smem = [plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled(swizzle)),
+            plgpu.SMEM((2, ROWS, vd), dtype, transforms=swizzled(swizzle)),
             plgpu.SMEM((2, ROWS), jnp.int32),
-            plgpu.SMEM((stages, ROWS, hd), dtype, transforms=swizzled()),
-            plgpu.SMEM((stages, ROWS, hd), dtype, transforms=swizzled()),
-            plgpu.SMEM((stages, ROWS), jnp.float32),
-            plgpu.SMEM((stages, ROWS), jnp.float32),
-            plgpu.SMEM((stages, ROWS), jnp.int32),
+            plgpu.SMEM((stages, bq, hd), dtype, transforms=swizzled(swizzle)),
+            plgpu.SMEM((stages, bq, vd), dtype, transforms=swizzled(swizzle)),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((stages, bq), jnp.int32),
             plgpu.SMEM((flash_hopper.PLAN_WIDTH,), jnp.int32)]
     barriers = [plgpu.Barrier(num_barriers=7), plgpu.Barrier(num_barriers=(5, stages)),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages)]
@@ -230,7 +240,7 @@ def dkdv(q, k, v, d_out, lse2, delta, causal, q_segments=None, k_segments=None, 
     if segments:
         args += [plan, q_segments, k_segments]
     out_type = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    row_bytes = 2 * q.size // b * q.dtype.itemsize  # a row's Q and dO
+    row_bytes = (q.size + d_out.size) // b * q.dtype.itemsize  # a row's Q and dO
     return _launch(kernel, smem, barriers, args, out_type, kv_heads, n_tiles, b, group, row_bytes)
 
 
@@ -241,6 +251,7 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
     kernel computes D = rowsum(dO * out) - d_lse from the tiles it holds anyway (measured faster than
     XLA computing it first). `block_k`: keys a streamed block (default DQ_KEYS's)."""
     b, t, heads, hd = q.shape
+    vd = v.shape[-1]
     block_k = block_k or DQ_KEYS[hd]
     group = heads // k.shape[2]
     dtype = q.dtype
@@ -365,15 +376,15 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
             _stream(fetch, free, steps, stages)
 
     smem = [plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled()),
-            plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled()),
+            plgpu.SMEM((2, ROWS, vd), dtype, transforms=swizzled()),
             plgpu.SMEM((2, ROWS), jnp.float32),
             plgpu.SMEM((2, ROWS), jnp.float32),
             plgpu.SMEM((2, ROWS), jnp.int32),
             plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
-            plgpu.SMEM((stages, block_k, hd), dtype, transforms=swizzled()),
+            plgpu.SMEM((stages, block_k, vd), dtype, transforms=swizzled()),
             plgpu.SMEM((stages, block_k), jnp.int32),
             plgpu.SMEM((flash_hopper.PLAN_WIDTH,), jnp.int32),
-            plgpu.SMEM((2, ROWS, hd), dtype, transforms=swizzled())]
+            plgpu.SMEM((2, ROWS, vd), dtype, transforms=swizzled())]
     barriers = [plgpu.Barrier(num_barriers=13), plgpu.Barrier(num_barriers=(3, stages)),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages)]
     args = [q, k, v, d_out, lse2, out.astype(dtype)]
@@ -382,5 +393,5 @@ def dq(q, k, v, d_out, lse2, out, causal, q_segments=None, k_segments=None, *, d
     if segments:
         args += [plan, q_segments, k_segments]
     out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, heads, t), jnp.float32)]
-    row_bytes = 2 * q.size // b * q.dtype.itemsize  # a row's Q and dO
+    row_bytes = (q.size + d_out.size) // b * q.dtype.itemsize  # a row's Q and dO
     return tuple(_launch(kernel, smem, barriers, args, out_type, heads, n_tiles, b, group, row_bytes))
