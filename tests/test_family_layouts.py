@@ -68,8 +68,6 @@ class Results(dict):
         family, layout = key
         name, settings = FAMILIES[family]
         overrides = {**LAYOUTS, **MOE_LAYOUTS}.get(layout, {})
-        if family == "deepseek" and ("1f1b" in layout or layout == "single_accum4"):
-            settings = {**settings, "model.mtp.depth": 0}  # 1F1B refuses an MoE MTP block (tests/test_mtp.py)
         config = small_config(name, **settings, **overrides)
         self[key] = run_config(config, devices(overrides), self.batches)
         return self[key]

@@ -140,7 +140,7 @@ def toy_first(outer, mb):
     return outer["embedding"][mb["tokens"]]
 
 
-def toy_last(outer, x, aux, mb):
+def toy_last(outer, x, aux, mb, tail=()):
     """(squared error + 0.01 * rows * aux, sums): a sum over rows, like the training objective."""
     error = jnp.sum((x @ outer["head"] - mb["targets"]) ** 2)
     rows = jnp.float32(x.shape[0])
@@ -196,7 +196,7 @@ def test_one_f_one_b_matches_autodiff_of_the_plain_stack(toy):
         with use_layout(layout):
             return one_f_one_b(toy_first, toy_stage, toy_last, outer, stack, batch, layout)
 
-    got_sums, d_outer, d_stack = jax.jit(pipelined)(outer, stack, batch)
+    got_sums, d_outer, d_stack, _ = jax.jit(pipelined)(outer, stack, batch)
     np.testing.assert_allclose(got_sums["error"], sums["error"], rtol=1e-6)
     assert float(got_sums["rows"]) == TOY_ROWS
     assert tree_relative_difference((d_outer, d_stack), grads) < 1e-6
