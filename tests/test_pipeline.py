@@ -30,6 +30,7 @@ from ushard.mesh import build_mesh
 from ushard.parallel.pipeline import (
     IDLE,
     PipelineSchedule,
+    StageTail,
     accumulate,
     bubble_fraction,
     forward_table,
@@ -200,6 +201,54 @@ def test_one_f_one_b_matches_autodiff_of_the_plain_stack(toy):
     np.testing.assert_allclose(got_sums["error"], sums["error"], rtol=1e-6)
     assert float(got_sums["rows"]) == TOY_ROWS
     assert tree_relative_difference((d_outer, d_stack), grads) < 1e-6
+
+
+def toy_tail(params, x, ahead, mb):
+    """A multi-token-prediction-like module: the layers' output and an embedding looked up outside."""
+    return jnp.tanh(x @ params["w"] + ahead) * mb["scale"][:, None]
+
+
+def toy_ahead(outer, mb):
+    return outer["embedding"][mb["ahead"]]  # the embedding shared with `toy_first`
+
+
+def toy_last_with_tail(outer, x, aux, mb, tail):
+    objective, sums = toy_last(outer, x, aux, mb)
+    tail_error = jnp.sum((tail @ outer["head"] - mb["targets"]) ** 2)
+    return objective + 0.5 * tail_error, {**sums, "tail_error": tail_error}
+
+
+@pytest.mark.parametrize("split_head", [True, False])
+def test_one_f_one_b_runs_a_tail_on_the_last_stage_as_autodiff_of_the_plain_stack(toy, split_head):
+    """A `StageTail` after the last stage's layers: sums and gradients of every parameter, the
+    embedding's from both of its uses (the first stage's input, the tail's), with the vocabulary split
+    over the stages and whole on each."""
+    outer, stack, batch, _, _, _ = toy
+    params = {"w": jax.random.normal(jax.random.key(7), (TOY_DIM, TOY_DIM)) / np.sqrt(TOY_DIM)}
+    batch = {**batch, "ahead": (batch["tokens"] * 3 + 1) % TOY_VOCAB}
+
+    def reference(outer, stack, params, tail_embeds=True):
+        x, aux = toy_stage(stack, toy_first(outer, batch), batch)
+        ahead = toy_ahead(outer if tail_embeds else jax.lax.stop_gradient(outer), batch)
+        return toy_last_with_tail(outer, x, aux, batch, toy_tail(params, x, ahead, batch))
+
+    (_, sums), grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True))(outer, stack, params)
+    stages = 4
+    mesh = build_mesh({axis: 1 for axis in MESH_AXES} | {"pipeline": stages}, devices=jax.devices()[:stages])
+    layout = Layout.create(mesh, pipeline=PipelineSchedule("1f1b", 2), split_head=split_head)
+
+    def pipelined(outer, stack, params, batch):
+        with use_layout(layout):
+            return one_f_one_b(toy_first, toy_stage, toy_last_with_tail, outer, stack, batch, layout,
+                               tail=StageTail(params, inputs=toy_ahead, run=toy_tail))
+
+    got_sums, d_outer, d_stack, d_params = jax.jit(pipelined)(outer, stack, params, batch)
+    np.testing.assert_allclose(got_sums["tail_error"], sums["tail_error"], rtol=1e-6)
+    np.testing.assert_allclose(got_sums["error"], sums["error"], rtol=1e-6)
+    assert tree_relative_difference((d_outer, d_stack, d_params), grads) < 1e-6
+    # The tail's share of the embedding's gradient is not small: the first stage's use alone fails.
+    first_use_only = jax.grad(lambda o: reference(o, stack, params, tail_embeds=False)[0])(outer)
+    assert tree_relative_difference(first_use_only["embedding"], grads[0]["embedding"]) > 0.01
 
 
 def test_when_updating_writes_the_state_inside_the_conditional_only_where_the_slot_works():
