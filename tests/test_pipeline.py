@@ -441,6 +441,10 @@ MOE_LAYOUTS = {
     "1f1b_2x4_expert2_fsdp2_width": pipelined("1f1b", 2, 4, {**MOE, "parallel.expert_split": "width"},
                                               expert=2, fsdp=2),
     "circular_2x4_expert4": pipelined("circular", 2, 4, {**MOE, **STILL}, expert=4),
+    # The ragged dispatch reports its busiest device where the experts are over devices: 1F1B takes
+    # the aux terms' structure from inside its slots (it failed on the missing key before).
+    "1f1b_2x4_expert2_fsdp2_ragged": pipelined("1f1b", 2, 4, {**MOE, "model.moe.dispatch": "ragged"}, expert=2,
+                                               fsdp=2),
     # In the slow sweep (`-m slow`): the suite's time, not their result (both matched when added).
     "1f1b_2x4_expert2_tensor2": pipelined("1f1b", 2, 4, MOE, expert=2, tensor=2),
     "gpipe_2x4_expert2_fsdp2": pipelined("gpipe", 2, 4, {**MOE, **STILL}, expert=2, fsdp=2),
@@ -450,7 +454,7 @@ MOE_LAYOUTS = {
 # 1F1B with experts in the stages is in the default tier as the layer-rows test below (the same
 # layout with the stages' layers unrolled, its placement checked the same way).
 SLOW_MOE_LAYOUTS = ("1f1b_2x4_expert2_tensor2", "gpipe_2x4_expert2_fsdp2", "circular_2x4_expert4",
-                    "1f1b_2x4_expert2_fsdp2_width", "1f1b_2x4_expert2_fsdp2")
+                    "1f1b_2x4_expert2_fsdp2_width", "1f1b_2x4_expert2_fsdp2", "1f1b_2x4_expert2_fsdp2_ragged")
 
 
 def one_device_moe_run(settings, batches):

@@ -215,10 +215,7 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
     def on_every_stage(tree):  # a copy for each stage, [stages, groups, ...] split over the stage axis
         return on_stages(jax.tree.map(lambda a: jnp.broadcast_to(a, (stages, *a.shape)), tree))
 
-    with use_layout(None):  # shapes only: no layout, so the stage's layers are not pipelined again
-        one = jax.tree.map(lambda a: a[0], take(microbatches, 0))  # one group's rows
-        aux = jax.eval_shape(lambda c, o, mb: stage(c, first(o, mb), mb)[1],
-                             jax.tree.map(lambda c: c[0, 0], chunks), outer, one)
+    one = jax.tree.map(lambda a: a[0], take(microbatches, 0))  # one group's rows
 
     def enter(outer, mb):  # the activation entering stage 0: (x, no aux yet)
         return first(outer, mb), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
@@ -238,6 +235,9 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
                                                                           axis, stages)
     slots = StageSlots(chained, ring_size(stages), layout, axis, groups, tail=tail and tail.run)
     idle, some = jnp.full((stages,), IDLE), take(microbatches, 0)
+    # The aux terms the layers report inside the slots, where their layout decides some of them.
+    x = jax.eval_shape(lambda o, mb: on_every_stage(groups.each(first, layout, shared=1)(o, mb)), outer, some)
+    aux = slots.aux_shapes(stage, chunks, idle, rows(idle), x)
     activation = jax.eval_shape(lambda o, mb: on_every_stage(enter_each(o, mb)), outer, some)
     ring = slots.ring_shapes(chunks, idle, rows(idle), activation)
     zeros = functools.partial(groups.zeros, layout=layout)
@@ -477,6 +477,22 @@ class StageSlots:
                                out_specs=(grouped, grouped, grads, grouped, grouped))
         self._residuals_only = mapped(self._residuals_body, in_specs=(chunk, index, grouped, grouped),
                                       out_specs=grouped)
+
+    def aux_shapes(self, stage, chunks, f, mb, x):
+        """Shapes of one group's aux terms of stage(chunk, x, mb) -> (x, aux), traced inside the slots:
+        an MoE layer reports its busiest device only where its experts are over devices, which the
+        slots' layout says, not the model alone."""
+        def body(chunks, f, mb, x):
+            chunk, f, mb, x = self._local(chunks, f, (mb, x))
+            with self._inside():
+                aux = zeros_of(lambda *a: stage(*a)[1], chunk, x, mb, axis=self.manual)
+            return jax.tree.map(lambda a: a[None, None], aux)
+
+        grouped = P(self.axis, self.groups.axes or None)
+        mapped = jax.shard_map(body, mesh=self.layout.mesh, axis_names=set(self.manual),
+                               in_specs=(P(None, self.axis), P(self.axis), grouped, grouped), out_specs=grouped)
+        shapes = jax.eval_shape(mapped, chunks, f, mb, x)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), shapes)
 
     def ring_shapes(self, chunks, f, mb, activation):
         """Shapes of the ring: `keep` slots of one microbatch's residuals per stage, [stages, keep, groups, ...]."""
