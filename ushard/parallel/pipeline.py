@@ -25,7 +25,9 @@ slots cost nothing.
   pipeline does. Each microbatch is embedded as it enters
   the first stage and ends (final norm, head, loss, and the gradient that starts its backward pass) as
   soon as it leaves the last one, which is why 1F1B is driven from the training step with the model's
-  three parts rather than from inside the model.
+  three parts rather than from inside the model. What follows the layers but cannot run where the
+  head does (a multi-token prediction module's MoE block) runs on the last stage inside its slots,
+  as a `StageTail`.
 
 Parallel code, no layer: the stage, embedding and head arrive as functions.
 """
