@@ -21,8 +21,8 @@ What differs, and why:
   own, so both counts must be multiples of mesh.pipeline x parallel.pipeline_repeats; 61 is prime.
   The report does not say how its 61 layers sat on the 16 stages. The nearest equal split keeps
   every layer an MoE layer: 64, 6 more MoE layers and 3 fewer dense ones than DeepSeek-V3. The
-  multi-token prediction module runs after the stages with the head, as 1F1B's last stage would
-  hold it.
+  multi-token prediction module runs after the stages with the head, on the whole accumulation part
+  (under 1F1B it would run inside the last stage's ticks, a microbatch at a time).
 - Batch: 16384 sequences of 4096 (67M tokens) in 8 gradient-accumulation parts of 2048, each in 16
   microbatches of 128 sequences, one a device over expert x fsdp at 2048 devices. DeepSeek-V3's batch
   was 15360 (after a ramp from 3072 over the first 469B tokens; ushard has no batch schedule), which

@@ -47,6 +47,17 @@ def data_config(**values):
 # bias moving.
 SMALL_MOE = {"model.moe.expert_d_ff": 32, "model.moe.capacity_factor": 0.0, "model.moe.bias_update_rate": 0.01}
 
+# A small DeepSeek (on tiny_moe): latent attention with YaRN, sigmoid group-limited routing, a shared
+# expert, the per-sequence balance loss and one multi-token prediction module.
+DEEPSEEK = {**SMALL_MOE, "model.family": "deepseek", "model.n_kv_heads": 4, "model.mla.q_lora_rank": 24,
+            "model.mla.kv_lora_rank": 16, "model.mla.qk_nope_head_dim": 16, "model.mla.qk_rope_head_dim": 8,
+            "model.mla.v_head_dim": 12, "model.rope_scaling.type": "yarn", "model.rope_scaling.factor": 4.0,
+            "model.rope_scaling.original_max_position_embeddings": 16, "model.rope_scaling.mscale": 1.0,
+            "model.rope_scaling.mscale_all_dim": 0.8, "model.moe.num_experts": 4, "model.moe.top_k": 2,
+            "model.moe.num_shared_experts": 1, "model.moe.score_func": "sigmoid", "model.moe.routed_scale": 2.5,
+            "model.moe.num_groups": 2, "model.moe.top_groups": 1, "model.moe.aux_loss_per_sequence": True,
+            "model.mtp.depth": 1}
+
 
 def free_port() -> int:
     """A TCP port nobody listens on now: a fresh coordinator address for each multi-process test."""

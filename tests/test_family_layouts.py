@@ -13,7 +13,7 @@ routing, a shared expert, the per-sequence balance loss and a multi-token predic
 import jax
 import pytest
 
-from conftest import SMALL_MOE, small_config
+from conftest import DEEPSEEK, SMALL_MOE, small_config
 from helpers import RTOL, assert_same_training, run_config
 
 QWEN3 = {"model.family": "qwen3", "model.head_dim": 24}
@@ -22,14 +22,6 @@ QWEN3_MOE = {**QWEN3, **SMALL_MOE, "model.moe.num_experts": 4, "model.moe.top_k"
 GEMMA3 = {"model.family": "gemma3", "model.head_dim": 24, "model.n_layers": 4, "model.sliding_window": 8,
           "model.sliding_window_pattern": 2, "model.local_rope_theta": 10000.0, "model.rope_theta": 1e6,
           "model.query_pre_attn_scalar": 32.0, "model.tie_embeddings": True}
-DEEPSEEK = {**SMALL_MOE, "model.family": "deepseek", "model.n_kv_heads": 4, "model.mla.q_lora_rank": 24,
-            "model.mla.kv_lora_rank": 16, "model.mla.qk_nope_head_dim": 16, "model.mla.qk_rope_head_dim": 8,
-            "model.mla.v_head_dim": 12, "model.rope_scaling.type": "yarn", "model.rope_scaling.factor": 4.0,
-            "model.rope_scaling.original_max_position_embeddings": 16, "model.rope_scaling.mscale": 1.0,
-            "model.rope_scaling.mscale_all_dim": 0.8, "model.moe.num_experts": 4, "model.moe.top_k": 2,
-            "model.moe.num_shared_experts": 1, "model.moe.score_func": "sigmoid", "model.moe.routed_scale": 2.5,
-            "model.moe.num_groups": 2, "model.moe.top_groups": 1, "model.moe.aux_loss_per_sequence": True,
-            "model.mtp.depth": 1}
 FAMILIES = {"qwen3": ("tiny", QWEN3), "qwen3_moe": ("tiny_moe", QWEN3_MOE), "gemma3": ("tiny", GEMMA3),
             "deepseek": ("tiny_moe", DEEPSEEK)}
 MOE_FAMILIES = ("qwen3_moe", "deepseek")
@@ -68,8 +60,6 @@ class Results(dict):
         family, layout = key
         name, settings = FAMILIES[family]
         overrides = {**LAYOUTS, **MOE_LAYOUTS}.get(layout, {})
-        if family == "deepseek" and ("1f1b" in layout or layout == "single_accum4"):
-            settings = {**settings, "model.mtp.depth": 0}  # 1F1B refuses an MoE MTP block (tests/test_mtp.py)
         config = small_config(name, **settings, **overrides)
         self[key] = run_config(config, devices(overrides), self.batches)
         return self[key]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import small_config
+from conftest import SMALL_MOE, small_config
 from helpers import RTOL, assert_same_training, run_config, tree_relative_difference
 from ushard.errors import UserError
 from ushard.models.config import ModelConfig, MTPConfig
@@ -177,18 +177,21 @@ def test_layouts_match_one_device(single, stdlib_batches, layout):
     assert [a["mtp_loss"] for a in got["aux"]] == pytest.approx([a["mtp_loss"] for a in single["aux"]], rel=RTOL)
 
 
-MOE_PIPELINE = {"model.mtp.depth": 1, "model.moe.expert_d_ff": 32, "mesh.pipeline": 2, "mesh.fsdp": 2,
-                "mesh.expert": 2, "parallel.pipeline_microbatches": 4, "train.steps": 1}
+MOE_PIPELINE = {**SMALL_MOE, "model.mtp.depth": 1, "mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.expert": 2,
+                "parallel.pipeline_microbatches": 4, "train.steps": 1}
 
 
-def test_one_f_one_b_refuses_an_moe_module():
-    """1F1B runs the head (and the modules) batched over its stages and row groups, where the experts'
-    grouped matmul has no batching rule."""
-    import ushard
-
-    with pytest.raises(UserError, match="parallel.pipeline_schedule='1f1b' with model.mtp.depth=1"):
-        ushard.build(small_config("tiny_moe", **MOE_PIPELINE, **{"parallel.pipeline_schedule": "1f1b"}),
-                     jax.devices()[:8])
+@pytest.mark.slow  # the suite's time: the DeepSeek layouts' 1F1B rows (tests/test_family_layouts.py) train one too
+def test_one_f_one_b_runs_an_moe_module_on_its_last_stage(stdlib_batches):
+    """The module's MoE block inside the last stage's slots (pipeline.StageTail), against one device
+    running the pipeline's 4 microbatches as accumulation parts (the balancing terms are each
+    microbatch's)."""
+    got = run_config(small_config("tiny_moe", **MOE_PIPELINE, **{"parallel.pipeline_schedule": "1f1b"}),
+                     jax.devices()[:8], stdlib_batches)
+    single = {k: v for k, v in MOE_PIPELINE.items() if not k.startswith(("mesh.", "parallel."))}
+    ref = run_config(small_config("tiny_moe", **single, **{"train.grad_accum": 4}), jax.devices()[:1], stdlib_batches)
+    assert_same_training(got, ref, RTOL, RTOL)
+    assert got["aux"][0]["mtp_loss"] > 0
 
 
 @pytest.mark.slow  # the suite's time: the DeepSeek layouts' ring row runs an MoE module in the default tier

@@ -30,6 +30,7 @@ from ushard.mesh import build_mesh
 from ushard.parallel.pipeline import (
     IDLE,
     PipelineSchedule,
+    StageTail,
     accumulate,
     bubble_fraction,
     forward_table,
@@ -140,7 +141,7 @@ def toy_first(outer, mb):
     return outer["embedding"][mb["tokens"]]
 
 
-def toy_last(outer, x, aux, mb):
+def toy_last(outer, x, aux, mb, tail=()):
     """(squared error + 0.01 * rows * aux, sums): a sum over rows, like the training objective."""
     error = jnp.sum((x @ outer["head"] - mb["targets"]) ** 2)
     rows = jnp.float32(x.shape[0])
@@ -196,10 +197,58 @@ def test_one_f_one_b_matches_autodiff_of_the_plain_stack(toy):
         with use_layout(layout):
             return one_f_one_b(toy_first, toy_stage, toy_last, outer, stack, batch, layout)
 
-    got_sums, d_outer, d_stack = jax.jit(pipelined)(outer, stack, batch)
+    got_sums, d_outer, d_stack, _ = jax.jit(pipelined)(outer, stack, batch)
     np.testing.assert_allclose(got_sums["error"], sums["error"], rtol=1e-6)
     assert float(got_sums["rows"]) == TOY_ROWS
     assert tree_relative_difference((d_outer, d_stack), grads) < 1e-6
+
+
+def toy_tail(params, x, ahead, mb):
+    """A multi-token-prediction-like module: the layers' output and an embedding looked up outside."""
+    return jnp.tanh(x @ params["w"] + ahead) * mb["scale"][:, None]
+
+
+def toy_ahead(outer, mb):
+    return outer["embedding"][mb["ahead"]]  # the embedding shared with `toy_first`
+
+
+def toy_last_with_tail(outer, x, aux, mb, tail):
+    objective, sums = toy_last(outer, x, aux, mb)
+    tail_error = jnp.sum((tail @ outer["head"] - mb["targets"]) ** 2)
+    return objective + 0.5 * tail_error, {**sums, "tail_error": tail_error}
+
+
+@pytest.mark.parametrize("split_head", [True, False])
+def test_one_f_one_b_runs_a_tail_on_the_last_stage_as_autodiff_of_the_plain_stack(toy, split_head):
+    """A `StageTail` after the last stage's layers: sums and gradients of every parameter, the
+    embedding's from both of its uses (the first stage's input, the tail's), with the vocabulary split
+    over the stages and whole on each."""
+    outer, stack, batch, _, _, _ = toy
+    params = {"w": jax.random.normal(jax.random.key(7), (TOY_DIM, TOY_DIM)) / np.sqrt(TOY_DIM)}
+    batch = {**batch, "ahead": (batch["tokens"] * 3 + 1) % TOY_VOCAB}
+
+    def reference(outer, stack, params, tail_embeds=True):
+        x, aux = toy_stage(stack, toy_first(outer, batch), batch)
+        ahead = toy_ahead(outer if tail_embeds else jax.lax.stop_gradient(outer), batch)
+        return toy_last_with_tail(outer, x, aux, batch, toy_tail(params, x, ahead, batch))
+
+    (_, sums), grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True))(outer, stack, params)
+    stages = 4
+    mesh = build_mesh({axis: 1 for axis in MESH_AXES} | {"pipeline": stages}, devices=jax.devices()[:stages])
+    layout = Layout.create(mesh, pipeline=PipelineSchedule("1f1b", 2), split_head=split_head)
+
+    def pipelined(outer, stack, params, batch):
+        with use_layout(layout):
+            return one_f_one_b(toy_first, toy_stage, toy_last_with_tail, outer, stack, batch, layout,
+                               tail=StageTail(params, inputs=toy_ahead, run=toy_tail))
+
+    got_sums, d_outer, d_stack, d_params = jax.jit(pipelined)(outer, stack, params, batch)
+    np.testing.assert_allclose(got_sums["tail_error"], sums["tail_error"], rtol=1e-6)
+    np.testing.assert_allclose(got_sums["error"], sums["error"], rtol=1e-6)
+    assert tree_relative_difference((d_outer, d_stack, d_params), grads) < 1e-6
+    # The tail's share of the embedding's gradient is not small: the first stage's use alone fails.
+    first_use_only = jax.grad(lambda o: reference(o, stack, params, tail_embeds=False)[0])(outer)
+    assert tree_relative_difference(first_use_only["embedding"], grads[0]["embedding"]) > 0.01
 
 
 def test_when_updating_writes_the_state_inside_the_conditional_only_where_the_slot_works():
@@ -392,6 +441,10 @@ MOE_LAYOUTS = {
     "1f1b_2x4_expert2_fsdp2_width": pipelined("1f1b", 2, 4, {**MOE, "parallel.expert_split": "width"},
                                               expert=2, fsdp=2),
     "circular_2x4_expert4": pipelined("circular", 2, 4, {**MOE, **STILL}, expert=4),
+    # The ragged dispatch reports its busiest device where the experts are over devices: 1F1B takes
+    # the aux terms' structure from inside its slots (it failed on the missing key before).
+    "1f1b_2x4_expert2_fsdp2_ragged": pipelined("1f1b", 2, 4, {**MOE, "model.moe.dispatch": "ragged"}, expert=2,
+                                               fsdp=2),
     # In the slow sweep (`-m slow`): the suite's time, not their result (both matched when added).
     "1f1b_2x4_expert2_tensor2": pipelined("1f1b", 2, 4, MOE, expert=2, tensor=2),
     "gpipe_2x4_expert2_fsdp2": pipelined("gpipe", 2, 4, {**MOE, **STILL}, expert=2, fsdp=2),
@@ -401,7 +454,7 @@ MOE_LAYOUTS = {
 # 1F1B with experts in the stages is in the default tier as the layer-rows test below (the same
 # layout with the stages' layers unrolled, its placement checked the same way).
 SLOW_MOE_LAYOUTS = ("1f1b_2x4_expert2_tensor2", "gpipe_2x4_expert2_fsdp2", "circular_2x4_expert4",
-                    "1f1b_2x4_expert2_fsdp2_width", "1f1b_2x4_expert2_fsdp2")
+                    "1f1b_2x4_expert2_fsdp2_width", "1f1b_2x4_expert2_fsdp2", "1f1b_2x4_expert2_fsdp2_ragged")
 
 
 def one_device_moe_run(settings, batches):

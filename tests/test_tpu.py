@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ushard
-from conftest import small_config, tpu_devices
+from conftest import DEEPSEEK, small_config, tpu_devices
 from ushard.aot import collectives_per_step, summary
 from ushard.cli import main
 from ushard.config import validate
@@ -367,3 +367,20 @@ def test_dropless_experts_run_the_megablox_kernels_on_tpu(layout, cuts):
     # None recomputed: bench_moe's remat policy (dots_attention) keeps the experts' matmul outputs.
     assert sum("jit(gmm)/pallas_call" in line for line in kernels) == 3 * 2 * cuts
     assert sum("jit(tgmm)/pallas_call" in line for line in kernels) == 3 * cuts
+
+
+@pytest.mark.slow  # a 50-second compile
+def test_an_mtp_modules_moe_block_runs_megablox_on_one_f_one_b_s_last_stage():
+    """A reduced DeepSeek (latent attention, dropless MoE layers, one MTP module) under 1F1B: the
+    module's MoE block runs inside the last stage's slots (ushard/parallel/pipeline.py, StageTail)
+    with the same TPU kernels as the stages' layers. The stage's scanned layer holds one block's
+    kernels (6 gmm, 3 tgmm without the module, checked when added); the module adds one more."""
+    tpu_devices("v5p:2x2x2")
+    config = small_config("tiny_moe", **{
+        **DEEPSEEK, "model.d_model": 256, "model.moe.expert_d_ff": 256, "model.d_ff": 512,
+        "model.compute_dtype": "bfloat16", "train.seq_len": 256, "mesh.pipeline": 2, "mesh.fsdp": 4,
+        "parallel.pipeline_schedule": "1f1b", "parallel.pipeline_microbatches": 4, "model.mtp.depth": 1})
+    hlo = ushard.compile_for(config, topology="v5p:2x2x2").as_text()
+    kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert sum("jit(gmm)/pallas_call" in line for line in kernels) == 2 * 6
+    assert sum("jit(tgmm)/pallas_call" in line for line in kernels) == 2 * 3

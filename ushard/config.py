@@ -506,13 +506,6 @@ def check_pipeline(config, mesh: dict[str, int]) -> None:
             f"{len(stacks)} ({', '.join(f'{name}: {n} layers' for name, n, _ in stacks)}); use "
             f"pipeline_schedule='gpipe' or 'circular', which pipeline each stack in turn, or {fix}."
         )
-    if schedule == "1f1b" and model_cfg.mtp.depth and model_cfg.moe.num_experts:
-        raise UserError(
-            f"parallel.pipeline_schedule='1f1b' with model.mtp.depth={model_cfg.mtp.depth}: the multi-token "
-            "prediction module's MoE block would run in the part 1F1B runs batched over the stages and row groups "
-            "(with the head), where the experts' grouped matmul has no batching rule; use pipeline_schedule="
-            "'gpipe' or 'circular', which run it after the stages, or model.mtp.depth=0."
-        )
     if layers % (stages * repeats):
         raise UserError(
             f"model.n_layers={layers} does not split into mesh.pipeline={stages} stages x "

@@ -149,9 +149,12 @@ class Decoder(nnx.Module):
             rows = rows * jnp.asarray(self.embed_scale, rows.dtype)
         return constrain(rows, BTD)
 
-    def head(self, x, norm=None):
-        """Logits of the layers' output x, through the final norm (or `norm`: an MTP module's)."""
-        x = (norm or self.final_norm)(x)
+    def head(self, x):
+        """Logits of the layers' output x, through the final norm."""
+        return self.logits(self.final_norm(x))
+
+    def logits(self, x):
+        """Logits of a normed representation x (the final norm's output, or an MTP module's)."""
         head = self.embedding[...].T if self.tie_embeddings else self.lm_head[...]
         head = gathered(head.astype(self.compute_dtype), ("embed", "vocab"))
         logits = jnp.einsum("btd,dv->btv", x, head)
@@ -177,12 +180,19 @@ class Decoder(nnx.Module):
     def mtp_logits(self, x, positions, segment_ids, next_tokens) -> list:
         """Each MTP module's logits (ushard/models/mtp.py): x the layers' output (before the final norm),
         `next_tokens` the tokens each depth embeds, in order of depth ([batch, length] each)."""
-        logits = []
-        for name, tokens in zip(self.mtp_names, next_tokens, strict=True):
+        embedded = [self.embed(tokens) for tokens in next_tokens]
+        return [self.logits(state) for state in self.mtp_states(x, positions, segment_ids, embedded)]
+
+    def mtp_states(self, x, positions, segment_ids, embedded) -> list:
+        """Each MTP module's representation through its own final norm (what the head takes): x the
+        layers' output, `embedded` the embeddings of the tokens each depth takes, in order of depth.
+        Uses the modules' weights only (a pipeline's last stage runs this inside its slots)."""
+        states = []
+        for name, rows in zip(self.mtp_names, embedded, strict=True):
             module = getattr(self, name)
-            x = module(x, self.embed(tokens), positions, segment_ids)
-            logits.append(self.head(x, module.final_norm))
-        return logits
+            x = module(x, rows, positions, segment_ids)
+            states.append(module.final_norm(x))
+        return states
 
     def __call__(self, tokens, positions, segment_ids=None):
         """tokens, positions, segment_ids: int [batch, length] -> (logits [batch, length, vocab], aux),

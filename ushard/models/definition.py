@@ -83,10 +83,27 @@ class ModelDef:
         x, aux = module.layers(module.embed(batch["inputs"]), batch["positions"], batch["segment_ids"])
         return module.head(x), aux, self._mtp_logits(module, x, batch)
 
-    def head_for_training(self, others, x, batch):
-        """The pipeline's last part of `apply_for_training`: (logits, the MTP modules' logits)."""
+    # A pipeline's last stage (1F1B) runs `apply_for_training`'s end in two parts: the MTP modules
+    # inside its slots (`mtp_states`, on the embeddings `mtp_embeddings` looks up outside them), then
+    # `head_for_training` on the layers' output and the modules' states.
+    def split_mtp(self, others) -> tuple[dict, dict]:
+        """(the MTP modules' params, every other param of `others`)."""
+        names = self._abstract_module.mtp_names
+        return {k: v for k, v in others.items() if k in names}, {k: v for k, v in others.items() if k not in names}
+
+    def mtp_embeddings(self, others, batch) -> list:
+        """The embeddings of the tokens each MTP depth takes ([batch, length, d_model] each)."""
         module = self.module(others)
-        return module.head(x), self._mtp_logits(module, x, batch)
+        return [module.embed(tokens) for tokens in mtp_tokens(batch, self.cfg.mtp.depth)]
+
+    def mtp_states(self, mtp, x, embedded, batch) -> list:
+        """The MTP modules' normed representations (`Decoder.mtp_states`) from their params `mtp` alone."""
+        return self.module(mtp).mtp_states(x, batch["positions"], batch["segment_ids"], embedded)
+
+    def head_for_training(self, others, x, states):
+        """(logits of the layers' output x, the MTP modules' logits of their `states`)."""
+        module = self.module(others)
+        return module.head(x), [module.logits(s) for s in states]
 
     def _mtp_logits(self, module, x, batch) -> list:
         tokens = mtp_tokens(batch, self.cfg.mtp.depth)

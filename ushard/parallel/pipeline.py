@@ -25,7 +25,9 @@ slots cost nothing.
   pipeline does. Each microbatch is embedded as it enters
   the first stage and ends (final norm, head, loss, and the gradient that starts its backward pass) as
   soon as it leaves the last one, which is why 1F1B is driven from the training step with the model's
-  three parts rather than from inside the model.
+  three parts rather than from inside the model. What follows the layers but cannot run where the
+  head does (a multi-token prediction module's MoE block) runs on the last stage inside its slots,
+  as a `StageTail`.
 
 Parallel code, no layer: the stage, embedding and head arrive as functions.
 """
@@ -169,16 +171,18 @@ def run_stages(stage, stack, x, args, layout: Layout):
 # --------------------------------------------------------------------------- 1F1B
 
 
-def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare=lambda stack: stack):
+def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare=lambda stack: stack,
+                tail: StageTail | None = None):
     """Sums and gradients of Σ_m objective_m by the 1F1B schedule, without autodiff of the loop.
 
     For microbatch m (rows of every `batch` leaf): x = first(outer, m); x, aux_i = stage(chunk_i, x, m)
-    for each chunk of the prepared layers in turn; (objective, sums) = last(outer, x, Σ aux_i, m).
+    for each chunk of the prepared layers in turn; t = tail.run(tail.params, x, tail.inputs(outer, m), m)
+    (`StageTail`; () without one); (objective, sums) = last(outer, x, Σ aux_i, m, t).
     `outer` are the parameters outside the stack, `stack` the stacked layers. `prepare(stack)` casts
     and places the stacked weights for compute (ZeRO-3: gathers them) and does nothing else: it runs
     once per step, before the tick loop, and the weight gradients, accumulated in float32, are
     returned in each weight's own dtype and layout. Returns (sums summed over microbatches, d outer,
-    d stack) with d = gradient of Σ_m objective_m.
+    d stack, d tail.params or None) with d = gradient of Σ_m objective_m.
 
     Each tick has two manual regions (a shard_map over the stage axis) that run only the layers: the
     forward slot, then the backward slot. Between them, outside, `first` runs on the microbatch that
@@ -213,53 +217,96 @@ def one_f_one_b(first, stage, last, outer, stack, batch, layout: Layout, prepare
     def on_every_stage(tree):  # a copy for each stage, [stages, groups, ...] split over the stage axis
         return on_stages(jax.tree.map(lambda a: jnp.broadcast_to(a, (stages, *a.shape)), tree))
 
-    with use_layout(None):  # shapes only: no layout, so the stage's layers are not pipelined again
-        one = jax.tree.map(lambda a: a[0], take(microbatches, 0))  # one group's rows
-        aux = jax.eval_shape(lambda c, o, mb: stage(c, first(o, mb), mb)[1],
-                             jax.tree.map(lambda c: c[0, 0], chunks), outer, one)
+    one = jax.tree.map(lambda a: a[0], take(microbatches, 0))  # one group's rows
 
     def enter(outer, mb):  # the activation entering stage 0: (x, no aux yet)
         return first(outer, mb), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
 
     def finish(outer, activation, mb):  # -> (sums, d outer, d activation) of the objective
-        objective, pullback, sums = jax.vjp(lambda o, a: last(o, *a, mb), outer, activation, has_aux=True)
+        # activation: what the last stage hands over, ((x, aux), the tail's outputs)
+        objective, pullback, sums = jax.vjp(lambda o, a: last(o, *a[0], mb, a[1]), outer, activation, has_aux=True)
         return sums, *pullback(jnp.ones_like(objective))
 
-    def enter_grads(outer, mb, d_activation):
-        return jax.vjp(lambda o: enter(o, mb), outer)[1](d_activation)[0]
+    def pulled_back(fn):  # the gradient of outer from that of fn(outer, mb)
+        return lambda outer, mb, d: jax.vjp(lambda o: fn(o, mb), outer)[1](d)[0]
 
     # Per group of rows (one per device of the batch axes): [groups, ...] in and out.
     enter_each, finish_each, enter_grads_each = (groups.each(fn, layout, shared=1)
-                                                 for fn in (enter, finish, enter_grads))
+                                                 for fn in (enter, finish, pulled_back(enter)))
     heads = (SplitHead if axis in layout.axes("vocab") else StageHeads)(finish_each, enter_grads_each, on_every_stage,
                                                                           axis, stages)
-    slots = StageSlots(chained, ring_size(stages), layout, axis, groups)
+    slots = StageSlots(chained, ring_size(stages), layout, axis, groups, tail=tail and tail.run)
     idle, some = jnp.full((stages,), IDLE), take(microbatches, 0)
+    # The aux terms the layers report inside the slots, where their layout decides some of them.
+    x = jax.eval_shape(lambda o, mb: on_every_stage(groups.each(first, layout, shared=1)(o, mb)), outer, some)
+    aux = slots.aux_shapes(stage, chunks, idle, rows(idle), x)
     activation = jax.eval_shape(lambda o, mb: on_every_stage(enter_each(o, mb)), outer, some)
-    sums = jax.eval_shape(lambda o, mb: finish_each(o, enter_each(o, mb), mb)[0], outer, some)
     ring = slots.ring_shapes(chunks, idle, rows(idle), activation)
+    zeros = functools.partial(groups.zeros, layout=layout)
+    if tail is None:
+        tail_params, tail_out, d_tail = (), (), ()
+    else:
+        inputs_each, inputs_grads_each = (groups.each(fn, layout, shared=1)
+                                          for fn in (tail.inputs, pulled_back(tail.inputs)))
+        tail_params = tail.params
+        with use_layout(None):  # one group's shapes, as `aux`'s
+            tail_out = jax.eval_shape(lambda p, o, mb: tail.run(p, first(o, mb), tail.inputs(o, mb), mb),
+                                      tail.params, outer, one)
+        tail_out = jax.tree.map(lambda a: jax.ShapeDtypeStruct((stages, groups.count, *a.shape), a.dtype), tail_out)
+        d_tail = zeros(jax.tree.map(lambda a: jax.ShapeDtypeStruct((stages, *a.shape), jnp.float32),
+                                    groups.shapes(tail.params)), before=(axis,))
+    groups_only = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
+    sums = jax.eval_shape(lambda o, mb: finish_each(o, (enter_each(o, mb), jax.tree.map(groups_only, tail_out)),
+                                                    mb)[0], outer, some)
 
     def tick(carry, table_row):
-        received, d_received, ring, d_chunks, d_outer, sums = carry
+        received, d_received, ring, d_chunks, d_outer, sums, d_tail = carry
         f, b = table_row[:, 0], table_row[:, 1]
         entered = on_every_stage(enter_each(outer, take(microbatches, f[0])))
-        out, received, ring = slots.forward(chunks, f, rows(f), entered, received, ring)
+        leaving = take(microbatches, f[-1])
+        # The tail's inputs (the MTP modules' embedding lookups) of the microbatch the last stage runs.
+        ahead = () if tail is None else on_every_stage(inputs_each(outer, leaving))
+        out, received, ring, tail_out, kept = slots.forward(chunks, f, rows(f), entered, received, ring, tail_params,
+                                                            ahead)
         ends, starts = f[-1] != IDLE, b[0] != IDLE
-        sums_f, d_outer_head, d_out = heads.finish(outer, out, take(microbatches, f[-1]), ends)
-        d_activation, d_received, d_chunks = slots.backward(chunks, b, rows(b), ring, d_out, d_received, d_chunks)
-        d_outer_embed = heads.embedding_grads(outer, take(microbatches, b[0]), d_activation, starts)
-        return (received, d_received, ring, d_chunks, add(d_outer, add(d_outer_head, d_outer_embed)),
-                add(sums, sums_f)), None
+        sums_f, d_outer_head, (d_out, d_tail_out) = heads.finish(outer, (out, tail_out), leaving, ends)
+        d_activation, d_received, d_chunks, d_ahead, d_tail = slots.backward(
+            chunks, b, rows(b), ring, d_out, d_received, d_chunks, tail_params, kept, d_tail_out, d_tail)
+        d_outer_in = heads.embedding_grads(outer, take(microbatches, b[0]), d_activation, starts)
+        if tail is not None:  # the last stage's backward is of the microbatch it ran forward in this tick
+            d_outer_in = add(d_outer_in, heads.input_grads(inputs_grads_each, -1, outer, take(microbatches, b[-1]),
+                                                           d_ahead, b[-1] != IDLE))
+        return (received, d_received, ring, d_chunks, add(d_outer, add(d_outer_head, d_outer_in)),
+                add(sums, sums_f), d_tail), None
 
-    zeros = functools.partial(groups.zeros, layout=layout)
     carry = (zeros(activation, before=(axis,)), zeros(activation, before=(axis,)), zeros(ring, before=(axis, None)),
              zeros(groups.shapes(chunks, at=2, dtype=jnp.float32), before=(None, axis)),
              zeros(heads.shapes(groups.shapes(outer)), before=heads.before),
-             zeros(heads.shapes(sums), before=heads.before))
+             zeros(heads.shapes(sums), before=heads.before), d_tail)
     schedule = jnp.asarray(one_f_one_b_table(stages, count))
-    (_, _, _, d_chunks, d_outer, sums), _ = jax.lax.scan(tick, carry, schedule)
+    (_, _, _, d_chunks, d_outer, sums, d_tail), _ = jax.lax.scan(tick, carry, schedule)
     d_stack = jax.tree.map(lambda g, w: g.sum(axis=2).reshape(w.shape).astype(w.dtype), d_chunks, stack)
-    return groups.total(heads.total(sums)), groups.total(heads.total(d_outer)), d_stack
+    if tail is not None:
+        d_tail = jax.tree.map(lambda g, w: g.sum(axis=(0, 1)).astype(w.dtype), d_tail, tail.params)
+    return groups.total(heads.total(sums)), groups.total(heads.total(d_outer)), d_stack, d_tail or None
+
+
+@dataclass(frozen=True)
+class StageTail:
+    """What 1F1B's last stage runs after its layers, inside its slots, on each microbatch it finishes:
+    a multi-token prediction module, whose MoE block cannot run vmapped over the stages and row
+    groups as `last` does (ragged_dot batches over dimension 0 only). Its residuals are kept for one
+    microbatch (the last stage pulls back the microbatch it ran forward in the same tick).
+
+    `params`: its weights (not among `outer`), replicated over the stages like `outer`;
+    `inputs(outer, mb)`: what it takes besides the layers' output, computed outside the slots as
+    `first` is (an embedding lookup: a gather XLA cannot partition inside them) and pulled back there;
+    `run(params, x, inputs, mb)`: its outputs, which `last` takes. Where the slots run branch-free
+    (a split sequence), every stage runs it and only the last stage's result counts."""
+
+    params: object
+    inputs: object
+    run: object
 
 
 @dataclass(frozen=True)
@@ -281,7 +328,12 @@ class SplitHead:
         return keep_if(ends, sums), keep_if(ends, d_outer), self.on_every_stage(d_out)
 
     def embedding_grads(self, outer, mb, d_activation, starts):
-        return keep_if(starts, self.enter_grads_each(outer, mb, jax.tree.map(lambda a: a[0], d_activation)))
+        return self.input_grads(self.enter_grads_each, 0, outer, mb, d_activation, starts)
+
+    def input_grads(self, grads_each, stage, outer, mb, d_inputs, where):
+        """d outer of what stage `stage` took from outside the slots, by its pullback `grads_each`
+        (per group) of the gradient `d_inputs` ([stages, groups, ...]), where `where` holds."""
+        return keep_if(where, grads_each(outer, mb, jax.tree.map(lambda a: a[stage], d_inputs)))
 
     def shapes(self, tree):
         return tree
@@ -310,8 +362,8 @@ class StageHeads(SplitHead):
         sums, d_outer, d_out = self._on_stages(self.finish_each, (None, 0, None))(outer, out, mb)
         return self._only(-1, ends, sums), self._only(-1, ends, d_outer), d_out  # d_out: only the last stage reads it
 
-    def embedding_grads(self, outer, mb, d_activation, starts):
-        return self._only(0, starts, self._on_stages(self.enter_grads_each, (None, None, 0))(outer, mb, d_activation))
+    def input_grads(self, grads_each, stage, outer, mb, d_inputs, where):
+        return self._only(stage, where, self._on_stages(grads_each, (None, None, 0))(outer, mb, d_inputs))
 
     def shapes(self, tree):
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.stages, *a.shape), a.dtype), tree)
@@ -389,24 +441,24 @@ class StageSlots:
     dimension (`Groups`) after it. The regions are manual over the batch axes too, so each device runs
     the layers on its own rows and keeps its own gradients.
 
-    forward(chunks, f, mb, entered, received, ring) -> (out, sent, ring): stage s runs its forward of
-    microbatch f[s] on what entered (stage 0) or what it received, and keeps the residuals its backward
-    pass needs (what `jax.vjp` saves: which of them the model's remat policy decides) in slot
-    f[s] mod `keep` of the ring.
-    backward(chunks, b, mb, ring, d_out, d_received, d_chunks) -> (d_in, d_sent, d_chunks): stage s
-    pulls back d_out (last stage: the head's gradient of this tick) or what it received through
-    microbatch b[s]'s kept residuals; weight gradients accumulate per group in d_chunks (float32).
-
-    The residuals are the leaves of the pullback `jax.vjp` returns (a pytree); those that are the
-    weights themselves are not kept but passed again in the backward slot.
+    forward(chunks, f, mb, entered, received, ring, tail_params, ahead) -> (out, sent, ring, tail_out, kept):
+    stage s runs its forward of microbatch f[s] on what entered (stage 0) or what it received, and
+    keeps the residuals its backward pass needs (what `jax.vjp` saves: which of them the model's remat
+    policy decides) in slot f[s] mod `keep` of the ring; the last stage then runs the tail
+    (`StageTail`, `tail`: its run function, or None) on its output and `ahead`, and returns its
+    outputs and residuals (`kept`, one microbatch's: the last stage pulls back in the same tick).
+    backward(chunks, b, mb, ring, d_out, d_received, d_chunks, tail_params, kept, d_tail_out, d_tail)
+    -> (d_in, d_sent, d_chunks, d_ahead, d_tail): stage s pulls back d_out (last stage: the head's
+    gradient of this tick, and the tail's pulled back through `kept`) or what it received through
+    microbatch b[s]'s kept residuals; weight gradients accumulate per group in d_chunks and d_tail
+    (float32). Without a tail, its operands and results are ().
     """
 
-    def __init__(self, chained, keep: int, layout: Layout, axis: str, groups: Groups):
-        self.chained, self.keep, self.layout, self.axis = chained, keep, layout, axis
+    def __init__(self, chained, keep: int, layout: Layout, axis: str, groups: Groups, tail=None):
+        self.chained, self.keep, self.layout, self.axis, self.tail = chained, keep, layout, axis, tail
         self.manual, self.groups = (axis, *groups.axes), groups
         self.branch_free = slots_branch_free(layout)
-        self.pullback_tree = None  # set while tracing the forward slot: the pullback's structure,
-        self.weight_at = None  # and for each of its leaves, the weight it is (or None)
+        self.layers_pullback, self.tail_pullback = KeptPullback(), KeptPullback()
         stages = layout.size("layers")
         self.stages = stages
         forward_pairs = [(s, s + 1) for s in range(stages - 1)]
@@ -417,12 +469,32 @@ class StageSlots:
         chunk, index, grouped = P(None, axis), P(axis), P(axis, on_groups)
         ring, grads = P(axis, None, on_groups), P(None, axis, on_groups)
         mapped = functools.partial(jax.shard_map, mesh=layout.mesh, axis_names=set(self.manual))
-        self.forward = mapped(self._forward_body, in_specs=(chunk, index, grouped, grouped, grouped, ring),
-                              out_specs=(grouped, grouped, ring))
-        self.backward = mapped(self._backward_body, in_specs=(chunk, index, grouped, ring, grouped, grouped, grads),
-                               out_specs=(grouped, grouped, grads))
+        # The tail's weights, as `outer`, are the same on every stage and group.
+        self.forward = mapped(self._forward_body,
+                              in_specs=(chunk, index, grouped, grouped, grouped, ring, P(), grouped),
+                              out_specs=(grouped, grouped, ring, grouped, grouped))
+        self.backward = mapped(self._backward_body,
+                               in_specs=(chunk, index, grouped, ring, grouped, grouped, grads, P(), grouped, grouped,
+                                         grouped),
+                               out_specs=(grouped, grouped, grads, grouped, grouped))
         self._residuals_only = mapped(self._residuals_body, in_specs=(chunk, index, grouped, grouped),
                                       out_specs=grouped)
+
+    def aux_shapes(self, stage, chunks, f, mb, x):
+        """Shapes of one group's aux terms of stage(chunk, x, mb) -> (x, aux), traced inside the slots:
+        an MoE layer reports its busiest device only where its experts are over devices, which the
+        slots' layout says, not the model alone."""
+        def body(chunks, f, mb, x):
+            chunk, f, mb, x = self._local(chunks, f, (mb, x))
+            with self._inside():
+                aux = zeros_of(lambda *a: stage(*a)[1], chunk, x, mb, axis=self.manual)
+            return jax.tree.map(lambda a: a[None, None], aux)
+
+        grouped = P(self.axis, self.groups.axes or None)
+        mapped = jax.shard_map(body, mesh=self.layout.mesh, axis_names=set(self.manual),
+                               in_specs=(P(None, self.axis), P(self.axis), grouped, grouped), out_specs=grouped)
+        shapes = jax.eval_shape(mapped, chunks, f, mb, x)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), shapes)
 
     def ring_shapes(self, chunks, f, mb, activation):
         """Shapes of the ring: `keep` slots of one microbatch's residuals per stage, [stages, keep, groups, ...]."""
@@ -434,11 +506,13 @@ class StageSlots:
         # Typed as differing between the groups, which it does for every row's activation; a
         # statistic of the whole microbatch (`sum_over_rows`) is the same on every group, and its
         # gradient then adds every group's cotangent, as it must.
-        out, pullback = jax.vjp(lambda w, a: varying(self.chained(w, a, mb), self.manual), weights, activation)
-        leaves, self.pullback_tree = jax.tree.flatten(pullback)
-        weight_leaves = jax.tree.leaves(weights)
-        self.weight_at = [next((i for i, w in enumerate(weight_leaves) if leaf is w), None) for leaf in leaves]
-        return out, [leaf for leaf, at in zip(leaves, self.weight_at) if at is None]
+        return self.layers_pullback.forward(lambda w, a: varying(self.chained(w, a, mb), self.manual),
+                                            weights, activation)
+
+    def _tail_with_residuals(self, params, x, ahead, mb):
+        """(the tail's outputs, the residuals of its pullback that are not its weights)."""
+        return self.tail_pullback.forward(lambda p, x, a: varying(self.tail(p, x, a, mb), self.manual),
+                                          params, x, ahead)
 
     def _row_layers(self, chunk) -> int:
         """The layers whose rows the ring keeps apart (`layer_rows`); 0: residuals kept stacked."""
@@ -447,9 +521,7 @@ class StageSlots:
 
     def _grads(self, weights, residuals, d_out):
         """(d weights, d activation) from a microbatch's kept residuals."""
-        weight_leaves, kept = jax.tree.leaves(weights), iter(residuals)
-        leaves = [next(kept) if at is None else weight_leaves[at] for at in self.weight_at]
-        return jax.tree.unflatten(self.pullback_tree, leaves)(d_out)
+        return self.layers_pullback.grads(weights, residuals, d_out)
 
     def _inside(self):
         """The layout of a stage's own rows: its layers unsplit, nothing over the manual axes, the
@@ -472,9 +544,9 @@ class StageSlots:
             residuals = layer_rows(residuals, self._row_layers(chunk))
         return jax.tree.map(lambda a: a[None, None], residuals)
 
-    def _forward_body(self, chunks, f, mb, entered, received, ring):
+    def _forward_body(self, chunks, f, mb, entered, received, ring, tail_params, ahead):
         index = jax.lax.axis_index(self.axis)
-        chunk, f, mb, entered, received = self._local(chunks, f, (mb, entered, received))
+        chunk, f, mb, entered, received, ahead = self._local(chunks, f, (mb, entered, received, ahead))
         ring = jax.tree.map(lambda a: a[0, :, 0], ring)
         slot = jnp.maximum(f, 0) % self.keep
 
@@ -486,12 +558,21 @@ class StageSlots:
             activation = jax.tree.map(lambda a, r: jnp.where(index == 0, a, r), entered, received)
             out, ring = when_updating(f != IDLE, run, ring, chunk, activation, mb, axis=self.manual,
                                       branch_free=self.branch_free)
+            tail_out, kept = (), ()
+            if self.tail is not None:
+                ends = (index == self.stages - 1) & (f != IDLE)
+                tail_out, kept = when(ends, self._tail_with_residuals, varying(tail_params, self.manual), out[0],
+                                      ahead, mb, axis=self.manual, branch_free=self.branch_free)
         sent = jax.lax.ppermute(out, self.axis, self.forward_pairs)
-        return *jax.tree.map(lambda a: a[None, None], (out, sent)), jax.tree.map(lambda a: a[None, :, None], ring)
+        grouped = jax.tree.map(lambda a: a[None, None], (out, sent, tail_out, kept))
+        return *grouped[:2], jax.tree.map(lambda a: a[None, :, None], ring), *grouped[2:]
 
-    def _backward_body(self, chunks, b, mb, ring, d_out, d_received, d_chunks):
+    def _backward_body(self, chunks, b, mb, ring, d_out, d_received, d_chunks, tail_params, kept, d_tail_out,
+                       d_tail):
         index = jax.lax.axis_index(self.axis)
-        chunk, b, mb, d_out, d_received = self._local(chunks, b, (mb, d_out, d_received))
+        chunk, b, mb, d_out, d_received, kept, d_tail_out = self._local(chunks, b, (mb, d_out, d_received, kept,
+                                                                                    d_tail_out))
+        d_tail = jax.tree.map(lambda a: a[0, 0], d_tail)
         ring = jax.tree.map(lambda a: a[0, :, 0], ring)
         slot = jnp.maximum(b, 0) % self.keep
 
@@ -500,12 +581,49 @@ class StageSlots:
             add = functools.partial(accumulate, works=works, layers=self._row_layers(chunk))
             return d_in, jax.tree.map(add, d_chunks, d_chunk)
 
+        def pull_tail(works, d_tail, params, kept, d_tail_out):  # -> (d x, d ahead), d_tail added to
+            d_params, d_x, d_ahead = self.tail_pullback.grads(params, kept, d_tail_out)
+            masked = (lambda g: g) if works is True else (lambda g: jnp.where(works, g, 0))
+            return (d_x, d_ahead), jax.tree.map(lambda acc, g: acc + masked(g.astype(acc.dtype)), d_tail, d_params)
+
         with self._inside():
+            d_ahead = ()
+            if self.tail is not None:  # the tail's gradient, then the layers' (the tail took their output)
+                ends = (index == self.stages - 1) & (b != IDLE)
+                (d_x, d_ahead), d_tail = when_updating(ends, pull_tail, d_tail, varying(tail_params, self.manual),
+                                                       kept, d_tail_out, axis=self.manual,
+                                                       branch_free=self.branch_free)
+                d_out = (d_out[0] + d_x, *d_out[1:])
             d_out = jax.tree.map(lambda h, r: jnp.where(index == self.stages - 1, h, r), d_out, d_received)
             d_in, d_chunks = when_updating(b != IDLE, pull, d_chunks, chunk, ring, d_out, axis=self.manual,
                                            branch_free=self.branch_free)
         d_sent = jax.lax.ppermute(d_in, self.axis, self.backward_pairs)
-        return *jax.tree.map(lambda a: a[None, None], (d_in, d_sent)), d_chunks
+        grouped = jax.tree.map(lambda a: a[None, None], (d_in, d_sent, d_ahead, d_tail))
+        return *grouped[:2], d_chunks, *grouped[2:]
+
+
+class KeptPullback:
+    """A function's pullback (`jax.vjp`'s, a pytree) as the residuals to keep, without the weights it
+    closes over: those are passed again when it is pulled back. The pullback's structure, and which
+    of its leaves are weights, are recorded while `forward` is traced (the same for every microbatch)."""
+
+    def __init__(self):
+        self.tree = None
+        self.weight_at = None  # for each leaf of the pullback, the weight it is (or None)
+
+    def forward(self, fn, weights, *args):
+        """(fn(weights, *args), the residuals of its pullback that are not the weights)."""
+        out, pullback = jax.vjp(fn, weights, *args)
+        leaves, self.tree = jax.tree.flatten(pullback)
+        weight_leaves = jax.tree.leaves(weights)
+        self.weight_at = [next((i for i, w in enumerate(weight_leaves) if leaf is w), None) for leaf in leaves]
+        return out, [leaf for leaf, at in zip(leaves, self.weight_at) if at is None]
+
+    def grads(self, weights, residuals, d_out):
+        """(d weights, d args) from kept residuals."""
+        weight_leaves, kept = jax.tree.leaves(weights), iter(residuals)
+        leaves = [next(kept) if at is None else weight_leaves[at] for at in self.weight_at]
+        return jax.tree.unflatten(self.tree, leaves)(d_out)
 
 
 def keeps_layer_rows(layout: Layout, layers: int) -> bool:

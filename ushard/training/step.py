@@ -28,7 +28,7 @@ from ushard.models.definition import ModelDef
 from ushard.models.mtp import with_mtp_fields
 from ushard.parallel import context
 from ushard.parallel.maps import nested_maps
-from ushard.parallel.pipeline import one_f_one_b
+from ushard.parallel.pipeline import StageTail, one_f_one_b
 from ushard.sharding import Layout, current_layout, split_rows, use_layout, with_shardings
 from ushard.training.loss import cross_entropy_sums
 from ushard.training.state import TrainState
@@ -121,24 +121,29 @@ class Steps:
 
     def _one_f_one_b_grads(self, params, batch):
         """What `jax.grad(self._objective, has_aux=True)` returns, by the 1F1B pipeline schedule: the
-        model's three parts run per microbatch, the loss on the last stage as each one leaves the layers."""
+        model's three parts run per microbatch, the loss on the last stage as each one leaves the layers.
+        The MTP modules run on the last stage too, inside its slots after its layers (the schedule's
+        `StageTail`), on the embeddings of their tokens looked up outside them."""
         model = self.model
         stack, others = model.split_stack(params)
         # The embedding, final norm and head, gathered for compute once per step rather than once per
         # microbatch (ZeRO-3 would gather them in every tick of the pipeline).
         compute = self.layout.shardings(model.split_stack(model.logical)[1], "compute")
-        others = jax.lax.with_sharding_constraint(others, compute)
-        sums, d_others, d_stack = one_f_one_b(
+        mtp, others = model.split_mtp(jax.lax.with_sharding_constraint(others, compute))
+        tail = StageTail(mtp, inputs=model.mtp_embeddings, run=model.mtp_states) if mtp else None
+        sums, d_others, d_stack, d_mtp = one_f_one_b(
             first=lambda others, mb: model.embed(others, mb["inputs"]),
             stage=lambda chunk, x, mb: model.layers(chunk, x, mb["positions"], mb["segment_ids"]),
-            last=lambda others, x, aux, mb: self._last_stage_terms(others, x, aux, mb),
+            last=self._last_stage_terms,
             outer=others, stack=stack, batch=batch, layout=current_layout(), prepare=model.stack_for_compute,
+            tail=tail,
         )
-        return model.join_stack(d_stack, d_others), sums
+        return model.join_stack(d_stack, {**d_others, **(d_mtp or {})}), sums
 
-    def _last_stage_terms(self, others, x, aux, mb):
-        """The objective of one microbatch leaving the pipeline's last stage: head, MTP modules, loss."""
-        logits, mtp_logits = self.model.head_for_training(others, x, mb)
+    def _last_stage_terms(self, others, x, aux, mb, mtp_states):
+        """The objective of one microbatch leaving the pipeline's last stage: head, loss, and the MTP
+        modules' head and loss on the states they computed there."""
+        logits, mtp_logits = self.model.head_for_training(others, x, mtp_states)
         return objective_terms(logits, aux, mb, mtp_logits, self.model.cfg.mtp.loss_weight)
 
     @contextlib.contextmanager
