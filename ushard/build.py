@@ -76,7 +76,7 @@ def build(config, devices=None, platform: str | None = None, device_kind: str | 
         grouped_kernels.check(model_cfg.moe.grouped_matmul_impl, platform)
     plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg, device_kind or devices[0].device_kind)
     layout = Layout.from_plan(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), plan, SEAMS)
-    tx, schedule = make_optimizer(config.train, model.logical)
+    tx, schedule = make_optimizer(config, model.logical, layout)
     t = config.train
     steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip")
     return Setup(config, model_cfg, plan, layout, model, tx, schedule, steps, tuple(ignored_settings(config, platform)))

@@ -1,12 +1,38 @@
-"""AdamW with linear warmup and a cosine (or linear / constant) decay, global-norm clipping."""
+"""The optimizers (`optim.name`, a registry) and the learning-rate schedules, global-norm clipping.
+
+Each registry entry declares its own settings (the `optim.<name>` group; the keys directly under
+`optim` are AdamW's, which Muon uses for the parameters it does not take), which parameters it takes
+(by their logical axis names), and for the planner the float32 words of state it keeps and reads and
+writes per parameter per step. Every optimizer is built on optax's transformation of that name and
+sees the schedule of `train` (lr, warmup, decay).
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import jax
+import jax.numpy as jnp
 import optax
+
+from ushard.errors import UserError
+from ushard.training import muon as muon_lib
+
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+WSD_DECAYS = ("linear", "cosine", "sqrt")
+# AdamW's keys lived in `train` before the `optim` group: a config that still sets one is refused
+# with a sentence naming its new key (ushard/config.py), rather than mapped silently.
+MOVED_KEYS = {f"train.{k}": f"optim.{k}" for k in ("weight_decay", "b1", "b2", "eps")}
 
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
+    """Linear warm-up from 0 to lr, then `train.schedule`: cosine or linear to lr * min_lr_ratio at
+    train.steps, constant, or WSD (warmup-stable-decay: lr until the last train.decay_fraction of
+    the steps, then down to lr * min_lr_ratio, by train.wsd_decay). Every shape is a function of the
+    step and train.steps alone, so a run resumed with a longer train.steps follows the longer
+    schedule from its step on (a WSD run is extended this way from a checkpoint of its stable phase)."""
     t = train_cfg
     warmup = min(t.warmup_steps, t.steps)
     decay_steps = max(t.steps - warmup, 1)
@@ -15,6 +41,8 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
         decay = optax.cosine_decay_schedule(t.lr, decay_steps, alpha=t.min_lr_ratio)
     elif t.schedule == "linear":
         decay = optax.linear_schedule(t.lr, end, decay_steps)
+    elif t.schedule == "wsd":
+        return wsd_schedule(t.lr, end, t.steps, warmup, t.decay_fraction, t.wsd_decay)
     else:
         decay = optax.constant_schedule(t.lr)
     if warmup == 0:
@@ -22,18 +50,140 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, t.lr, warmup), decay], [warmup])
 
 
+def wsd_schedule(peak: float, end: float, steps: int, warmup: int, fraction: float, shape: str) -> optax.Schedule:
+    """Warm-up to `peak` over `warmup` steps, `peak` until the last round(fraction * steps) steps,
+    then down to `end` at `steps`: linearly, by a half cosine, or by 1 - sqrt(progress) (Hägele et
+    al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations")."""
+    decay = max(1, round(fraction * steps)) if fraction > 0 else 0
+    start = max(steps - decay, warmup)
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        up = peak * step / warmup if warmup else peak
+        progress = jnp.clip((step - start) / max(steps - start, 1), 0.0, 1.0)
+        if shape == "linear":
+            down = 1.0 - progress
+        elif shape == "cosine":
+            down = 0.5 * (1.0 + jnp.cos(math.pi * progress))
+        else:
+            down = 1.0 - jnp.sqrt(progress)
+        value = jnp.where(step < start, peak, end + (peak - end) * down)
+        return jnp.where(step < warmup, up, value)
+
+    return schedule
+
+
 def weight_decay_mask(logical_params):
     """Decay matrices and embeddings; leave norm scales alone (recognised by their `norm` axis)."""
     return jax.tree.map(lambda names: names[-1] != "norm", logical_params, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def make_optimizer(train_cfg, logical_params) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    t = train_cfg
-    schedule = learning_rate_schedule(t)
-    adamw = optax.adamw(
-        schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=weight_decay_mask(logical_params)
-    )
+def _adamw(o, schedule, logical, layout):
+    return optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                       mask=weight_decay_mask(logical))
+
+
+def _lion(o, schedule, logical, layout):
+    return optax.lion(schedule, b1=o.lion.b1, b2=o.lion.b2, weight_decay=o.weight_decay,
+                      mask=weight_decay_mask(logical))
+
+
+def _adafactor(o, schedule, logical, layout):
+    a = o.adafactor
+    return optax.adafactor(schedule, min_dim_size_to_factor=a.min_dim_size_to_factor, decay_rate=a.decay_rate,
+                           multiply_by_parameter_scale=a.parameter_scale,
+                           clipping_threshold=a.clipping_threshold or None,
+                           weight_decay_rate=a.weight_decay_rate or None, weight_decay_mask=weight_decay_mask(logical))
+
+
+def muon_labels(logical):
+    """"muon" for each parameter Muon takes (ushard/training/muon.py's rules), else "adamw"."""
+    return jax.tree.map(lambda a: "muon" if a is not None else "adamw", muon_lib.matrix_layouts(logical),
+                        is_leaf=lambda v: v is None or isinstance(v, muon_lib.MatrixAxes))
+
+
+def _muon(o, schedule, logical, layout):
+    m = o.muon
+    layouts = muon_lib.matrix_layouts(logical)
+    is_axes = lambda v: v is None or isinstance(v, muon_lib.MatrixAxes)  # noqa: E731
+    # The Muon partition sees optax's MaskedNode where a parameter is AdamW's.
+    seen = jax.tree.map(lambda a: a if a is not None else optax.MaskedNode(), layouts, is_leaf=is_axes)
+    owners = muon_owners(layout, logical, m.layout)
+    core = muon_lib.scale_by_muon(seen, beta=m.momentum, steps=m.ns_steps, dtype=jnp.dtype(m.ns_dtype),
+                                  scale=m.scale, rms=m.rms, owners=owners)
+    matrices = optax.chain(core, optax.add_decayed_weights(o.weight_decay), optax.scale_by_learning_rate(schedule))
+    return optax.partition({"muon": matrices, "adamw": _adamw(o, schedule, logical, layout)}, muon_labels(logical))
+
+
+def muon_owners(layout, logical, mode: str):
+    """Where Muon's iterations run (optim.muon.layout): None for XLA's partitioner on the sharded
+    momentum ("gspmd"), or the owners over the mesh axes that split any Muon parameter's optimizer
+    state ("owners"; "auto": owners when such an axis exists, since the iteration then needs whole
+    matrices anyway, gspmd when the state is whole on every device and there is nothing to move)."""
+    if layout is None or mode == "gspmd":
+        return None
+    layouts = muon_lib.matrix_layouts(logical)
+    is_axes = lambda v: v is None or isinstance(v, muon_lib.MatrixAxes)  # noqa: E731
+    taken = [names for names, a in zip(jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)),
+                                        jax.tree.leaves(layouts, is_leaf=is_axes)) if a is not None]
+    used = set()
+    for names in taken:
+        for name in names:
+            used.update(a for a in layout.axes(name, "opt_state") if layout.mesh.shape[a] > 1)
+    axes = tuple(a for a in layout.mesh.axis_names if a in used)
+    if not axes:
+        return None
+    return muon_lib.Owners(layout.mesh, axes)
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """One registry entry."""
+
+    name: str
+    build: Callable  # (optim config, schedule, logical params, layout or None) -> GradientTransformation
+    settings: dict = field(default_factory=dict)  # its own group, optim.<name>: key -> default
+    # Which parameters it updates itself (logical names -> bool); the others go to AdamW.
+    takes: Callable[[tuple], bool] = lambda names: True
+    state_words: int = 2  # float32 words of state per parameter it takes (the others: AdamW's 2)
+    update_words: int = 7  # float32 words read and written per parameter per update (AdamW: p, g, m, v; p, m, v)
+
+
+OPTIMIZERS = {
+    "adamw": Optimizer("adamw", _adamw),
+    "lion": Optimizer("lion", _lion, {"b1": 0.9, "b2": 0.99}, state_words=1, update_words=5),
+    # The factored second moment is two vectors per matrix: a few words per parameter's million.
+    "adafactor": Optimizer("adafactor", _adafactor,
+                           {"decay_rate": 0.8, "clipping_threshold": 1.0, "min_dim_size_to_factor": 128,
+                            "parameter_scale": False, "weight_decay_rate": 0.0},
+                           state_words=0, update_words=4),
+    "muon": Optimizer("muon", _muon,
+                      {"momentum": 0.95, "ns_steps": 5, "ns_dtype": "bfloat16", "scale": "moonlight", "rms": 0.2,
+                       "layout": "auto"},
+                      takes=lambda names: muon_lib.matrix_axes(names) is not None, state_words=1, update_words=5),
+}
+MUON_LAYOUTS = ("auto", "gspmd", "owners")
+
+
+def check_same_optimizer(saved_config: dict, config, where: str) -> None:
+    """A checkpoint's optimizer state is its optimizer's: resuming it under another one is refused
+    (a checkpoint from before the optim group was AdamW's)."""
+    saved = (saved_config.get("optim") or {}).get("name", "adamw")
+    if saved != config.optim.name:
+        raise UserError(f"the checkpoints in {where} were trained with optim.name={saved!r}, not "
+                        f"{config.optim.name!r}; resume with optim.name={saved!r}, or start a new run from these "
+                        f"parameters with a fresh optimizer: another workdir and "
+                        f"--config.checkpoint.init_from=<this workdir>.")
+
+
+def make_optimizer(config, logical_params, layout=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer of `config` (optim.name) for parameters with these logical names, and the
+    schedule; `layout` (a sharding Layout) places Muon's iterations (without one: where XLA puts them)."""
+    schedule = learning_rate_schedule(config.train)
+    o = config.optim
+    tx = OPTIMIZERS[o.name].build(o, schedule, logical_params, layout)
     # identity() and clip_by_global_norm() carry the same (empty) state, so a checkpoint restores
     # whether or not clipping is on.
-    clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
-    return optax.chain(clip, adamw), schedule
+    grad_clip = config.train.grad_clip
+    clip = optax.clip_by_global_norm(grad_clip) if grad_clip > 0 else optax.identity()
+    return optax.chain(clip, tx), schedule
