@@ -256,6 +256,14 @@ class Shape:
     headroom: float = 2.0
     expert_split: str = "experts"  # parallel.expert_split: what the expert axis splits
     expert_d_ff: int = 0
+    # The optimizer (ushard/training/optim.py's registry entry): float32 words it reads and writes per
+    # parameter per step (AdamW: p, g, m, v in; p, m, v out), and Muon's Newton-Schulz FLOPs per step
+    # over the whole model, split over `newton_schulz_ways` devices (its owners; 1: every device
+    # iterates whole matrices it holds whole, or XLA splits the products as the momentum is split).
+    optimizer: str = "adamw"
+    optimizer_words: float = 7
+    newton_schulz_flops: float = 0.0
+    newton_schulz_ways: int = 1
 
     @property
     def devices(self) -> int:
@@ -319,7 +327,35 @@ def shape_of(config, mesh_shape: dict | None = None, model=None) -> Shape:
         routed_params=routed, routed_active_params=routed // max(1, m.moe.num_experts) * m.moe.top_k,
         dispatch=m.moe.dispatch, exchange=m.moe.exchange, headroom=m.moe.dispatch_headroom,
         expert_split=p.expert_split, expert_d_ff=m.expert_d_ff if m.moe.num_experts else 0,
+        **_optimizer_fields(config, model, mesh),
     )
+
+
+def _optimizer_fields(config, model, mesh: dict[str, int]) -> dict:
+    """The Shape's optimizer fields: the registry entry's words per parameter (AdamW's for the
+    parameters Muon does not take) and Muon's iteration FLOPs, spread over its owners: the devices
+    that split the optimizer state (ZeRO >= 1 over fsdp, tensor, pipeline, expert) unless
+    optim.muon.layout='gspmd' (then XLA splits the products as the momentum is: the same share, at a
+    matmul efficiency the model does not know; counted alike)."""
+    import jax
+
+    from ushard.training import muon
+    from ushard.training.optim import OPTIMIZERS
+
+    o = config.optim
+    entry = OPTIMIZERS[o.name]
+    if o.name != "muon":
+        return {"optimizer": o.name, "optimizer_words": entry.update_words}
+    names = jax.tree.leaves(model.logical, is_leaf=lambda x: isinstance(x, tuple))
+    sizes = [x.size for x in jax.tree.leaves(model.shapes)]
+    taken = sum(n for n, logical in zip(sizes, names) if entry.takes(logical))
+    words = (entry.update_words * taken + OPTIMIZERS["adamw"].update_words * (sum(sizes) - taken)) / max(sum(sizes), 1)
+    ways = (mesh.get("fsdp", 1) if config.parallel.zero_stage >= 1 else 1) * mesh.get("tensor", 1) * \
+        mesh.get("pipeline", 1) * mesh.get("expert", 1)
+    return {"optimizer": "muon", "optimizer_words": words,
+            "newton_schulz_flops": muon.newton_schulz_flops(model.shapes, muon.matrix_layouts(model.logical),
+                                                            o.muon.ns_steps),
+            "newton_schulz_ways": ways}
 
 
 def _routed_params(model) -> int:
@@ -392,13 +428,15 @@ def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
         attention_flops *= 2
     rate = attention_rate(kernel, s.seq, hw, eff)
     forward, backward = _elementwise_bytes(s, tokens)
-    optimizer = 7 * 4 * s.params / _state_ways(s)
+    optimizer = s.optimizer_words * 4 * s.params / _state_ways(s)
     parts = {
         "matmul": matmul_flops / (eff.matmul * hw.peak_flops),
         f"attention ({kernel})": attention_flops / rate,
         "elementwise": (forward * (1 + elem_re) + backward) / (eff.elementwise * hw.hbm_bw),
         "optimizer": optimizer / (eff.elementwise * hw.hbm_bw),
     }
+    if s.newton_schulz_flops:
+        parts["optimizer"] += s.newton_schulz_flops / s.newton_schulz_ways / (eff.matmul * hw.peak_flops)
     expert_flops = (6 + 2 * mm_re) * s.routed_active_params * tokens
     if s.experts and s.size("expert") > 1 and s.expert_split == "experts":
         parts["busiest expert device"] = (eff.expert_imbalance - 1) * expert_flops / (eff.matmul * hw.peak_flops)

@@ -75,11 +75,15 @@ def _shape(x_shape, dims) -> int:
     return math.prod(x_shape[d] for d in dims)
 
 
+def matrix_shape(shape: tuple[int, ...], axes: MatrixAxes) -> tuple[int, int, int]:
+    """(matrices, fan_in, fan_out) of a parameter of `shape`."""
+    return _shape(shape, axes.batch), _shape(shape, axes.reduction), _shape(shape, axes.output)
+
+
 def as_matrices(x: jax.Array, axes: MatrixAxes) -> jax.Array:
     """x as [matrices, fan_in, fan_out]."""
     order = axes.batch + axes.reduction + axes.output
-    return x.transpose(order).reshape(_shape(x.shape, axes.batch), _shape(x.shape, axes.reduction),
-                                      _shape(x.shape, axes.output))
+    return x.transpose(order).reshape(matrix_shape(x.shape, axes))
 
 
 def from_matrices(m: jax.Array, axes: MatrixAxes, shape: tuple[int, ...]) -> jax.Array:
@@ -90,7 +94,8 @@ def from_matrices(m: jax.Array, axes: MatrixAxes, shape: tuple[int, ...]) -> jax
 
 def newton_schulz(x: jax.Array, steps: int, dtype) -> jax.Array:
     """The quintic Newton-Schulz iteration on a batch of matrices [b, m, n], in `dtype` (the
-    normalisation in float32); a tall matrix is iterated as its transpose (the smaller Gram matrix)."""
+    normalisation in float32), the result in `dtype`; a tall matrix is iterated as its transpose (the
+    smaller Gram matrix)."""
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.swapaxes(-1, -2)
@@ -100,7 +105,6 @@ def newton_schulz(x: jax.Array, steps: int, dtype) -> jax.Array:
     for _ in range(steps):
         gram = x @ x.swapaxes(-1, -2)
         x = a * x + (b * gram + c * gram @ gram) @ x
-    x = x.astype(jnp.float32)
     return x.swapaxes(-1, -2) if tall else x
 
 
@@ -137,6 +141,8 @@ def orthogonalise(mats: list[jax.Array], steps: int, dtype, owners: Owners | Non
     first bucketed by shape and moved whole onto their owners (one all-to-all in, one out)."""
     if owners is None:
         return [newton_schulz(m, steps, dtype) for m in mats]
+    tall = [m.shape[-2] > m.shape[-1] for m in mats]  # iterated as their transposes: one bucket with those
+    mats = [m.swapaxes(-1, -2) if t else m for m, t in zip(mats, tall)]
     buckets: dict[tuple[int, int], list[int]] = {}
     for i, m in enumerate(mats):
         buckets.setdefault(m.shape[1:], []).append(i)
@@ -148,11 +154,13 @@ def orthogonalise(mats: list[jax.Array], steps: int, dtype, owners: Owners | Non
         pad = -count % owners.ways
         if pad:  # zero matrices stay zero (their norm is 0) and are dropped afterwards
             joined = jnp.pad(joined, ((0, pad), (0, 0), (0, 0)))
-        joined = jax.lax.with_sharding_constraint(joined, whole)
+        # Moved in the iteration's dtype both ways: bfloat16 halves the bytes of each all-to-all.
+        joined = jax.lax.with_sharding_constraint(joined.astype(dtype), whole)
         done = jax.lax.with_sharding_constraint(newton_schulz(joined, steps, dtype), whole)[:count]
         start = 0
         for i in indices:
-            out[i] = done[start:start + mats[i].shape[0]]
+            piece = done[start:start + mats[i].shape[0]]
+            out[i] = piece.swapaxes(-1, -2) if tall[i] else piece
             start += mats[i].shape[0]
     return out
 
@@ -189,7 +197,7 @@ def scale_by_muon(layouts, beta: float, steps: int, dtype, scale: str, rms: floa
         out = []
         for x, a, m in zip(leaves, axes, done):
             factor = update_scale(_shape(x.shape, a.reduction), _shape(x.shape, a.output), scale, rms)
-            out.append((factor * from_matrices(m, a, x.shape)).astype(x.dtype))
+            out.append((factor * from_matrices(m.astype(jnp.float32), a, x.shape)).astype(x.dtype))
         return jax.tree.unflatten(treedef, out), MuonState(count=count, mu=mu)
 
     return optax.GradientTransformation(init, update)
@@ -203,7 +211,7 @@ def newton_schulz_flops(shapes, layouts, steps: int) -> float:
     for x, a in zip(jax.tree.leaves(shapes), jax.tree.leaves(layouts, is_leaf=is_leaf)):
         if a is None:
             continue
-        fan_in, fan_out = _shape(x.shape, a.reduction), _shape(x.shape, a.output)
+        count, fan_in, fan_out = matrix_shape(x.shape, a)
         m, n = min(fan_in, fan_out), max(fan_in, fan_out)
-        total += _shape(x.shape, a.batch) * steps * (4 * m * m * n + 2 * m ** 3)
+        total += count * steps * (4 * m * m * n + 2 * m ** 3)
     return total

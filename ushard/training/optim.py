@@ -108,32 +108,59 @@ def _muon(o, schedule, logical, layout):
     is_axes = lambda v: v is None or isinstance(v, muon_lib.MatrixAxes)  # noqa: E731
     # The Muon partition sees optax's MaskedNode where a parameter is AdamW's.
     seen = jax.tree.map(lambda a: a if a is not None else optax.MaskedNode(), layouts, is_leaf=is_axes)
-    owners = muon_owners(layout, logical, m.layout)
+    owners = None
+    if layout is not None:
+        axes = layout.plan.muon_owners if layout.plan is not None else muon_owner_axes(layout, logical, m.layout)
+        owners = muon_lib.Owners(layout.mesh, axes) if axes else None
     core = muon_lib.scale_by_muon(seen, beta=m.momentum, steps=m.ns_steps, dtype=jnp.dtype(m.ns_dtype),
                                   scale=m.scale, rms=m.rms, owners=owners)
     matrices = optax.chain(core, optax.add_decayed_weights(o.weight_decay), optax.scale_by_learning_rate(schedule))
     return optax.partition({"muon": matrices, "adamw": _adamw(o, schedule, logical, layout)}, muon_labels(logical))
 
 
-def muon_owners(layout, logical, mode: str):
-    """Where Muon's iterations run (optim.muon.layout): None for XLA's partitioner on the sharded
-    momentum ("gspmd"), or the owners over the mesh axes that split any Muon parameter's optimizer
-    state ("owners"; "auto": owners when such an axis exists, since the iteration then needs whole
-    matrices anyway, gspmd when the state is whole on every device and there is nothing to move)."""
-    if layout is None or mode == "gspmd":
-        return None
+def muon_owner_axes(layout, logical, mode: str) -> tuple[str, ...]:
+    """The mesh axes Muon's matrices are spread over, whole, for their iterations (optim.muon.layout):
+    none for "gspmd" (each iteration on the sharded momentum, XLA's partitioner adding the collectives
+    of every product), else the axes that split any Muon parameter's optimizer state ("owners"; "auto"
+    too: where the state is split the iteration needs whole matrices anyway, and moving each once
+    there and back costs less than gathering pieces in every product; where it is whole on every
+    device there is nothing to move)."""
+    if mode == "gspmd":
+        return ()
     layouts = muon_lib.matrix_layouts(logical)
     is_axes = lambda v: v is None or isinstance(v, muon_lib.MatrixAxes)  # noqa: E731
-    taken = [names for names, a in zip(jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)),
-                                        jax.tree.leaves(layouts, is_leaf=is_axes)) if a is not None]
     used = set()
-    for names in taken:
-        for name in names:
-            used.update(a for a in layout.axes(name, "opt_state") if layout.mesh.shape[a] > 1)
-    axes = tuple(a for a in layout.mesh.axis_names if a in used)
-    if not axes:
-        return None
-    return muon_lib.Owners(layout.mesh, axes)
+    for names, a in zip(jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)),
+                        jax.tree.leaves(layouts, is_leaf=is_axes)):
+        if a is not None:
+            for name in names:
+                used.update(axis for axis in layout.axes(name, "opt_state") if layout.mesh.shape[axis] > 1)
+    return tuple(a for a in layout.mesh.axis_names if a in used)
+
+
+def plan_optimizer(config, model, layout) -> dict:
+    """The plan's optimizer fields (ushard/plan.py): the name, Muon's owner axes, and the report's line."""
+    o = config.optim
+    if o.name != "muon":
+        return {"optimizer": o.name, "muon_owners": (), "optimizer_why": o.name}
+    m = o.muon
+    axes = muon_owner_axes(layout, model.logical, m.layout)
+    layouts = jax.tree.leaves(muon_lib.matrix_layouts(model.logical),
+                              is_leaf=lambda v: v is None or isinstance(v, muon_lib.MatrixAxes))
+    shapes = [muon_lib.matrix_shape(x.shape, a) for x, a in zip(jax.tree.leaves(model.shapes), layouts)
+              if a is not None]
+    count = sum(shape[0] for shape in shapes)
+    buckets = len({tuple(sorted(shape[1:])) for shape in shapes})
+    what = f"muon: {count} matrices (Newton-Schulz, {m.ns_steps} steps in {m.ns_dtype}), AdamW for the rest; "
+    if axes:
+        ways = math.prod(layout.mesh.shape[a] for a in axes)
+        where = (f"each matrix whole on one of {ways} owners over {' x '.join(axes)}, in {buckets} buckets by "
+                 f"shape (an all-to-all in and out)")
+    elif m.layout == "gspmd":
+        where = "each iteration on the sharded momentum, XLA's collectives in every product (optim.muon.layout)"
+    else:
+        where = "the iterations where the momentum is: its state is whole on every device"
+    return {"optimizer": "muon", "muon_owners": axes, "optimizer_why": what + where}
 
 
 @dataclass(frozen=True)
