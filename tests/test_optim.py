@@ -259,3 +259,18 @@ def test_optimizer_state_bytes_follow_the_entry():
                                               jax.tree.leaves(setup.model.logical, is_leaf=lambda v: isinstance(
                                                   v, tuple))) if muon.matrix_axes(names) is not None)
     assert sizes["muon"] == matrices + 2 * (params - matrices)
+
+
+def test_the_plan_records_where_muons_iterations_run_and_the_planner_counts_them():
+    from ushard import step_time
+
+    spread = build(small_config("tiny", **{**MUON, "mesh.fsdp": 4, "mesh.tensor": 2}), jax.devices()[:8])
+    assert spread.plan.muon_owners == ("fsdp", "tensor")
+    assert "each matrix whole on one of 8 owners over fsdp x tensor" in spread.describe()
+    whole = build(small_config("tiny", **{**MUON, "mesh.data": 8}), jax.devices()[:8])
+    assert whole.plan.muon_owners == () and "its state is whole on every device" in whole.describe()
+    assert "optimizer: adamw" in build(small_config("tiny"), jax.devices()[:1]).describe()
+    shape = step_time.shape_of(spread.config, spread.mesh_shape)
+    assert shape.newton_schulz_flops == muon.newton_schulz_flops(
+        spread.model.shapes, muon.matrix_layouts(spread.model.logical), 5) > 0
+    assert shape.newton_schulz_ways == 8 and 5 < shape.optimizer_words < 7  # Muon's 5, AdamW's 7 for the rest
