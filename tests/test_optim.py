@@ -120,21 +120,25 @@ def test_updates_equal_optax_applied_by_hand(name, stdlib_batches):
                  "train.steps": PARITY_STEPS}
     config = small_config("tiny", **overrides)
     trainer = Trainer(config, devices=jax.devices()[:1], batches=stdlib_batches)
-    steps, batches = trainer.steps, trainer.global_batches(PARITY_STEPS)
-    state = steps.init(0)
-    params = flat(state.params)
-    treedef = jax.tree.structure(state.params)
-    tx = reference_optimizer(config, params, trainer.setup.schedule)
-    opt_state = tx.init(params)
+    steps, batches, setup = trainer.steps, trainer.global_batches(PARITY_STEPS), trainer.setup
+    initial = steps.init(0).params
+    # ushard's optimizer as the train step applies it (tests/test_parallel_parity.py and the layout
+    # rows below run the step itself), beside optax's own, each from its own parameters' gradients.
+    ours, ours_state, ours_update = initial, setup.tx.init(initial), jax.jit(setup.tx.update)
+    params, treedef = flat(initial), jax.tree.structure(initial)
+    tx = reference_optimizer(config, params, setup.schedule)
+    opt_state, update = tx.init(params), jax.jit(tx.update)  # one compile, not one per operation
     for batch in batches:
         _, grads = steps.loss_and_grads(jax.tree.unflatten(treedef, list(params.values())), batch)
-        updates, opt_state = tx.update(flat(grads), opt_state, params)
+        updates, opt_state = update(flat(grads), opt_state, params)
         params = optax.apply_updates(params, updates)
-        state, _ = steps.train_step(state, batch)
-        got = flat(state.params)
+        _, grads = steps.loss_and_grads(ours, batch)
+        updates, ours_state = ours_update(grads, ours_state, ours)
+        ours = optax.apply_updates(ours, updates)
+        got = flat(ours)
         for k in params:
             np.testing.assert_allclose(got[k], params[k], rtol=1e-6, atol=1e-6, err_msg=k)
-    assert max(np.abs(got[k] - flat(steps.init(0).params)[k]).max() for k in got) > 1e-3  # it trained
+    assert max(np.abs(got[k] - flat(initial)[k]).max() for k in got) > 1e-3  # it trained
 
 
 def test_adamw_keeps_the_state_its_checkpoints_were_written_with():
