@@ -278,3 +278,5 @@ def test_the_plan_records_where_muons_iterations_run_and_the_planner_counts_them
     assert shape.newton_schulz_flops == muon.newton_schulz_flops(
         spread.model.shapes, muon.matrix_layouts(spread.model.logical), 5) > 0
     assert shape.newton_schulz_ways == 8 and 5 < shape.optimizer_words < 7  # Muon's 5, AdamW's 7 for the rest
+    moves = [i for i in step_time.collective_items(shape) if i.kind == "all-to-all"]
+    assert [(i.axis, i.count, i.size) for i in moves] == [("fsdp", 2, shape.muon_matrix_params * 4 / 8)]  # float32

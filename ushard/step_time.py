@@ -23,6 +23,7 @@ it comes from, and every one can be overridden.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from ushard.kernels.grouped_matmul import padding_growth
@@ -264,6 +265,11 @@ class Shape:
     optimizer_words: float = 7
     newton_schulz_flops: float = 0.0
     newton_schulz_ways: int = 1
+    # Muon's owners: the momenta of its matrices (`muon_matrix_params`, in the iteration's dtype) go
+    # to their owners over these axes and back, an all-to-all each way ("": none, gspmd or unsplit).
+    muon_owner_axes: tuple = ()
+    muon_matrix_params: int = 0
+    newton_schulz_bytes: int = 2
 
     @property
     def devices(self) -> int:
@@ -350,12 +356,14 @@ def _optimizer_fields(config, model, mesh: dict[str, int]) -> dict:
     sizes = [x.size for x in jax.tree.leaves(model.shapes)]
     taken = sum(n for n, logical in zip(sizes, names) if entry.takes(logical))
     words = (entry.update_words * taken + OPTIMIZERS["adamw"].update_words * (sum(sizes) - taken)) / max(sum(sizes), 1)
-    ways = (mesh.get("fsdp", 1) if config.parallel.zero_stage >= 1 else 1) * mesh.get("tensor", 1) * \
-        mesh.get("pipeline", 1) * mesh.get("expert", 1)
+    axes = [a for a in ("pipeline", "fsdp", "expert", "tensor") if mesh.get(a, 1) > 1
+            and (a != "fsdp" or config.parallel.zero_stage >= 1)]
+    owners = () if o.muon.layout == "gspmd" else tuple(axes)
     return {"optimizer": "muon", "optimizer_words": words,
             "newton_schulz_flops": muon.newton_schulz_flops(model.shapes, muon.matrix_layouts(model.logical),
                                                             o.muon.ns_steps),
-            "newton_schulz_ways": ways}
+            "newton_schulz_ways": math.prod(mesh[a] for a in axes), "muon_owner_axes": owners,
+            "muon_matrix_params": taken, "newton_schulz_bytes": 2 if o.muon.ns_dtype == "bfloat16" else 4}
 
 
 def _routed_params(model) -> int:
@@ -534,7 +542,20 @@ def collective_items(s: Shape) -> list[_Item]:
     items += _context_items(s, layers)
     items += _pipeline_items(s)
     items += _expert_items(s)
+    items += _optimizer_items(s)
     return items
+
+
+def _optimizer_items(s: Shape) -> list[_Item]:
+    """Muon's matrices moved whole onto their owners and back (ushard/training/muon.py, `Owners`):
+    two all-to-alls of one device's share of them, after the backward pass, before the update. Put
+    on the widest owner axis (the links of a multi-axis group are the model's simplification)."""
+    if not s.muon_owner_axes:
+        return []
+    axis = max(s.muon_owner_axes, key=s.size)
+    share = s.muon_matrix_params * s.newton_schulz_bytes / s.newton_schulz_ways
+    return [_Item(axis, "all-to-all", "Muon's matrices to their owners and back", 2, share, "exposed",
+                  "between the backward pass and the update: nothing to hide behind")]
 
 
 def _expert_items(s: Shape) -> list[_Item]:
