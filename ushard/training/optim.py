@@ -2,9 +2,10 @@
 
 Each registry entry declares its own settings (the `optim.<name>` group; the keys directly under
 `optim` are AdamW's, which Muon uses for the parameters it does not take), which parameters it takes
-(by their logical axis names), and for the planner the float32 words of state it keeps and reads and
-writes per parameter per step. Every optimizer is built on optax's transformation of that name and
-sees the schedule of `train` (lr, warmup, decay).
+(by their logical axis names), and for the planner's step time the float32 words it reads and writes
+per parameter per step. The planner's state bytes are the entry's own: the shapes its `init` gives,
+laid out by `opt_state_shardings` (ushard/training/step.py), exact for every entry. Every optimizer
+is built on optax's transformation of that name and sees the schedule of `train` (lr, warmup, decay).
 """
 
 from __future__ import annotations
@@ -172,22 +173,20 @@ class Optimizer:
     settings: dict = field(default_factory=dict)  # its own group, optim.<name>: key -> default
     # Which parameters it updates itself (logical names -> bool); the others go to AdamW.
     takes: Callable[[tuple], bool] = lambda names: True
-    state_words: int = 2  # float32 words of state per parameter it takes (the others: AdamW's 2)
     update_words: int = 7  # float32 words read and written per parameter per update (AdamW: p, g, m, v; p, m, v)
 
 
 OPTIMIZERS = {
     "adamw": Optimizer("adamw", _adamw),
-    "lion": Optimizer("lion", _lion, {"b1": 0.9, "b2": 0.99}, state_words=1, update_words=5),
-    # The factored second moment is two vectors per matrix: a few words per parameter's million.
+    "lion": Optimizer("lion", _lion, {"b1": 0.9, "b2": 0.99}, update_words=5),
     "adafactor": Optimizer("adafactor", _adafactor,
                            {"decay_rate": 0.8, "clipping_threshold": 1.0, "min_dim_size_to_factor": 128,
                             "parameter_scale": False, "weight_decay_rate": 0.0},
-                           state_words=0, update_words=4),
+                           update_words=4),
     "muon": Optimizer("muon", _muon,
                       {"momentum": 0.95, "ns_steps": 5, "ns_dtype": "bfloat16", "scale": "moonlight", "rms": 0.2,
                        "layout": "auto"},
-                      takes=lambda names: muon_lib.matrix_axes(names) is not None, state_words=1, update_words=5),
+                      takes=lambda names: muon_lib.matrix_axes(names) is not None, update_words=5),
 }
 MUON_LAYOUTS = ("auto", "gspmd", "owners")
 
