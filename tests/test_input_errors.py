@@ -58,7 +58,7 @@ def test_config_file_returning_a_config_still_loads(tmp_path):
     ("train.step=5",
      "unknown config key 'train.step': train has no 'step' (did you mean 'steps'?); valid keys there: "),
     ("modle.d_model=3", "unknown config key 'modle.d_model': the config has no 'modle' (did you mean 'model'?); "
-                        "valid keys there: checkpoint, data, mesh, metrics, model, parallel, train."),
+                        "valid keys there: checkpoint, data, mesh, metrics, model, optim, parallel, train."),
     ("model.remmat=full", "model has no 'remmat' (did you mean 'remat'?); valid keys there: attention_impl, "),
 ])
 def test_near_miss_key_suggests_the_close_one(override, expected):
@@ -74,8 +74,8 @@ def test_far_miss_key_lists_the_valid_keys_without_a_guess():
         apply_overrides(default_config(), ["train.xyzzy=5"])
     message = _one_sentence(excinfo)
     assert "did you mean" not in message
-    assert message.startswith("unknown config key 'train.xyzzy': train has no 'xyzzy'; valid keys there: b1, b2, ")
-    assert ", steps, " in message and message.endswith(", weight_decay.")
+    assert message.startswith("unknown config key 'train.xyzzy': train has no 'xyzzy'; valid keys there: batch_size, ")
+    assert ", steps, " in message and message.endswith(", wsd_decay.")
 
 
 # --------------------------------------------------------------------------- override dicts
@@ -84,14 +84,14 @@ def test_far_miss_key_lists_the_valid_keys_without_a_guess():
 def test_dict_overrides_take_python_values_and_strings():
     c = default_config()
     apply_overrides(c, {"train.steps": 50, "model.remat": "full", "train.lr": 1, "model.tie_embeddings": True,
-                        "train.warmup_steps": "7", "model.fused_mlp": "true", "train.b1": np.float32(0.5),
+                        "train.warmup_steps": "7", "model.fused_mlp": "true", "optim.b1": np.float32(0.5),
                         "mesh.data": np.int64(2), "--config.train.seed": 3})
     assert (c.train.steps, type(c.train.steps)) == (50, int)
     assert c.model.remat == "full"
     assert (c.train.lr, type(c.train.lr)) == (1.0, float)  # an int for a float key
     assert c.model.tie_embeddings is True and c.model.fused_mlp is True
     assert c.train.warmup_steps == 7  # a string parses as on the command line
-    assert (c.train.b1, type(c.train.b1)) == (0.5, float) and (c.mesh.data, type(c.mesh.data)) == (2, int)
+    assert (c.optim.b1, type(c.optim.b1)) == (0.5, float) and (c.mesh.data, type(c.mesh.data)) == (2, int)
     assert c.train.seed == 3
 
 

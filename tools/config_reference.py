@@ -19,7 +19,17 @@ OUTPUT = os.path.join(ROOT, "docs", "config.md")
 
 GROUPS = {
     "model": "The model's function and how it is computed (`ushard/models/config.py`).",
-    "train": "The optimizer, the schedule and the training loop.",
+    "train": ("The learning-rate schedule and the training loop. Every schedule warms up linearly from 0 to "
+              "`train.lr` over `train.warmup_steps`. WSD (`train.schedule='wsd'`, warmup-stable-decay) then holds "
+              "`lr` until the last `train.decay_fraction` of `train.steps` and decays to `lr * min_lr_ratio` by "
+              "`train.wsd_decay` (`linear`, `cosine`, or `sqrt`: 1 - sqrt of the decay's progress, Hägele et al. "
+              "2024). The schedule is a function of the step and `train.steps` alone, so a WSD run is extended by "
+              "resuming a checkpoint of its stable phase with a larger `train.steps`: it stays at `lr` until the "
+              "new decay starts, and the decay can be run several times from one stable run."),
+    "optim": ("The optimizer (`ushard/training/optim.py`'s registry; README, Optimizers). The keys directly under "
+              "`optim` are AdamW's, and Muon's for the parameters it does not take; each other optimizer's own "
+              "settings are its group. Before this group they were `train.weight_decay`, `train.b1`, `train.b2` "
+              "and `train.eps`: a config that sets one of those is refused with a sentence naming its new key."),
     "checkpoint": "Checkpoints in `WORKDIR/checkpoints` (orbax).",
     "mesh": "Device mesh axis sizes; the product of all sizes is the device count (docs/parallelism.md).",
     "parallel": "How the parallelisms run (ZeRO stage, pipeline schedule, context parallelism).",
@@ -139,11 +149,11 @@ DESCRIPTIONS = {
     "train.lr": "peak learning rate",
     "train.min_lr_ratio": "the schedule ends at lr * min_lr_ratio",
     "train.warmup_steps": "linear warm-up from 0 to lr",
-    "train.schedule": "decay after warm-up: cosine, linear or constant",
-    "train.weight_decay": "AdamW's decoupled weight decay",
-    "train.b1": "AdamW's first-moment decay",
-    "train.b2": "AdamW's second-moment decay",
-    "train.eps": "AdamW's denominator term",
+    "train.schedule": "after warm-up: `cosine` or `linear` decay to lr * min_lr_ratio at train.steps, `constant`, "
+                      "or `wsd` (warmup-stable-decay: lr until the last decay_fraction of the steps, then the decay "
+                      "of wsd_decay); a run resumed with a longer train.steps follows the longer schedule",
+    "train.decay_fraction": "`wsd`: the share of train.steps at the end that decays to lr * min_lr_ratio",
+    "train.wsd_decay": "`wsd`'s decay: `linear`, `cosine` (half a cosine) or `sqrt` (1 - sqrt of the decay's progress)",
     "train.grad_clip": "clip the gradient's global norm to this; 0: no clipping",
     "train.grad_accum": "microbatches per step (gradient accumulation); divides batch_size",
     "train.seed": "seeds the initial parameters and the data order",
@@ -155,6 +165,34 @@ DESCRIPTIONS = {
     "train.max_nonfinite_steps": "skip / rollback give up after this many non-finite steps in a row",
     "train.process_timeout_s": ("with several processes: seconds a process waits for one that went silent (killed, a "
                                 "lost host) or holds up a checkpoint's barrier; then it stops, naming it"),
+    # optim
+    "optim.name": "`adamw`, `muon` (matrices; AdamW for the embedding, LM head, norms and routing biases), `lion` "
+                  "or `adafactor`; a checkpoint resumes only under its own",
+    "optim.weight_decay": "decoupled weight decay, times the learning rate (adamw, muon's both parts, lion); norm "
+                          "scales are never decayed",
+    "optim.b1": "AdamW's first-moment decay",
+    "optim.b2": "AdamW's second-moment decay",
+    "optim.eps": "AdamW's denominator term",
+    "optim.muon.momentum": "Muon's Nesterov momentum (optax's bias-corrected form)",
+    "optim.muon.ns_steps": "iterations of the quintic Newton-Schulz orthogonalisation",
+    "optim.muon.ns_dtype": "the iteration's dtype: `bfloat16` (as published) or `float32`",
+    "optim.muon.scale": "the orthogonalised update's factor: `moonlight` (rms * sqrt(max(fan_in, fan_out)): AdamW's "
+                        "update RMS, so its learning rate and weight decay carry over), `jordan` (sqrt(max(1, "
+                        "fan_out / fan_in))) or `none`",
+    "optim.muon.rms": "`moonlight`: the update RMS to match; Moonlight's 0.2",
+    "optim.muon.layout": "where each matrix's iteration runs: `owners` (whole matrices bucketed by shape and spread "
+                         "over the devices that split the optimizer state, one all-to-all in and one out), `gspmd` "
+                         "(on the sharded momentum, XLA's collectives in every product) or `auto` (owners where the "
+                         "state is split; the plan says which)",
+    "optim.lion.b1": "Lion's interpolation between momentum and gradient for the update's sign",
+    "optim.lion.b2": "Lion's momentum decay",
+    "optim.adafactor.decay_rate": "Adafactor's second-moment decay exponent (1 - step^-decay_rate)",
+    "optim.adafactor.clipping_threshold": "Adafactor's update clipping by its block RMS; 0: none",
+    "optim.adafactor.min_dim_size_to_factor": "an array whose two largest dimensions are both at least this is "
+                                              "factored (row and column statistics)",
+    "optim.adafactor.parameter_scale": "scale the update by each array's RMS (a relative step size; lr then means "
+                                       "that)",
+    "optim.adafactor.weight_decay_rate": "Adafactor's weight decay, not multiplied by the learning rate; 0: none",
     # checkpoint
     "checkpoint.every": "steps between checkpoints; 0: only at the end and on SIGTERM",
     "checkpoint.keep": "newest checkpoints kept",

@@ -6,6 +6,7 @@ notebooks and the planner. Nothing is compiled until a step function is first ca
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -20,7 +21,7 @@ from ushard.models.definition import ModelDef, model_definition
 from ushard.parallel import SEAMS
 from ushard.plan import ParallelPlan
 from ushard.sharding import Layout, format_rules
-from ushard.training.optim import make_optimizer
+from ushard.training.optim import make_optimizer, plan_optimizer
 from ushard.training.step import Steps
 from ushard.xla_flags import ignored_settings
 
@@ -76,7 +77,9 @@ def build(config, devices=None, platform: str | None = None, device_kind: str | 
         grouped_kernels.check(model_cfg.moe.grouped_matmul_impl, platform)
     plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg, device_kind or devices[0].device_kind)
     layout = Layout.from_plan(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), plan, SEAMS)
-    tx, schedule = make_optimizer(config.train, model.logical)
+    plan = dataclasses.replace(plan, **plan_optimizer(config, model, layout))  # needs the layout's state shardings
+    layout = dataclasses.replace(layout, plan=plan)
+    tx, schedule = make_optimizer(config, model.logical, layout)
     t = config.train
     steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip")
     return Setup(config, model_cfg, plan, layout, model, tx, schedule, steps, tuple(ignored_settings(config, platform)))

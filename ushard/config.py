@@ -28,9 +28,11 @@ from ushard.models.config import ModelConfig
 from ushard.models.definition import model_definition
 from ushard.parallel import context
 from ushard.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from ushard.training import muon as muon_lib
+from ushard.training import optim
 
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
-SCHEDULES = ("cosine", "linear", "constant")
+SCHEDULES = optim.SCHEDULES
 NONFINITE_POLICIES = ("skip", "rollback", "stop")
 DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "tokens", "chat")
 TRAIN_ON = ("assistant", "all")
@@ -52,11 +54,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.lr = 3e-4
     c.train.min_lr_ratio = 0.1  # the schedule ends at lr * min_lr_ratio
     c.train.warmup_steps = 100
-    c.train.schedule = "cosine"
-    c.train.weight_decay = 0.1
-    c.train.b1 = 0.9
-    c.train.b2 = 0.95
-    c.train.eps = 1e-8
+    c.train.schedule = "cosine"  # cosine | linear | constant | wsd (warmup-stable-decay)
+    # wsd: the last decay_fraction of train.steps decays to lr * min_lr_ratio, by wsd_decay: linear,
+    # cosine or sqrt (1 - sqrt of the progress); lr until then.
+    c.train.decay_fraction = 0.2
+    c.train.wsd_decay = "linear"
     c.train.grad_clip = 1.0  # global norm; 0 disables clipping
     c.train.grad_accum = 1  # microbatches per step
     c.train.seed = 0
@@ -72,6 +74,19 @@ def default_config() -> ml_collections.ConfigDict:
     # With several processes: how long one waits for another that went silent (killed, lost host) or
     # that holds up a checkpoint's barrier, before the run stops with a sentence naming it.
     c.train.process_timeout_s = 60
+
+    # The optimizer (ushard/training/optim.py's registry): adamw | muon | lion | adafactor. The keys
+    # directly here are AdamW's; Muon updates the parameters it does not take (embedding, LM head,
+    # norms, routing biases) with them. Each other optimizer's own settings are its group below.
+    c.optim = ml_collections.ConfigDict()
+    c.optim.name = "adamw"
+    c.optim.weight_decay = 0.1  # decoupled, multiplied by the learning rate (adamw, muon, lion)
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.95
+    c.optim.eps = 1e-8
+    for name, entry in optim.OPTIMIZERS.items():
+        if entry.settings:
+            c.optim[name] = ml_collections.ConfigDict(dict(entry.settings))
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 0  # steps between checkpoints in DIR/checkpoints; 0: only at the end and on SIGTERM
@@ -201,6 +216,12 @@ def load_config(name: str, overrides=()) -> ml_collections.ConfigDict:
     try:
         config = module.get_config()
     except AttributeError as e:
+        moved = [old for old in optim.MOVED_KEYS if f'"{old.split(".")[1]}" does not exist' in str(e)
+                 and "'grad_accum'" in str(e)]  # train's own fields listed: the key was set on train
+        if moved:
+            raise UserError(f"config file {path}{_file_line(e, path)} sets {moved[0]}, which is now "
+                            f"{optim.MOVED_KEYS[moved[0]]} (the optimizer's settings moved to the optim group); "
+                            f"set that instead.") from None
         raise UserError(f"config file {path}{_file_line(e, path)} sets a key ushard does not know: "
                         f"{_unknown_key(e)}.") from None
     except TypeError as e:  # a locked ConfigDict refuses a value of another type
@@ -310,6 +331,9 @@ def _check_like(old, value, key: str):
 
 
 def _lookup_parent(config, key):
+    if key in optim.MOVED_KEYS:
+        raise UserError(f"{key} is now {optim.MOVED_KEYS[key]} (the optimizer's settings moved to the optim "
+                        f"group); set that instead.")
     parts = key.split(".")
     node = config
     for depth, part in enumerate(parts):
@@ -363,16 +387,32 @@ def _positive(value, key, allow_zero=False):
         raise UserError(f"{key}={value!r} must be a number >= {low}.")
 
 
-def _check_optimizer(t) -> None:
+def _check_optimizer(o) -> None:
     """AdamW's moment decays live in [0, 1): at 1 a moment never forgets its start and the bias
     correction divides by zero. eps > 0 keeps m / (sqrt(v) + eps) finite where a gradient is exactly 0
-    (rows of the embedding that the data never uses)."""
-    for key in ("b1", "b2"):
-        if not 0.0 <= t[key] < 1.0:
-            raise UserError(f"train.{key}={t[key]!r} must be >= 0 and < 1 (AdamW's decay rate; "
-                            "typical: b1=0.9, b2=0.95).")
-    if not (math.isfinite(t.eps) and t.eps > 0):
-        raise UserError(f"train.eps={t.eps!r} must be a finite number > 0 (AdamW's denominator term; typical: 1e-8).")
+    (rows of the embedding that the data never uses). Lion's and Muon's decays likewise."""
+    _choice(o.name, tuple(optim.OPTIMIZERS), "optim.name")
+    _positive(o.weight_decay, "optim.weight_decay", allow_zero=True)
+    decays = [("b1", o.b1, "AdamW's decay rate; typical: b1=0.9, b2=0.95"),
+              ("b2", o.b2, "AdamW's decay rate; typical: b1=0.9, b2=0.95"),
+              ("lion.b1", o.lion.b1, "Lion's interpolation; typical: 0.9"),
+              ("lion.b2", o.lion.b2, "Lion's momentum decay; typical: 0.99"),
+              ("muon.momentum", o.muon.momentum, "Muon's momentum; typical: 0.95"),
+              ("adafactor.decay_rate", o.adafactor.decay_rate, "Adafactor's decay exponent; typical: 0.8")]
+    for key, value, what in decays:
+        if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+            raise UserError(f"optim.{key}={value!r} must be >= 0 and < 1 ({what}).")
+    if not (math.isfinite(o.eps) and o.eps > 0):
+        raise UserError(f"optim.eps={o.eps!r} must be a finite number > 0 (AdamW's denominator term; typical: 1e-8).")
+    m = o.muon
+    _positive(m.ns_steps, "optim.muon.ns_steps")
+    _positive(m.rms, "optim.muon.rms", allow_zero=True)
+    _positive(o.adafactor.min_dim_size_to_factor, "optim.adafactor.min_dim_size_to_factor")
+    _positive(o.adafactor.clipping_threshold, "optim.adafactor.clipping_threshold", allow_zero=True)
+    _positive(o.adafactor.weight_decay_rate, "optim.adafactor.weight_decay_rate", allow_zero=True)
+    for key, value, valid in (("muon.ns_dtype", m.ns_dtype, ("bfloat16", "float32")),
+                              ("muon.scale", m.scale, muon_lib.SCALES), ("muon.layout", m.layout, optim.MUON_LAYOUTS)):
+        _choice(value, valid, f"optim.{key}")
 
 
 def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
@@ -422,11 +462,12 @@ def check_settings(config) -> ModelConfig:
         _positive(t[key], f"train.{key}")
     for key in ("pipeline_microbatches", "pipeline_repeats", "expert_width_parts"):
         _positive(config.parallel[key], f"parallel.{key}")
-    for key in ("warmup_steps", "eval_every", "eval_batches", "weight_decay", "grad_clip", "lr"):
+    for key in ("warmup_steps", "eval_every", "eval_batches", "grad_clip", "lr"):
         _positive(t[key], f"train.{key}", allow_zero=True)
     _positive(config.checkpoint.every, "checkpoint.every", allow_zero=True)
     _positive(config.checkpoint.keep, "checkpoint.keep")
-    for key, valid in (("train.schedule", SCHEDULES), ("train.on_nonfinite", NONFINITE_POLICIES),
+    for key, valid in (("train.schedule", SCHEDULES), ("train.wsd_decay", optim.WSD_DECAYS),
+                       ("train.on_nonfinite", NONFINITE_POLICIES),
                        ("data.source", DATA_SOURCES), ("data.train_on", TRAIN_ON),
                        ("parallel.zero_stage", (0, 1, 2, 3)), ("parallel.context_parallel", context.MODES),
                        ("parallel.pipeline_schedule", PIPELINE_SCHEDULES), ("parallel.pipeline_head", PIPELINE_HEADS),
@@ -438,7 +479,10 @@ def check_settings(config) -> ModelConfig:
                         "use 0 for XLA's default or a size in MiB.")
     if not 0.0 < d.eval_fraction < 1.0:
         raise UserError(f"data.eval_fraction={d.eval_fraction!r} must be strictly between 0 and 1.")
-    _check_optimizer(t)
+    _check_optimizer(config.optim)
+    if not 0.0 <= t.decay_fraction <= 1.0:
+        raise UserError(f"train.decay_fraction={t.decay_fraction!r} must be between 0 and 1 (the share of "
+                        f"train.steps a wsd schedule decays over).")
     if not 0 <= t.seed < 2**32:  # JAX would wrap a negative seed silently; 32 bits is plenty and fits every PRNG impl
         raise UserError(f"train.seed={t.seed!r} must be between 0 and 2**32-1={2**32 - 1}.")
     if not 0.0 <= t.min_lr_ratio <= 1.0:

@@ -54,6 +54,12 @@ class ParallelPlan:
     local_stage_attention: KernelChoice | None
     context_blocks: KernelChoice | None  # what runs the blocks of a split sequence; None: not split
     grouped_matmul: KernelChoice | None  # the dropless experts' grouped matmul; None for a dense model
+    # The optimizer (optim.name) and, for Muon, the mesh axes its matrices' owners are spread over
+    # (empty: each iteration runs on the sharded momentum, XLA's partitioner placing it) and why.
+    # Decided by `ushard.training.optim.plan_optimizer` once the layout exists (`build`).
+    optimizer: str = "adamw"
+    muon_owners: tuple[str, ...] = ()
+    optimizer_why: str = "adamw"
 
     @classmethod
     def create(cls, config, mesh_shape: dict[str, int], platform: str, model, device_kind: str = "") -> "ParallelPlan":
@@ -164,6 +170,7 @@ class ParallelPlan:
         elif self.expert_dispatch is not None:
             lines.append(f"experts: {self.expert_dispatch} dispatch where mesh.expert splits them; "
                          f"dropless grouped matmul: {self.grouped_matmul.why}")
+        lines.append(f"optimizer: {self.optimizer_why}")
         return "\n".join(lines) + "\n"
 
 

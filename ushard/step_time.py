@@ -23,6 +23,7 @@ it comes from, and every one can be overridden.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from ushard.kernels.grouped_matmul import padding_growth
@@ -266,6 +267,19 @@ class Shape:
     headroom: float = 2.0
     expert_split: str = "experts"  # parallel.expert_split: what the expert axis splits
     expert_d_ff: int = 0
+    # The optimizer (ushard/training/optim.py's registry entry): float32 words it reads and writes per
+    # parameter per step (AdamW: p, g, m, v in; p, m, v out), and Muon's Newton-Schulz FLOPs per step
+    # over the whole model, split over `newton_schulz_ways` devices (its owners; 1: every device
+    # iterates whole matrices it holds whole, or XLA splits the products as the momentum is split).
+    optimizer: str = "adamw"
+    optimizer_words: float = 7
+    newton_schulz_flops: float = 0.0
+    newton_schulz_ways: int = 1
+    # Muon's owners: the momenta of its matrices (`muon_matrix_params`, in the iteration's dtype) go
+    # to their owners over these axes and back, an all-to-all each way ("": none, gspmd or unsplit).
+    muon_owner_axes: tuple = ()
+    muon_matrix_params: int = 0
+    newton_schulz_bytes: int = 2
 
     @property
     def devices(self) -> int:
@@ -329,7 +343,37 @@ def shape_of(config, mesh_shape: dict | None = None, model=None) -> Shape:
         routed_params=routed, routed_active_params=routed // max(1, m.moe.num_experts) * m.moe.top_k,
         dispatch=m.moe.dispatch, exchange=m.moe.exchange, headroom=m.moe.dispatch_headroom,
         expert_split=p.expert_split, expert_d_ff=m.expert_d_ff if m.moe.num_experts else 0,
+        **_optimizer_fields(config, model, mesh),
     )
+
+
+def _optimizer_fields(config, model, mesh: dict[str, int]) -> dict:
+    """The Shape's optimizer fields: the registry entry's words per parameter (AdamW's for the
+    parameters Muon does not take) and Muon's iteration FLOPs, spread over its owners: the devices
+    that split the optimizer state (ZeRO >= 1 over fsdp, tensor, pipeline, expert) unless
+    optim.muon.layout='gspmd' (then XLA splits the products as the momentum is: the same share, at a
+    matmul efficiency the model does not know; counted alike)."""
+    import jax
+
+    from ushard.training import muon
+    from ushard.training.optim import OPTIMIZERS
+
+    o = config.optim
+    entry = OPTIMIZERS[o.name]
+    if o.name != "muon":
+        return {"optimizer": o.name, "optimizer_words": entry.update_words}
+    names = jax.tree.leaves(model.logical, is_leaf=lambda x: isinstance(x, tuple))
+    sizes = [x.size for x in jax.tree.leaves(model.shapes)]
+    taken = sum(n for n, logical in zip(sizes, names) if entry.takes(logical))
+    words = (entry.update_words * taken + OPTIMIZERS["adamw"].update_words * (sum(sizes) - taken)) / max(sum(sizes), 1)
+    axes = [a for a in ("pipeline", "fsdp", "expert", "tensor") if mesh.get(a, 1) > 1
+            and (a != "fsdp" or config.parallel.zero_stage >= 1)]
+    owners = () if o.muon.layout == "gspmd" else tuple(axes)
+    return {"optimizer": "muon", "optimizer_words": words,
+            "newton_schulz_flops": muon.newton_schulz_flops(model.shapes, muon.matrix_layouts(model.logical),
+                                                            o.muon.ns_steps),
+            "newton_schulz_ways": math.prod(mesh[a] for a in axes), "muon_owner_axes": owners,
+            "muon_matrix_params": taken, "newton_schulz_bytes": 2 if o.muon.ns_dtype == "bfloat16" else 4}
 
 
 def _routed_params(model) -> int:
@@ -402,13 +446,15 @@ def compute_parts(s: Shape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
         attention_flops *= 2
     rate = attention_rate(kernel, s.seq, hw, eff)
     forward, backward = _elementwise_bytes(s, tokens)
-    optimizer = 7 * 4 * s.params / _state_ways(s)
+    optimizer = s.optimizer_words * 4 * s.params / _state_ways(s)
     parts = {
         "matmul": matmul_flops / (eff.matmul * hw.peak_flops),
         f"attention ({kernel})": attention_flops / rate,
         "elementwise": (forward * (1 + elem_re) + backward) / (eff.elementwise * hw.hbm_bw),
         "optimizer": optimizer / (eff.elementwise * hw.hbm_bw),
     }
+    if s.newton_schulz_flops:
+        parts["optimizer"] += s.newton_schulz_flops / s.newton_schulz_ways / (eff.matmul * hw.peak_flops)
     expert_flops = (6 + 2 * mm_re) * s.routed_active_params * tokens
     if s.experts and s.size("expert") > 1 and s.expert_split == "experts":
         parts["busiest expert device"] = (eff.expert_imbalance - 1) * expert_flops / (eff.matmul * hw.peak_flops)
@@ -506,7 +552,20 @@ def collective_items(s: Shape) -> list[_Item]:
     items += _context_items(s, layers)
     items += _pipeline_items(s)
     items += _expert_items(s)
+    items += _optimizer_items(s)
     return items
+
+
+def _optimizer_items(s: Shape) -> list[_Item]:
+    """Muon's matrices moved whole onto their owners and back (ushard/training/muon.py, `Owners`):
+    two all-to-alls of one device's share of them, after the backward pass, before the update. Put
+    on the widest owner axis (the links of a multi-axis group are the model's simplification)."""
+    if not s.muon_owner_axes:
+        return []
+    axis = max(s.muon_owner_axes, key=s.size)
+    share = s.muon_matrix_params * s.newton_schulz_bytes / s.newton_schulz_ways
+    return [_Item(axis, "all-to-all", "Muon's matrices to their owners and back", 2, share, "exposed",
+                  "between the backward pass and the update: nothing to hide behind")]
 
 
 def _expert_items(s: Shape) -> list[_Item]:

@@ -28,6 +28,7 @@ from ushard.metrics import MetricsWriter, peak_flops
 from ushard.models.moe import DISPATCH_OVERFLOW
 from ushard.training import processes
 from ushard.training.init_from import initial_params
+from ushard.training.optim import check_same_optimizer
 from ushard.training.state import TrainState
 
 
@@ -156,8 +157,12 @@ class Trainer:
         if self.checkpoints:
             self.checkpoints.wait()  # a save still being written (rollback) must land first
             abstract = self.steps.abstract_state().as_dict()
-            restored = self.checkpoints.restore_newest(lambda _: (abstract, self.setup.model_config), log,
-                                                       restart=self.config.checkpoint.restart)
+
+            def target(saved_config):
+                check_same_optimizer(saved_config, self.config, self.checkpoints.directory)
+                return abstract, self.setup.model_config
+
+            restored = self.checkpoints.restore_newest(target, log, restart=self.config.checkpoint.restart)
             if restored:
                 step, state, saved_data_state, _ = restored
                 data_state = self.batches.check_resume(saved_data_state, self.config.data.restart)

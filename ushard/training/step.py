@@ -48,19 +48,33 @@ class StateShardings:
 
 def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: Layout) -> StateShardings:
     replicated = layout.replicated
-    opt_like_params = layout.shardings(model.logical, "opt_state")
-    abstract_opt = jax.eval_shape(tx.init, model.shapes)
-    # Optimizer leaves shaped like a parameter (Adam's moments) take that parameter's ZeRO sharding;
-    # the rest (step counts) are replicated scalars.
-    opt_state = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract_opt, opt_like_params, transform_non_params=lambda _: replicated
-    )
     return StateShardings(
         params=layout.shardings(model.logical, "params"),
         grads=layout.shardings(model.logical, "grads"),
-        opt_state=opt_state,
+        opt_state=opt_state_shardings(model, tx, layout),
         replicated=replicated,
     )
+
+
+def opt_state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: Layout):
+    """Each optimizer-state leaf shaped like a parameter (Adam's moments, Muon's momentum) takes that
+    parameter's ZeRO sharding; the rest (step counts, Adafactor's factored row and column
+    statistics) are replicated. A leaf belongs to the parameter whose path ends its own path (optax
+    nests a tree like the parameters' in every state), whichever optimizer and partition hold it."""
+    abstract_opt = jax.eval_shape(tx.init, model.shapes)
+    by_path = {tuple(path): (shape, sharding) for (path, shape), sharding in zip(
+        jax.tree_util.tree_flatten_with_path(model.shapes)[0],
+        jax.tree.leaves(layout.shardings(model.logical, "opt_state")))}
+    longest = max(map(len, by_path), default=0)
+
+    def sharding(path, leaf):
+        for n in range(min(len(path), longest), 0, -1):
+            match = by_path.get(tuple(path[-n:]))
+            if match is not None:
+                return match[1] if match[0].shape == leaf.shape else layout.replicated
+        return layout.replicated
+
+    return jax.tree_util.tree_map_with_path(sharding, abstract_opt)
 
 
 def objective_terms(logits, aux, batch, mtp_logits=(), mtp_weight: float = 0.0):
