@@ -280,3 +280,23 @@ def test_the_plan_records_where_muons_iterations_run_and_the_planner_counts_them
     assert shape.newton_schulz_ways == 8 and 5 < shape.optimizer_words < 7  # Muon's 5, AdamW's 7 for the rest
     moves = [i for i in step_time.collective_items(shape) if i.kind == "all-to-all"]
     assert [(i.axis, i.count, i.size) for i in moves] == [("fsdp", 2, shape.muon_matrix_params * 4 / 8)]  # float32
+
+
+def test_a_resume_that_changes_the_schedule_says_so_in_one_line():
+    """train.steps raised on a resume stretches a cosine decay: the note names the change and the rate
+    at the resumed step under both schedules; an unchanged schedule says nothing."""
+    from ushard.config import load_config
+    from ushard.training.optim import learning_rate_schedule, schedule_change
+
+    before = load_config("tiny", ["train.steps=200", "train.warmup_steps=10"])
+    after = load_config("tiny", ["train.steps=400", "train.warmup_steps=10"])
+    saved = {"train": before.train.to_dict()}
+    assert schedule_change(saved, before.train, 150) is None
+    note = schedule_change(saved, after.train, 150)
+    old, new = (float(learning_rate_schedule(c.train)(150)) for c in (before, after))
+    assert new > old
+    assert note == (f"note: the learning-rate schedule is not the checkpoint's (train.steps 200 -> 400): at step 150 "
+                    f"the rate is {new:.3g} (the checkpoint's schedule had {old:.3g}), and the new schedule holds "
+                    f"from here.")
+    # A checkpoint written before a schedule key existed: the key's default stands for it.
+    assert schedule_change({"train": {"steps": 200, "lr": before.train.lr}}, before.train, 150) is None

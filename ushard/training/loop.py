@@ -28,7 +28,7 @@ from ushard.metrics import MetricsWriter, peak_flops
 from ushard.models.moe import DISPATCH_OVERFLOW
 from ushard.training import processes
 from ushard.training.init_from import initial_params
-from ushard.training.optim import check_same_optimizer
+from ushard.training.optim import check_same_optimizer, schedule_change
 from ushard.training.state import TrainState
 
 
@@ -164,9 +164,12 @@ class Trainer:
 
             restored = self.checkpoints.restore_newest(target, log, restart=self.config.checkpoint.restart)
             if restored:
-                step, state, saved_data_state, _ = restored
+                step, state, saved_data_state, saved_config = restored
                 data_state = self.batches.check_resume(saved_data_state, self.config.data.restart)
                 log(f"resumed from the checkpoint at step {step}")
+                note = schedule_change(saved_config, self.config.train, step)
+                if note:
+                    log(note)
                 return TrainState.from_dict(state), data_state
         if self.config.checkpoint.init_from:
             return self._start_from(self.config.checkpoint.init_from, log), self.batches.initial_state()

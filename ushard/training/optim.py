@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
 from ushard.errors import UserError
@@ -49,6 +50,23 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
     if warmup == 0:
         return decay
     return optax.join_schedules([optax.linear_schedule(0.0, t.lr, warmup), decay], [warmup])
+
+
+# The train.* keys that shape the learning-rate schedule (ushard/training/optim.py).
+SCHEDULE_KEYS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_fraction", "wsd_decay")
+
+
+def schedule_change(saved_config: dict, train_cfg, step: int) -> str | None:
+    """A one-line note where a resumed run's learning-rate schedule is not its checkpoint's (a larger
+    train.steps stretches a cosine decay, for one): what changed, and the rate at `step` under both."""
+    saved = {**train_cfg.to_dict(), **saved_config.get("train", {})}
+    changed = [f"train.{k} {saved[k]!r} -> {train_cfg[k]!r}" for k in SCHEDULE_KEYS if saved[k] != train_cfg[k]]
+    if not changed:
+        return None
+    before = float(learning_rate_schedule(ml_collections.ConfigDict(saved))(step))
+    now = float(learning_rate_schedule(train_cfg)(step))
+    return (f"note: the learning-rate schedule is not the checkpoint's ({', '.join(changed)}): at step {step} the "
+            f"rate is {now:.3g} (the checkpoint's schedule had {before:.3g}), and the new schedule holds from here.")
 
 
 def wsd_schedule(peak: float, end: float, steps: int, warmup: int, fraction: float, shape: str) -> optax.Schedule:
