@@ -138,14 +138,15 @@ def layout_for(zero_stage=3, expert_width=False, **sizes) -> Layout:
 
 
 def sequence_layout(n: int, mode: str = "ring", keep_kv: bool = False, zigzag: bool = False,
-                    impl: str = "xla") -> Layout:
-    """The sequence split n ways in `mode`, its tokens in zig-zag order (as the train step reorders
-    them, `context.reordered`) or in their own, attention on `impl` as the run's plan decides it."""
-    shape = {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": n, "tensor": 1}
-    config = small_config(**{"mesh.sequence": n, "parallel.context_parallel": mode, "parallel.context_keep_kv": keep_kv,
-                             "model.attention_impl": impl})
+                    impl: str = "xla", tensor: int = 1) -> Layout:
+    """The sequence split n ways in `mode` (and the heads `tensor` ways), its tokens in zig-zag order
+    (as the train step reorders them, `context.reordered`) or in their own, attention on `impl` as
+    the run's plan decides it."""
+    shape = {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 1, "sequence": n, "tensor": tensor}
+    config = small_config(**{"mesh.sequence": n, "mesh.tensor": tensor, "parallel.context_parallel": mode,
+                             "parallel.context_keep_kv": keep_kv, "model.attention_impl": impl})
     plan = ParallelPlan.create(config, shape, jax.devices()[0].platform, ModelConfig.from_config(config.model))
-    layout = Layout.from_plan(build_mesh(shape, devices=jax.devices()[:n]), plan)
+    layout = Layout.from_plan(build_mesh(shape, devices=jax.devices()[:n * tensor]), plan)
     return dataclasses.replace(layout, zigzag=zigzag)
 
 
@@ -186,7 +187,7 @@ def split_on(blocks, n, mode="ring", keep_kv=False):
     def split_attention(q, k, v, segments):
         with use_layout(layout):
             q, k, v, segments = context.reordered((q, k, v, segments), layout)
-            out = context.attention(q, k, v, segments, xla_block, blocks)
+            out = context.attention(q, (k, v), segments, xla_block, blocks)
         return context.zigzag(out, n, inverse=True)
 
     return split_attention

@@ -5,6 +5,7 @@ with the batch in zig-zag order as the train step feeds it, and compares the out
 gradients of q, k and v (mapped back to the original order) with the reference on one device.
 """
 
+import functools
 import re
 
 import jax
@@ -12,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_matches_reference, sequence_layout, split_on
-from ushard.kernels.attention import BlockKernel, xla_block
-from ushard.models.attention import causal_attention
+from helpers import RTOL, assert_matches_reference, loss_and_grads, reference_attention, sequence_layout, split_on
+from ushard.aot import collectives_per_step
+from ushard.kernels.attention import BlockKernel, expansion_padded, xla_block
+from ushard.models.attention import causal_attention, expanded_attention
+from ushard.models.mla import LATENT_NAMES, WKV_B_NAMES, expand_latent
 from ushard.parallel import context
-from ushard.sharding import Q_NAMES, TOKEN_NAMES, use_layout
+from ushard.sharding import Q_NAMES, TOKEN_NAMES, Expansion, use_layout
 
 
 def random_inputs(seed: int, n: int, documents: bool):
@@ -185,3 +188,116 @@ def test_the_start_up_report_says_what_runs_a_split_sequences_blocks():
     kept = build(small_config(**{"mesh.sequence": 2, "mesh.fsdp": 1, "parallel.context_keep_kv": True}),
                  devices=jax.devices()[:2])
     assert "blocks on XLA attention, K/V kept for the backward pass\n" in kept.describe()
+
+
+# --------------------------------------------------------------------------- latent attention
+
+# Latent attention's sizes, small: q·k heads of NOPE + ROPE, values of V_DIM, a latent of RANK.
+HEADS, NOPE, ROPE, V_DIM, RANK = 4, 8, 4, 6, 10
+
+
+def latent_inputs(seed: int, n: int, documents: bool, b: int = 2, chunk: int = 2):
+    """q [b, T, heads, nope + rope], the travelling latent [b, T, rank + rope] (latent, rotated key), the
+    up-projection [rank, heads, nope + v], segment ids (or None) and output weights."""
+    rng = np.random.default_rng(seed)
+    t = 2 * n * chunk
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    segments = jnp.asarray(1 + np.cumsum(rng.random((b, t)) < 0.25, axis=1), jnp.int32) if documents else None
+    return (normal(b, t, HEADS, NOPE + ROPE), normal(b, t, RANK + ROPE), normal(RANK, HEADS, NOPE + V_DIM) / 3,
+            segments, normal(b, t, HEADS, V_DIM))
+
+
+def latent_expansion(w):
+    return Expansion(functools.partial(expand_latent, NOPE, False), w, WKV_B_NAMES, (LATENT_NAMES,))
+
+
+def latent_reference(q, latent, w, segments):
+    return reference_attention(q, *expand_latent(NOPE, False, w, (latent,)), segments)
+
+
+def latent_split(n, mode, blocks, keep_kv=False, tensor=1):
+    """Context-parallel latent attention: the latent travels, each device expands its blocks."""
+    layout = sequence_layout(n, mode, keep_kv, zigzag=True, tensor=tensor)
+
+    def attention(q, latent, w, segments):
+        with use_layout(layout):
+            q, latent, segments = context.reordered((q, latent, segments), layout)
+            expansion = latent_expansion(w)
+            if blocks is not None:  # as `expanded_attention` runs a fused kernel: values padded to q·k's size
+                expansion = expansion_padded(expansion, q.shape[-1])
+            out = context.attention(q, (latent,), segments, xla_block, blocks, expansion=expansion)
+        return context.zigzag(out[..., :V_DIM], n, inverse=True)
+
+    return attention
+
+
+@pytest.mark.parametrize("mode, n, tensor, fused, keep_kv, documents", [
+    # In the default tier: each mode on each kind of block, once with the heads split over tensor (the
+    # ring on XLA blocks also runs in tests/test_family_layouts.py's DeepSeek ring).
+    ("all_gather", 2, 2, False, False, True), ("ring", 2, 2, True, False, False),
+    ("all_gather", 4, 1, True, True, True),
+    pytest.param("ring", 4, 1, False, False, True, marks=pytest.mark.slow),
+    pytest.param("ring", 2, 2, False, False, False, marks=pytest.mark.slow),
+    pytest.param("ring", 4, 1, False, True, True, marks=pytest.mark.slow),
+    pytest.param("all_gather", 4, 1, False, False, False, marks=pytest.mark.slow),
+    pytest.param("ring", 4, 1, True, False, True, marks=pytest.mark.slow),
+    pytest.param("ring", 2, 2, True, True, True, marks=pytest.mark.slow),
+    pytest.param("all_gather", 2, 2, True, False, False, marks=pytest.mark.slow),
+])
+def test_latent_attention_travels_as_its_latent_and_matches_plain_attention(mode, n, tensor, fused, keep_kv, documents):
+    """Latent attention split over the sequence (and its heads over `tensor`): the latent and rotated
+    key travel (ring, all-gather; XLA or fused blocks; kept or sent again for the backward pass) and
+    each device expands its heads' keys and values from them. The output and the gradients of the
+    queries, the latent and the up-projection (the expansion's weights, through the custom VJP) equal
+    plain attention's over the expanded keys and values on one device."""
+    q, latent, w, segments, weights = latent_inputs(30 + n + tensor, n, documents)
+    split = latent_split(n, mode, FLASH_BLOCKS if fused else None, keep_kv, tensor)
+    want_loss, want = loss_and_grads(latent_reference, q, latent, w, segments, weights)
+    got_loss, got = loss_and_grads(split, q, latent, w, segments, weights)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
+    for name, g, r in zip(("q", "latent", "w_kv"), got, want):
+        assert np.linalg.norm(g - r) <= RTOL * np.linalg.norm(r), name
+
+
+def attention_layer_collectives(mode: str, latent_travels: bool, n: int = 4) -> dict:
+    """{kind: (count, bytes)} of the compiled forward and backward pass of one latent attention layer
+    (`expanded_attention`, as ushard/models/mla.py calls it; XLA blocks, no documents), the sequence
+    split n ways; or, not `latent_travels`, of attention over the keys and values expanded before
+    it, what every head's keys and values cost (how the layer ran before its latent travelled)."""
+    q, latent, w, _, weights = latent_inputs(40, n, documents=False)
+    layout = sequence_layout(n, mode, zigzag=True)
+
+    def loss(q, latent, w):
+        with use_layout(layout):
+            if latent_travels:
+                out = expanded_attention(q, (latent,), latent_expansion(w), None, "xla")
+            else:
+                out = causal_attention(q, *expand_latent(NOPE, False, w, (latent,)), None, "xla")
+        return jnp.sum(out * weights)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return collectives_per_step(grads.lower(q, latent, w).compile().as_text())
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_gather"])
+def test_context_parallel_latent_attention_moves_latents_not_heads(mode):
+    """The bytes one latent attention layer moves over the sequence axis, forward and backward, against
+    the latent's: one device's block of latents is B x (T / n) x (kv_lora_rank + qk_rope_head_dim)
+    numbers (here 2 x 4 x 14 float32, 448 bytes; DeepSeek-V3: 576 numbers a token). Around the ring
+    (collective-permute) a layer moves 3n - 2 such blocks: n - 1 in the forward pass, n - 1 again in
+    the backward and the latents' gradients n (each block's travels on with it after every visit).
+    The all-gather mode gathers n blocks once (the forward's gather serves the backward) and
+    reduce-scatters their gradients to one block each (`collectives_per_step` counts a result's
+    bytes). Each within 1.2 x that and not below it (below, XLA would have merged the backward pass's
+    transfers with the forward's, `_sent_again`); with every head's keys and values travelling
+    instead (heads x (nope + rope + v) = 72 numbers a token against 14) each is over 4 x it, so the
+    count can tell."""
+    n = 4
+    block = 2 * 4 * (RANK + ROPE) * 4
+    kinds = {"ring": [("collective-permute", 3 * n - 2)], "all_gather": [("all-gather", n), ("reduce-scatter", 1)]}
+    for kind, blocks in kinds[mode]:
+        latent_bytes = blocks * block
+        moved = attention_layer_collectives(mode, latent_travels=True, n=n)[kind][1]
+        assert latent_bytes <= moved <= 1.2 * latent_bytes, (kind, moved, latent_bytes)
+        expanded = attention_layer_collectives(mode, latent_travels=False, n=n)[kind][1]
+        assert expanded >= 4 * latent_bytes, (kind, expanded, latent_bytes)

@@ -25,6 +25,12 @@ ONE_F_ONE_B = {"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_schedule":
                "parallel.pipeline_microbatches": 4}
 GPIPE = {**ONE_F_ONE_B, "parallel.pipeline_schedule": "gpipe"}
 MOE = ("tiny_moe", {"mesh.expert": 8})  # configs/tiny_moe.py at BASE's sizes: capacity factor 1.25
+# DeepSeek's latent attention at BASE's sizes (tiny_moe's experts, 4 of them): under context
+# parallelism its latents travel and each device expands them (ushard/parallel/context.py).
+LATENT = ("tiny_moe", {"model.family": "deepseek", "model.n_heads": 8, "model.n_kv_heads": 8,
+                       "model.mla.q_lora_rank": 64, "model.mla.kv_lora_rank": 64, "model.mla.qk_nope_head_dim": 32,
+                       "model.mla.qk_rope_head_dim": 16, "model.mla.v_head_dim": 32, "model.moe.num_experts": 4,
+                       "model.moe.top_k": 2, "model.moe.expert_d_ff": 128})
 slow = pytest.mark.slow
 GRID = {
     "fsdp8_zero0": ("tiny", {"mesh.fsdp": 8, "parallel.zero_stage": 0}),
@@ -53,6 +59,10 @@ GRID = {
                                              "parallel.zero_stage": 1, "model.remat": "dots"}),
     "sequence2_fsdp4_ring_keep_kv": ("tiny", {**SEQUENCE, "parallel.context_keep_kv": True}),
     "sequence2_tensor2_fsdp2_ring": ("tiny", {"mesh.sequence": 2, "mesh.tensor": 2, "mesh.fsdp": 2}),
+    # Read 0.91 and 1.00 of XLA:CPU's peak (before the latent travelled: 0.92 and 1.01).
+    "sequence2_fsdp4_ring_latent": (LATENT[0], {**LATENT[1], **SEQUENCE}),
+    "sequence2_fsdp4_all_gather_latent": (LATENT[0], {**LATENT[1], **SEQUENCE,
+                                                      "parallel.context_parallel": "all_gather"}),
     "pipeline2_fsdp4_1f1b_2_microbatches": ("tiny", {**ONE_F_ONE_B, "parallel.pipeline_microbatches": 2}),
     "pipeline2_fsdp4_1f1b_remat_full": ("tiny", {**ONE_F_ONE_B, "model.remat": "full"}),
     "pipeline2_tensor2_fsdp2_1f1b": ("tiny", {**ONE_F_ONE_B, "mesh.tensor": 2, "mesh.fsdp": 2}),

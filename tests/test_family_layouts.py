@@ -38,6 +38,8 @@ MOE_LAYOUTS = {
     "expert": {"mesh.expert": 4, "mesh.fsdp": 2},
     "1f1b_expert": {**ONE_F_ONE_B, "mesh.expert": 2, "mesh.fsdp": 2},
     "1f1b_sequence": {**ONE_F_ONE_B, "mesh.sequence": 2, "mesh.fsdp": 2, "parallel.context_parallel": "ring"},
+    # Latent attention's heads split over tensor, its latent whole on every tensor rank, around the ring.
+    "tensor_ring": {"mesh.tensor": 2, "mesh.sequence": 2, "mesh.fsdp": 2, "parallel.context_parallel": "ring"},
     # An MoE pipeline's reference is one device with each batch in the pipeline's 4 microbatches: the
     # balancing terms are each microbatch's (as tests/test_pipeline.py explains).
     "single_accum4": {"train.grad_accum": 4},
@@ -72,7 +74,7 @@ def results(stdlib_batches):
 
 CASES = ([(f, layout) for f in FAMILIES for layout in LAYOUTS]
          + [(f, layout) for f in MOE_FAMILIES for layout in ("expert", "1f1b_expert")]
-         + [("deepseek", "1f1b_sequence")])
+         + [("deepseek", "1f1b_sequence"), ("deepseek", "tensor_ring")])
 
 
 # In the default tier, each kind of thing a family adds to a layout, on Gemma 3: QK-norm on heads

@@ -265,3 +265,23 @@ def test_split_experts_wait_for_the_busiest_device_and_split_widths_do_not():
     assert "busiest expert device" not in width.compute_parts and "busiest expert device" not in one.compute_parts
     assert split.compute_parts == width.compute_parts
     assert split.step_s - width.step_s == pytest.approx(extra - padding, rel=0.01)
+
+
+def test_the_ring_moves_latent_attentions_latent_not_its_heads():
+    """What a ring transfer of the step-time model holds a token (`AttentionShape.context_numbers`):
+    the keys and values of the device's KV heads (llama3_8b at tensor=2: 4 heads x (128 + 128)), or
+    for latent attention its latent and RoPE key (deepseek_v3: 512 + 64 numbers, whole on every
+    tensor rank) instead of its 64 heads' keys and values (64 x (192 + 128))."""
+    hw = step_time.hardware("h200", devices_per_host=8)
+    mesh = {"sequence": 4, "tensor": 2}
+
+    def per_token(name, *overrides):
+        config = load_config(name)
+        apply_overrides(config, list(overrides))
+        ring = next(c for c in step_time.predict(config, hw, mesh_shape=mesh).collectives
+                    if c.axis == "sequence" and c.kind == "collective-permute")
+        s = step_time.shape_of(config, mesh)
+        return ring.result_bytes / ring.count / (step_time._rows_per_device(s) * s.seq / 4 * s.compute_bytes)
+
+    assert per_token("llama3_8b") == 4 * (128 + 128)
+    assert per_token("deepseek_v3", "model.n_layers=4") == 512 + 64

@@ -105,7 +105,7 @@ def split_windowed(n, mode, window, keep_kv=False, zigzag=True, fused=None):
         with use_layout(layout):
             if zigzag:
                 q, k, v, segments = context.reordered((q, k, v, segments), layout)
-            out = context.attention(q, k, v, segments, kernels.xla_block, fused, window=window)
+            out = context.attention(q, (k, v), segments, kernels.xla_block, fused, window=window)
         return context.zigzag(out, n, inverse=True) if zigzag else out
 
     return split_attention

@@ -728,45 +728,50 @@ def trace_layout(work: DeviceWork) -> Layout:
 
 def _context_stand_in(work: DeviceWork):
     """Context-parallel attention (ushard/parallel/context.py) as one device computes it, no transfers:
-    the ring's custom VJP keeps the local queries, keys, values, output and log-sum-exp (and, with
-    keep_kv, the blocks that arrived); the all-gather mode on XLA blocks attends to gathered keys and
-    values under autodiff. On fused blocks (`work.fused_blocks`) both modes are a custom VJP keeping
-    what the ring's does, never [T, T] scores; with keep_kv the ring keeps the n - 1 blocks that
-    arrived, the all-gather mode the gathered keys and values (segment ids with them)."""
+    the ring's custom VJP keeps the local queries, what travels (keys and values, or latent attention's
+    latent, with the layer's weights that expand it), output and log-sum-exp (and, with keep_kv, the
+    blocks that arrived); the all-gather mode on XLA blocks attends to gathered keys and values (made
+    from the gathered latents) under autodiff. On fused blocks (`work.fused_blocks`) both modes are a
+    custom VJP keeping what the ring's does, never [T, T] scores; with keep_kv the ring keeps the n - 1
+    blocks that arrived, the all-gather mode the gathered blocks (segment ids with them)."""
     ways = work.context_ways
 
-    def attention(q, k, v, segment_ids, xla_block, _fused, window=0):
+    def attention(q, kv, segment_ids, xla_block, _fused, window=0, expansion=None):
         t = q.shape[1]  # a window masks more scores but keeps the same residuals
         index = jnp.arange(t)[None]
+        expand, weights = (lambda _, kv: kv, ()) if expansion is None else expansion[:2]
         if work.context == "all_gather" and not work.fused_blocks:
-            gathered = [jnp.concatenate([a] * ways, axis=1) if a is not None else None for a in (k, v, segment_ids)]
+            gathered = [jnp.concatenate([a] * ways, axis=1) if a is not None else None for a in (*kv, segment_ids)]
+            k, v = expand(weights, tuple(gathered[:-1]))
             all_index = jnp.arange(t * ways)[None]
-            return xla_block(q, gathered[0], gathered[1], index, all_index, segment_ids, gathered[2],
-                             window=window)[0].astype(q.dtype)
+            return xla_block(q, k, v, index, all_index, segment_ids, gathered[-1], window=window)[0].astype(q.dtype)
 
-        def received(k, v):
+        def received(kv):
             """The blocks kept for the backward pass: (n - 1) arrived ones (ring), or all n (gathered)."""
             if not work.keep_kv:
                 return None
             copies = ways if work.context == "all_gather" else ways - 1
-            kept = (k, v) if not work.fused_blocks or segment_ids is None else (k, v, segment_ids)
+            kept = tuple(kv) if not work.fused_blocks or segment_ids is None else (*kv, segment_ids)
             return tuple(jnp.concatenate([a] * copies, axis=1) for a in kept)
 
-        @jax.custom_vjp
-        def ring(q, k, v):
-            return xla_block(q, k, v, index, index, segment_ids, segment_ids, window=window)[0].astype(q.dtype)
+        def attend(q, weights, kv):
+            k, v = expand(weights, kv)
+            return xla_block(q, k, v, index, index, segment_ids, segment_ids, window=window)
 
-        def forward(q, k, v):
-            out, lse = xla_block(q, k, v, index, index, segment_ids, segment_ids, window=window)
+        @jax.custom_vjp
+        def ring(q, weights, kv):
+            return attend(q, weights, kv)[0].astype(q.dtype)
+
+        def forward(q, weights, kv):
+            out, lse = attend(q, weights, kv)
             out = out.astype(q.dtype)
-            return out, (q, k, v, out, lse, received(k, v))
+            return out, (q, weights, kv, out, lse, received(kv))
 
         def backward(residuals, d_out):
-            q, k, v = residuals[:3]
-            return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+            return jax.tree.map(jnp.zeros_like, tuple(residuals[:3]))
 
         ring.defvjp(forward, backward)
-        return ring(q, k, v)
+        return ring(q, weights, tuple(kv))
 
     return attention
 

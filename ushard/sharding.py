@@ -26,7 +26,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -184,16 +184,33 @@ def format_rules(rules: Rules) -> str:
     return "\n".join(f"  {name:<{width}} -> {axes}" for name, axes in rules)
 
 
+class Expansion(NamedTuple):
+    """Keys and values that each device makes from the arrays that travel between the devices (the
+    context-parallel seam's `kv`), where that is less than the keys and values: latent attention's
+    latent and shared RoPE key (ushard/models/mla.py). `expand(weights, kv) -> (k, v)` makes the keys
+    and values of any block of tokens [B, t, ...] of those arrays, on one device's shards (no
+    sharding constraints: it runs inside the seam's shard_map); `weights` is the pytree of the
+    layer's arrays it uses, passed explicitly so that their gradient comes out too, `weight_names`
+    their logical names (the same pytree of tuples; laid out as compute lays them out), `names` each
+    travelling array's logical names."""
+
+    expand: Callable
+    weights: Any
+    weight_names: Any
+    names: tuple
+
+
 @dataclass(frozen=True)
 class Seams:
     """The parallel code a model reaches through the active layout, wired in by `build` from
     ushard/parallel (the model imports none of it): None where the layout needs none.
 
     run_stack(stage, stack, x, args, layout) -> (x, aux): the layer stack split into pipeline stages.
-    context_attention(q, k, v, segment_ids, xla_block, block_kernel) -> out: attention over a sequence
-    split over the devices. routed_experts(x, experts, gates, keep, weights, weight_names, expert_fn,
-    row_capacity, dispatch, headroom) -> (y, overflow): an MoE layer's routed experts, wherever the layout
-    puts them.
+    context_attention(q, kv, segment_ids, xla_block, block_kernel, window=0, expansion=None) -> out:
+    attention over a sequence split over the devices, what travels between them `kv`: the keys and
+    values (k, v), or with an `Expansion` the arrays each device makes them from.
+    routed_experts(x, experts, gates, keep, weights, weight_names, expert_fn, row_capacity, dispatch,
+    headroom) -> (y, overflow): an MoE layer's routed experts, wherever the layout puts them.
     """
 
     run_stack: Callable | None = None

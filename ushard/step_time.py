@@ -254,6 +254,7 @@ class Shape:
     document_mask: bool
     flops_per_token: float
     attention_flops_per_token: float  # attention's share of flops_per_token (the family's shape)
+    context_numbers: int  # what context parallelism moves of a token, per device (AttentionShape.context_numbers)
     dcn: dict
     # Mixture of experts (0 experts: dense). Routed expert weights in the whole model, all experts and
     # the share a token uses (`layer_params` counts the latter, as FLOPs do).
@@ -338,6 +339,7 @@ def shape_of(config, mesh_shape: dict | None = None, model=None) -> Shape:
         keep_kv=bool(p.context_keep_kv), attention_impl=m.attention_impl, document_mask=bool(m.document_mask),
         flops_per_token=model.flops_per_token(t.seq_len),
         attention_flops_per_token=model.attention_flops_per_token(t.seq_len),
+        context_numbers=model.family.attention_shape(m).context_numbers(m.n_kv_heads, mesh.get("tensor", 1)),
         dcn={a: int(config.mesh.dcn[a]) for a in AXIS_ORDER if a in config.mesh.dcn},
         experts=m.moe.num_experts, top_k=m.moe.top_k, moe_layers=m.moe_layers if m.moe.num_experts else 0,
         routed_params=routed, routed_active_params=routed // max(1, m.moe.num_experts) * m.moe.top_k,
@@ -651,12 +653,13 @@ def _tensor_items(s: Shape, layers: int) -> list[_Item]:
 
 
 def _context_items(s: Shape, layers: int) -> list[_Item]:
-    """The sequence axis: K and V around the ring (and dK, dV back) or gathered (dK, dV reduce-scattered)."""
+    """The sequence axis: K and V around the ring (and dK, dV back) or gathered (dK, dV reduce-scattered);
+    for latent attention its latents instead (`Shape.context_numbers`)."""
     ways = s.size("sequence")
     if ways == 1:
         return []
     rows = _rows_per_device(s)
-    kv = 2 * rows * s.seq / ways * s.kv_heads // s.size("tensor") * s.head_dim * s.compute_bytes
+    kv = rows * s.seq / ways * s.context_numbers * s.compute_bytes
     forwards = 2 if s.remat == "full" else 1
     if s.context_mode == "ring":
         hops = ways - 1

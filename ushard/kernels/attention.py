@@ -303,14 +303,32 @@ def values_padded(attend, q, v):
     do from 9.10 (`cudnn_takes_value_widths`), on whole sequences without documents, and ours
     (`flash.takes_value_widths`) on whole sequences; a split sequence's blocks are still padded (the
     ring on cuDNN's blocks needs two GPUs to check).
-    The one place values are padded: `whole_sequence` and the blocks of a split sequence call it."""
+    The one place values are padded (`padded_values`): `whole_sequence` and the blocks of a split
+    sequence call it, and a split sequence's expansion (`Expansion`) pads the values it makes."""
     width, size = q.shape[-1], v.shape[-1]
     if size == width:
         return attend(v)
+    return attend(padded_values(v, width))[..., :size]
+
+
+def expansion_padded(expansion, width: int):
+    """A split sequence's `Expansion` (ushard/sharding.py) that makes its values padded to `width`
+    (`values_padded`, where the values are made: on each device, from what travels)."""
+    made = expansion.expand
+
+    def padded(weights, kv):
+        k, v = made(weights, kv)
+        return k, padded_values(v, width)
+
+    return expansion._replace(expand=padded)
+
+
+def padded_values(v, width: int):
+    """Values [..., size] padded with zeros to `width` (`values_padded`)."""
+    size = v.shape[-1]
     if size > width:
         raise NotImplementedError(f"attention kernels take values at most as wide as q·k's heads ({size} > {width})")
-    padded = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - size)])
-    return attend(padded)[..., :size]
+    return v if size == width else jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - size)])
 
 
 def by_halves(blocks: BlockKernel, q, k, v, segment_ids, window: int = 0):

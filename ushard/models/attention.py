@@ -22,7 +22,7 @@ from ushard.models.layers import (
     rope_frequencies,
     rotary,
 )
-from ushard.sharding import KV_NAMES, Q_NAMES, constrain, current_layout, gathered, split_ways
+from ushard.sharding import KV_NAMES, Q_NAMES, Expansion, constrain, current_layout, gathered, split_ways
 
 
 def causal_attention(q, k, v, segment_ids, impl: str, window: int = 0):
@@ -40,6 +40,37 @@ def causal_attention(q, k, v, segment_ids, impl: str, window: int = 0):
 
     `window` > 0: a query sees itself and the window - 1 tokens before it (a sliding window).
     """
+    layout, ways, impl = _resolved(q, segment_ids, impl, window)
+    if ways > 1:
+        block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None, window=window)
+
+        def ring(v):
+            return layout.seams.context_attention(q, (k, v), segment_ids, kernels.xla_block, block, window=window)
+
+        return ring(v) if block is None else kernels.values_padded(ring, q, v)
+    return kernels.whole_sequence(q, k, v, segment_ids, impl, window=window)
+
+
+def expanded_attention(q, kv, expansion: Expansion, segment_ids, impl: str):
+    """`causal_attention` of q over the keys and values that `expansion` makes of the arrays `kv`
+    (latent attention's latent and shared RoPE key, ushard/models/mla.py). Where the active layout
+    splits the sequence, `kv` is what travels between the devices, and each device makes the keys and
+    values of the blocks that reach it (`seams.context_attention`): for DeepSeek-V3, 576 numbers a
+    token instead of 128 heads x (192 + 128). Otherwise they are made here, once."""
+    layout, ways, impl = _resolved(q, segment_ids, impl)
+    if ways == 1:
+        k, v = expansion.expand(expansion.weights, kv)
+        return causal_attention(q, constrain(k, KV_NAMES), constrain(v, KV_NAMES), segment_ids, impl)
+    block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None)
+    width = jax.eval_shape(expansion.expand, expansion.weights, kv)[1].shape[-1]
+    if block is not None and width < q.shape[-1]:  # a kernel of one head size: the values are padded
+        expansion = kernels.expansion_padded(expansion, q.shape[-1])
+    out = layout.seams.context_attention(q, kv, segment_ids, kernels.xla_block, block, expansion=expansion)
+    return out[..., :width]
+
+
+def _resolved(q, segment_ids, impl: str, window: int = 0):
+    """(the active layout, how many ways it splits the sequence, the attention kernel to run)."""
     layout = current_layout()
     in_stage = bool(jax.sharding.get_abstract_mesh().manual_axes)  # inside a pipeline stage's shard_map
     ways = 1 if layout is None else layout.size("act_length")
@@ -49,14 +80,7 @@ def causal_attention(q, k, v, segment_ids, impl: str, window: int = 0):
         platform = layout.platform if layout is not None else jax.default_backend()
         impl = kernels.resolve(impl, platform, q.dtype, q.shape[1], in_stage, head_dim=q.shape[-1], split=ways > 1,
                                documents=segment_ids is not None, window=window)
-    if ways > 1:
-        block, _ = kernels.block_kernel(impl, q.dtype, q.shape[1], ways, segment_ids is not None, window=window)
-
-        def ring(v):
-            return layout.seams.context_attention(q, k, v, segment_ids, kernels.xla_block, block, window=window)
-
-        return ring(v) if block is None else kernels.values_padded(ring, q, v)
-    return kernels.whole_sequence(q, k, v, segment_ids, impl, window=window)
+    return layout, ways, impl
 
 
 def cached_attention(q, k_cache, v_cache, length, window: int = 0):

@@ -20,7 +20,8 @@ class AttentionShape:
     in the values, and each layer's sliding window (0: the layer attends to the whole context).
     `cache`: what a decoding cache holds for a token in each layer, (heads, its "k" size, its "v"
     size), where that is not the keys and values (latent attention caches its latent); None: the
-    keys and values of model.n_kv_heads heads."""
+    keys and values of model.n_kv_heads heads. It is also what context parallelism moves between
+    the devices (`context_numbers`)."""
 
     heads: int
     qk_head_dim: int
@@ -31,6 +32,16 @@ class AttentionShape:
     def cache_dims(self, n_kv_heads: int) -> tuple[int, int, int]:
         """(heads, k size, v size) of one token's cache entries in one layer."""
         return self.cache or (n_kv_heads, self.qk_head_dim, self.v_head_dim)
+
+    def context_numbers(self, n_kv_heads: int, tensor: int) -> int:
+        """The numbers a token's keys and values take on each device where context parallelism moves
+        them (ushard/parallel/context.py): the keys and values of its share of the KV heads, split
+        `tensor` ways, or a cache's own entries (latent attention's latent and RoPE key), which every
+        tensor rank holds whole, making its own heads' keys and values of them."""
+        if self.cache is None:
+            return max(1, n_kv_heads // tensor) * (self.qk_head_dim + self.v_head_dim)  # a rank holds one copy at least
+        heads, k, v = self.cache
+        return heads * (k + v)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs a token spends in attention's two matmuls (scores and values), forward and

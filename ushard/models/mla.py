@@ -21,12 +21,14 @@ queries and the output (`LatentAttention.decode`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ushard.errors import UserError
-from ushard.models.attention import attention_output, cache_visibility, causal_attention
+from ushard.models.attention import attention_output, cache_visibility, expanded_attention
 from ushard.models.config import MLAConfig, ModelConfig
 from ushard.models.layers import (
     RMSNorm,
@@ -38,11 +40,12 @@ from ushard.models.layers import (
     rotary,
     yarn_mscale,
 )
-from ushard.sharding import KV_NAMES, Q_NAMES, constrain
+from ushard.sharding import Q_NAMES, Expansion, constrain
 
 # The latents' norms: DeepSeek's (and transformers') take RMSNorm's default epsilon, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 LATENT_NAMES = ("act_batch", "act_length", None)  # a latent [batch, length, rank]: small, not split
+WKV_B_NAMES = ("latent", "heads", "head_dim")  # the keys' and values' up-projection
 
 
 def softmax_gain(scaling) -> float:
@@ -75,7 +78,7 @@ class LatentAttention(nnx.Module):
         self.q_lora = bool(mla.q_lora_rank)
         self.wkv_a = param(rngs, (d, mla.kv_lora_rank + self.rope), ("embed", None), fan_in_init(d), dtype)
         self.kv_norm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype, rngs)
-        self.wkv_b = param(rngs, (mla.kv_lora_rank, h, self.nope + self.v_dim), ("latent", "heads", "head_dim"),
+        self.wkv_b = param(rngs, (mla.kv_lora_rank, h, self.nope + self.v_dim), WKV_B_NAMES,
                            fan_in_init(mla.kv_lora_rank), dtype)
         self.wo = param(rngs, (h, self.v_dim, d), ("heads", "head_dim", "embed"), fan_in_init(h * self.v_dim), dtype)
         self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
@@ -106,20 +109,23 @@ class LatentAttention(nnx.Module):
         latent, k_rot = kv_a[..., :self.kv_rank], kv_a[..., self.kv_rank:]
         return self.kv_norm(latent), rotary(k_rot[:, :, None, :], positions, *self._rope())[:, :, 0]
 
-    def _keys_values(self, latent, k_rot):
-        """Keys [B, T, heads, qk] and values [B, T, heads, v], expanded from the latent."""
-        kv = constrain(project("btr,rhk->bthk", latent, self.wkv_b[...], self.fp8), KV_NAMES)
-        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None], (*k_nope.shape[:-1], self.rope))], axis=-1)
-        return constrain(k, KV_NAMES), constrain(v, KV_NAMES)
+    def _travelling(self, x, positions):
+        """What a token's keys and values are made of, as one array [B, T, kv_lora_rank +
+        qk_rope_head_dim] (its normalised latent, then its rotated key), and how they are made
+        (`expand_latent`): under context parallelism this travels between the devices, not the keys
+        and values (ushard/parallel/context.py)."""
+        latent = constrain(jnp.concatenate(self._latent(x, positions), axis=-1), LATENT_NAMES)
+        expand = functools.partial(expand_latent, self.nope, self.fp8)
+        return latent, Expansion(expand, self.wkv_b[...], WKV_B_NAMES, (LATENT_NAMES,))
 
     def _output(self, out):
         return attention_output(out, self.wo[...], self.fp8)
 
     def __call__(self, x, positions, segment_ids):
         q = self._queries(x, positions)
-        k, v = self._keys_values(*self._latent(x, positions))
-        return self._output(causal_attention(q, k, v, segment_ids if self.document_mask else None, self.impl))
+        latent, expansion = self._travelling(x, positions)
+        segment_ids = segment_ids if self.document_mask else None
+        return self._output(expanded_attention(q, (latent,), expansion, segment_ids, self.impl))
 
     def decode(self, x, positions, k_cache, v_cache, length):
         """Attention for new tokens with a cache of latents (inference only; see `Attention.decode`).
@@ -146,6 +152,19 @@ class LatentAttention(nnx.Module):
         out_latent = jnp.einsum("bhts,bsr->bthr", weights.astype(q.dtype), latents)
         out = jnp.einsum("bthr,rhv->bthv", out_latent, w_kv[..., self.nope:])
         return self._output(out), k_cache, v_cache
+
+
+def expand_latent(nope: int, fp8: bool, w_kv, kv):
+    """Keys [B, t, heads, nope + rope] and values [B, t, heads, v] of a block of tokens, made from
+    their latents and rotated keys `kv` = ([B, t, kv_lora_rank + rope],) by the up-projection `w_kv`
+    [kv_lora_rank, heads, nope + v] (however many heads a device holds): the keys' nope part and the
+    values per head, the rotated key shared by every head."""
+    (latent,) = kv
+    rank = w_kv.shape[0]
+    kv = project("btr,rhk->bthk", latent[..., :rank], w_kv, fp8)
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    k_rot = jnp.broadcast_to(latent[:, :, None, rank:], (*k_nope.shape[:-1], latent.shape[-1] - rank))
+    return jnp.concatenate([k_nope, k_rot], axis=-1), v
 
 
 def refuse_latent_attention(cfg: ModelConfig, family: str) -> None:

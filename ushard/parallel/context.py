@@ -19,6 +19,17 @@ With `keep_kv` (`parallel.context_keep_kv`) the backward pass reuses the blocks 
 the forward pass: only the gradients travel (ring) or are reduce-scattered (all-gather), a third of
 the traffic less, for K/V memory that grows with `n`.
 
+What travels. Keys and values, or, where the model hands an `Expansion` (ushard/sharding.py), the
+arrays it makes them from: latent attention's latent and shared RoPE key, kv_lora_rank +
+qk_rope_head_dim numbers a token (DeepSeek-V3: 576, against 128 heads x (192 + 128) = 40,960 keys and
+values). Each device then expands every block that reaches it (`expand(weights, block) -> (k, v)`,
+its own heads under tensor parallelism: the latent is whole on every tensor rank) and runs the same
+blocks on them. In the backward pass it expands a block again, and pulls the block's dK, dV back
+through the expansion (`jax.vjp`): the latent's gradient travels home as dK, dV do, and the
+expansion's weights' gradient adds up on the device (the weights are arguments of the custom VJPs,
+typed as varying like q, so the shard_map's transpose sums them over the sequence and the batch).
+The all-gather mode gathers the latents and expands all of them; autodiff does the rest.
+
 Load balance. With a causal mask, the device holding the end of the sequence has the most work. The
 batch is therefore reordered once per step, before the model (`reordered` below): the length
 is cut into 2n chunks and device i holds chunks i and 2n-1-i ("zig-zag"), a permutation of the length
@@ -61,7 +72,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ushard.errors import UserError
 from ushard.kernels.attention import FUSED_ATTENTION, BlockKernel, typed
-from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, current_layout, varying_axes
+from ushard.sharding import KV_NAMES, Q_NAMES, TOKEN_NAMES, Expansion, current_layout, varying, varying_axes
 
 MODES = ("ring", "all_gather")
 
@@ -134,9 +145,16 @@ class _Ring:
         return jax.tree.map(lambda x: jax.lax.all_gather(x, self.axes, axis=1, tiled=True), tree)
 
 
-def attention(q, k, v, segment_ids, kernel, fused: BlockKernel | None = None, window: int = 0):
-    """Causal attention of q [B, T, heads, hd] over k, v [B, T, kv_heads, hd], the sequence split over
-    the active layout's `act_length` axes, each device running `kernel` on its blocks.
+def attention(q, kv, segment_ids, kernel, fused: BlockKernel | None = None, window: int = 0,
+              expansion: Expansion | None = None):
+    """Causal attention of q [B, T, heads, hd] over keys and values [B, T, kv_heads, hd], the sequence
+    split over the active layout's `act_length` axes, each device running `kernel` on its blocks.
+
+    `kv`: what travels between the devices, the keys and values (k, v), or with `expansion` the
+    arrays [B, T, ...] (logical names `expansion.names`) that each device makes a block's keys and
+    values from, `expansion.expand(expansion.weights, block) -> (k, v)`, where the block is (latent
+    attention: a token's latent and shared RoPE key, not every head's keys and values). The weights'
+    gradient is returned as well as the travelling arrays'.
 
     `segment_ids` [B, T] (or None: no document masking). The other dimensions keep the layout's
     shardings (batch over data/fsdp, heads over tensor), so this composes with those axes. `fused`,
@@ -153,32 +171,50 @@ def attention(q, k, v, segment_ids, kernel, fused: BlockKernel | None = None, wi
         steps = _reach(ring, q.shape[1] // ring.size, window)
     body = functools.partial(_ring_attention, keep=keep_kv, steps=steps) if mode == "ring" else _gathered_attention
     check_vma = True
+    q_spec, kv_spec = layout.spec(Q_NAMES), layout.spec(KV_NAMES)
+    if expansion is None:
+        expand, weights, kv_specs, weight_specs = None, (), (kv_spec,) * len(kv), ()
+    else:
+        expand, weights = expansion.expand, expansion.weights
+        kv_specs = tuple(layout.spec(names) for names in expansion.names)
+        weight_specs = jax.tree.map(layout.spec, expansion.weight_names, is_leaf=lambda x: isinstance(x, tuple))
     if fused is not None and layout.zigzag and (segment_ids is None or fused.segments):
         body = functools.partial(_fused_attention, gather=mode == "all_gather", keep=keep_kv)
         kernel, check_vma = fused, fused.typed
-        if not fused.typed and varying_axes(q) | varying_axes(k) | varying_axes(v):
+        if not fused.typed and frozenset().union(*map(varying_axes, jax.tree.leaves((q, kv, weights)))):
             # Inside another shard_map (a pipeline stage) this map's types must be checked: unchecked,
             # the custom VJP's gradients could not carry the stage's axes that q, k and v carry.
             kernel, check_vma = typed(fused), True
-    q_spec, kv_spec = layout.spec(Q_NAMES), layout.spec(KV_NAMES)
-    operands, specs = (q, k, v), (q_spec, kv_spec, kv_spec)
+    operands, specs = (q, weights, tuple(kv)), (q_spec, weight_specs, kv_specs)
     if segment_ids is not None:
         operands, specs = operands + (segment_ids,), specs + (layout.spec(TOKEN_NAMES),)
 
-    def local(q, k, v, segments=None):
-        return body(kernel, ring, q, k, v, segments)
+    def local(q, weights, kv, segments=None):
+        # One type for all that enters the custom VJPs: the weights (split over heads only) and a
+        # latent (not split over heads) meet q's heads, so their gradients differ between the devices
+        # that q's do, and the casts' transposes add them up (over the sequence, the batch, the heads).
+        axes = frozenset().union(*map(varying_axes, jax.tree.leaves((q, weights, kv))))
+        q, weights, kv = varying((q, weights, kv), axes)
+        return body(kernel, ring, q, weights, kv, segments, expand)
 
     return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=q_spec, check_vma=check_vma)(*operands)
+
+
+def _keys_values(expand, weights, kv):
+    """A block's (k, v): the travelling block itself, or made from it by the model's `expand`."""
+    return tuple(kv) if expand is None else expand(weights, kv)
 
 
 # --------------------------------------------------------------------------- all-gather
 
 
-def _gathered_attention(kernel, ring, q, k, v, segments):
-    """Local queries over every device's keys and values, gathered; autodiff reduce-scatters dK, dV."""
+def _gathered_attention(kernel, ring, q, weights, kv, segments, expand=None):
+    """Local queries over every device's keys and values, gathered (or made from the gathered arrays
+    that travel); autodiff reduce-scatters their gradients."""
     t = q.shape[1]
     k_index = jnp.concatenate([ring.token_index(j, t) for j in range(ring.size)], axis=1)
-    k, v, k_segments = ring.gather((k, v, segments))
+    kv, k_segments = ring.gather((kv, segments))
+    k, v = _keys_values(expand, weights, kv)
     out, _ = kernel(q, k, v, ring.token_index(ring.index(), t), k_index, segments, k_segments)
     return out.astype(q.dtype)
 
@@ -349,19 +385,37 @@ def _walk(ring, home, visit, source, carry=None, unroll: bool = False, keep: boo
     return carry, ((middle, last) if keep else None)
 
 
-def _sent_again(kv):
-    """The key/value blocks (k, v, segment ids) that a backward pass passes around or gathers again,
-    K and V as one array [B, T, kv_heads, hd_k + hd_v] (`_unpacked` undoes it; latent attention's
-    values are narrower than its keys). The transfers are then not the forward pass's: identical
-    ones XLA reuses (CSE), which holds every device's blocks from the forward to the backward pass,
-    what `keep_kv` does on purpose. One transfer a step instead of two."""
-    k, v, segments = kv
-    return jnp.concatenate([k, v], axis=-1), segments
+def _sent_again(block):
+    """The travelling block (its arrays, segment ids) that a backward pass passes around or gathers
+    again, its arrays packed into one [B, T, ..., sum of their last dimensions] (`_unpacked` undoes
+    it; keys and values: [B, T, kv_heads, hd_k + hd_v], latent attention's values being narrower than
+    its keys). The transfers are then not the forward pass's: identical ones XLA reuses (CSE), which
+    holds every device's blocks from the forward to the backward pass, what `keep_kv` does on
+    purpose. One transfer a step instead of two. A block of one array (a latent) travels negated
+    instead, exact both ways (an optimisation barrier did not keep XLA:CPU from merging them: it
+    removes barriers before CSE)."""
+    kv, segments = block
+    if len(kv) == 1:
+        return (-kv[0],), segments
+    return (jnp.concatenate(kv, axis=-1),), segments
 
 
-def _unpacked(visit, width: int):
-    """`visit` for blocks packed by `_sent_again`, whose keys have `width` dimensions a head."""
-    return lambda kv, *args: visit((kv[0][..., :width], kv[0][..., width:], kv[1]), *args)
+def _unpacked(visit, widths: tuple[int, ...]):
+    """`visit` for blocks packed by `_sent_again`, whose arrays had `widths` last dimensions."""
+    if len(widths) == 1:
+        return lambda block, *args: visit(((-block[0][0],), block[1]), *args)
+    bounds = np.cumsum((0, *widths))
+
+    def unpack(packed):
+        first = packed[..., :widths[0]]  # slices written as before arrays of one width (the same program)
+        return (first, *(packed[..., a:] if b == bounds[-1] else packed[..., a:b]
+                         for a, b in zip(bounds[1:-1], bounds[2:])))
+
+    return lambda block, *args: visit((unpack(block[0][0]), block[1]), *args)
+
+
+def _widths(kv) -> tuple[int, ...]:
+    return tuple(x.shape[-1] for x in kv)
 
 
 def _reach(ring, length: int, window: int) -> tuple[int, ...] | None:
@@ -403,78 +457,92 @@ def _hop_walk(ring, home, visit, steps, carry=None, received=None, send=None):
     return carry, tuple(kept)
 
 
-def _ring_attention(kernel, ring, q, k, v, segments, keep: bool = False, steps: tuple[int, ...] | None = None):
-    """The ring over XLA blocks (module docstring); `steps`: only those ring steps (`_reach`), else all."""
+def _ring_attention(kernel, ring, q, weights, kv, segments, expand=None, keep: bool = False,
+                    steps: tuple[int, ...] | None = None):
+    """The ring over XLA blocks (module docstring); `steps`: only those ring steps (`_reach`), else all.
+    The blocks that travel are `kv` (k, v), or the arrays that `expand` makes them from on each device
+    (`attention`); their gradients travel home with them, the weights' add up where they are made."""
+
+    def blocks(q, segments, weights, block, src, diagonal):
+        kv, k_segments = block
+        return _blocks(kernel, ring, diagonal, q, segments, (*_keys_values(expand, weights, kv), k_segments), src)
 
     @jax.custom_vjp
-    def attend(q, k, v, segments):
-        return forward(q, k, v, segments)[0]
+    def attend(q, weights, kv, segments):
+        return forward(q, weights, kv, segments)[0]
 
-    def forward(q, k, v, segments):
-        def visit(kv, src, diagonal, acc):
-            return _merge(acc, _blocks(kernel, ring, diagonal, q, segments, kv, src))
+    def forward(q, weights, kv, segments):
+        def visit(block, src, diagonal, acc):
+            return _merge(acc, blocks(q, segments, weights, block, src, diagonal))
 
         if steps is None:
-            (out, lse), received = _walk(ring, (k, v, segments), visit, _Passed(ring), keep=keep)
+            (out, lse), received = _walk(ring, (kv, segments), visit, _Passed(ring), keep=keep)
         else:
-            (out, lse), received = _hop_walk(ring, (k, v, segments), visit, steps)
+            (out, lse), received = _hop_walk(ring, (kv, segments), visit, steps)
             received = received if keep else None
         out = out.astype(q.dtype)
-        return out, (q, k, v, segments, out, lse, received)
+        return out, (q, weights, kv, segments, out, lse, received)
 
     def backward(residuals, d_out):
-        q, k, v, segments, out, lse, received = residuals
+        q, weights, kv, segments, out, lse, received = residuals
         d_out = d_out.astype(jnp.float32)
         # The softmax backward's row term: sum over head_dim of dO * O, with the final output.
         d_lse_total = jnp.sum(d_out * out.astype(jnp.float32), axis=-1)
 
-        def block_grads(kv, src, diagonal, grads):
-            """Recomputes this block's partials and pulls back the final output's gradient: a partial
-            (o_p, lse_p) enters the output with weight w = exp(lse_p - lse), so its cotangents are
-            w * dO and w * (rowsum(dO * o_p) - rowsum(dO * O))."""
-            k, v, k_segments = kv
-            partials, pull_back = jax.vjp(
-                lambda q, k, v: _blocks(kernel, ring, diagonal, q, segments, (k, v, k_segments), src), q, k, v)
+        def block_grads(block, src, diagonal, grads):
+            """Recomputes this block's partials (and keys and values, if made) and pulls back the final
+            output's gradient: a partial (o_p, lse_p) enters the output with weight w = exp(lse_p - lse),
+            so its cotangents are w * dO and w * (rowsum(dO * o_p) - rowsum(dO * O)). Returns the
+            queries', the weights' and the block's gradients, added to `grads`."""
+            kv, k_segments = block
+            partials, pull_back = jax.vjp(lambda q, w, kv: blocks(q, segments, w, (kv, k_segments), src, diagonal),
+                                          q, weights, kv)
             cotangents = []
             for o_p, lse_p in partials:
                 w = jnp.exp(lse_p - lse)
                 cotangents.append((w[..., None] * d_out, w * (jnp.sum(d_out * o_p, axis=-1) - d_lse_total)))
-            dq, dk, dv = pull_back(cotangents)
-            if grads is not None:
-                dq, dk, dv = dq + grads[0], dk + grads[1], dv + grads[2]
-            return dq, dk, dv
+            found = pull_back(cotangents)
+            return found if grads is None else jax.tree.map(jnp.add, found, grads)
 
-        def visit(kv, src, diagonal, grads):
-            # dK, dV of this block travel on with it and reach their own device after the last step.
-            dq, dk, dv = block_grads(kv, src, diagonal, grads)
-            return (dq, *ring.shift((dk, dv)))
+        def visit(block, src, diagonal, grads):
+            # The block's gradients travel on with it and reach their own device after the last step.
+            dq, dw, dkv = block_grads(block, src, diagonal, grads)
+            return dq, dw, ring.shift(dkv)
 
         def send(grads, hops):
-            return (grads[0], *ring.shift(grads[1:], hops))
+            return grads[0], grads[1], ring.shift(grads[2], hops)
 
         # The gradients travel with the blocks, so they ride the same ring: `visit` shifts them itself.
+        widths = _widths(kv)
         if steps is not None:
             if keep:
-                (dq, dk, dv), _ = _hop_walk(ring, (k, v, segments), block_grads, steps, received=received, send=send)
+                (dq, dw, dkv), _ = _hop_walk(ring, (kv, segments), block_grads, steps, received=received, send=send)
             else:
-                (dq, dk, dv), _ = _hop_walk(ring, _sent_again((k, v, segments)), _unpacked(block_grads, k.shape[-1]),
-                                            steps, send=send)
+                (dq, dw, dkv), _ = _hop_walk(ring, _sent_again((kv, segments)), _unpacked(block_grads, widths),
+                                             steps, send=send)
         elif keep:
-            (dq, dk, dv), _ = _walk(ring, (k, v, segments), visit, _Kept(received))
+            (dq, dw, dkv), _ = _walk(ring, (kv, segments), visit, _Kept(received))
         else:
-            (dq, dk, dv), _ = _walk(ring, _sent_again((k, v, segments)), _unpacked(visit, k.shape[-1]), _Passed(ring))
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+            (dq, dw, dkv), _ = _walk(ring, _sent_again((kv, segments)), _unpacked(visit, widths), _Passed(ring))
+        return dq.astype(q.dtype), _like(dw, weights), _like(dkv, kv), None
 
     attend.defvjp(forward, backward)
-    return attend(q, k, v, segments)
+    return attend(q, weights, kv, segments)
+
+
+def _like(grads, primals):
+    """Gradients in their primals' dtypes."""
+    return jax.tree.map(lambda g, x: g.astype(x.dtype), grads, primals)
 
 
 # --------------------------------------------------------------------------- ring of fused blocks
 
 
-def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, keep: bool = False):
+def _fused_attention(fused, ring, q, weights, kv, segments=None, expand=None, gather: bool = False,
+                     keep: bool = False):
     """Zig-zag context-parallel attention (`_blocks` says which quarter blocks are needed) on a
-    `BlockKernel`; the key/value blocks come around the ring, or (`gather`) out of one all-gather.
+    `BlockKernel`; the travelling blocks (`kv`: keys and values, or the arrays `expand` makes them
+    from) come around the ring, or (`gather`) out of one all-gather.
 
     At home the local chunks (early, late) are in token order: one causal block of both. Another
     device's block: my late chunk sees its early chunk whole; if it comes from an earlier device my
@@ -484,20 +552,22 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
     a document mask.
     """
 
-    def visits(keys, visit):
+    def visits(blocks, visit):
         """The forward pass's visits: (the visits' result, the blocks that reached this device if `keep`)."""
         if gather:
-            everything = ring.gather(keys)
-            result, _ = _walk(ring, keys, visit, _Gathered(everything, ring.size), unroll=True)
+            everything = ring.gather(blocks)
+            result, _ = _walk(ring, blocks, visit, _Gathered(everything, ring.size), unroll=True)
             return result, everything if keep else None
-        return _walk(ring, keys, visit, _Passed(ring), unroll=True, keep=keep)
+        return _walk(ring, blocks, visit, _Passed(ring), unroll=True, keep=keep)
 
     def block(queries, keys, causal):
         (q, q_segments), (k, v, k_segments) = queries, keys
         out, lse = fused.forward(q, k, v, causal, q_segments, k_segments)
         return out.astype(jnp.float32), lse
 
-    def visit(queries, keys, src, diagonal, acc):
+    def visit(queries, weights, travelling, src, diagonal, acc):
+        kv, k_segments = travelling
+        keys = (*_keys_values(expand, weights, kv), k_segments)
         if diagonal:  # the local chunks are in token order, so at home attention is one causal block
             return _split(block(queries, keys, True))
         (q_lo, q_hi), (k_lo, k_hi) = _split(queries), _split(keys)
@@ -508,31 +578,39 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
         return _choose(before, _merge(lo, [either]), lo), _choose(before, hi, _merge(hi, [either]))
 
     @jax.custom_vjp
-    def attend(q, k, v, segments):
-        return forward(q, k, v, segments)[0]
+    def attend(q, weights, kv, segments):
+        return forward(q, weights, kv, segments)[0]
 
-    def forward(q, k, v, segments):
-        (lo, hi), received = visits((k, v, segments), lambda *args: visit((q, segments), *args))
+    def forward(q, weights, kv, segments):
+        (lo, hi), received = visits((kv, segments), lambda *args: visit((q, segments), weights, *args))
         out, lse = _join(lo[0], hi[0]).astype(q.dtype), _join(lo[1], hi[1])
         # Named for remat policies that keep fused attention (models/stack.py's dots_attention), with
         # the blocks kept for the backward (`keep`): what the backward needs, so that it need not
         # run this forward again, transfers and all.
         out, lse, received = jax.tree.map(lambda x: checkpoint_name(x, FUSED_ATTENTION), (out, lse, received))
-        return out, (q, k, v, segments, out, lse, received)
+        return out, (q, weights, kv, segments, out, lse, received)
 
     def backward(residuals, d_out):
-        q, k, v, segments, out, lse, received = residuals
+        q, weights, kv, segments, out, lse, received = residuals
         rows = (q, out, lse, d_out.astype(q.dtype), segments)
         rows_lo, rows_hi = _split(rows)
-        t = k.shape[1]
+        t = q.shape[1]
 
         def grads(rows, keys, causal):
             (q, out, lse, d_out, q_segments), (k, v, k_segments) = rows, keys
             block = fused.backward(q, k, v, out, lse, d_out, causal, q_segments, k_segments)
             return [g.astype(jnp.float32) for g in block]
 
-        def block_grads(keys, src, diagonal, dq):
-            """dQ with this block's share added (early and late halves), and the block's own dK, dV."""
+        def block_grads(travelling, src, diagonal, dq):
+            """dQ with this block's share added (early and late halves), and the gradients of the
+            weights and of the travelling block (float32): its dK, dV, or theirs pulled back through
+            the expansion that made them."""
+            kv, k_segments = travelling
+            if expand is None:
+                (k, v), pull_back = kv, None
+            else:
+                (k, v), pull_back = jax.vjp(expand, weights, kv)
+            keys = (k, v, k_segments)
             if diagonal:
                 d_home, dk, dv = grads(rows, keys, True)
                 share = _halves(d_home)
@@ -545,44 +623,54 @@ def _fused_attention(fused, ring, q, k, v, segments=None, gather: bool = False, 
                 share = (jnp.where(before, either[0], zero), late_early[0] + jnp.where(before, zero, either[0]))
                 dk, dv = (_join(late_early[i] + jnp.where(before, either[i], 0), jnp.where(before, 0, either[i]))
                           for i in (1, 2))
-            return (share if dq is None else jax.tree.map(jnp.add, dq, share)), dk, dv
+            if pull_back is None:
+                dw, dkv = (), (dk, dv)
+            else:
+                dw, dkv = pull_back((dk.astype(k.dtype), dv.astype(v.dtype)))
+                dkv = tuple(g.astype(jnp.float32) for g in dkv)
+            return (share if dq is None else jax.tree.map(jnp.add, dq, share)), dw, dkv
 
-        def travel(keys, src, diagonal, acc):
-            """Around the ring, a block's dK, dV travel on with it and reach home for its last visit (as
-            in `_ring_attention`), in K's and V's own dtype: in bfloat16 training half the bytes of
-            float32 (the ring's largest transfer), at the cost of one rounding per hop."""
-            dq, dk, dv = block_grads(keys, src, diagonal, None if acc is None else acc[0])
+        def add(acc, found):
+            return found if acc is None else jax.tree.map(lambda a, f: f + a, acc, found)
+
+        def travel(travelling, src, diagonal, acc):
+            """Around the ring, a block's gradients travel on with it and reach home for its last visit
+            (as in `_ring_attention`), in the block's own dtype: in bfloat16 training half the bytes of
+            float32 (the ring's largest transfer), at the cost of one rounding per hop. The weights'
+            add up here."""
+            dq, dw, dkv = block_grads(travelling, src, diagonal, None if acc is None else acc[0])
             if acc is not None:
-                dk, dv = dk + acc[1], dv + acc[2]
+                dw, dkv = add(acc[1], dw), add(acc[2], dkv)
             if diagonal:  # at home, last
-                return dq, dk, dv
-            return (dq, *ring.shift((dk.astype(k.dtype), dv.astype(v.dtype))))
+                return dq, dw, dkv
+            return dq, dw, ring.shift(_like(dkv, kv))
 
-        def collect(keys, src, diagonal, acc):
-            """From the all-gather, each block's dK, dV add into a buffer of all of them, reduce-scattered
-            after the last block (the all-gather's transpose)."""
-            dq, dk, dv = block_grads(keys, src, diagonal, None if acc is None else acc[0])
-            everything = acc[1:] if acc is not None else [
-                jnp.zeros((x.shape[0], ring.size * t, *x.shape[2:]), jnp.float32) for x in (dk, dv)]
-            add = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+        def collect(travelling, src, diagonal, acc):
+            """From the all-gather, each block's gradients add into a buffer of all of them,
+            reduce-scattered after the last block (the all-gather's transpose)."""
+            dq, dw, dkv = block_grads(travelling, src, diagonal, None if acc is None else acc[0])
+            everything = acc[2] if acc is not None else tuple(
+                jnp.zeros((x.shape[0], ring.size * t, *x.shape[2:]), jnp.float32) for x in dkv)
+            put = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
                 whole, jax.lax.dynamic_slice_in_dim(whole, src * t, t, axis=1) + part, src * t, axis=1)
-            return dq, add(everything[0], dk), add(everything[1], dv)
+            return dq, add(None if acc is None else acc[1], dw), tuple(map(put, everything, dkv))
 
+        widths = _widths(kv)
         if gather:  # `received`: the forward's gather, or None to gather again
             if keep:
-                keys, gathered_visit, everything = (k, v, segments), collect, received
+                blocks, gathered_visit, everything = (kv, segments), collect, received
             else:
-                keys, gathered_visit = _sent_again((k, v, segments)), _unpacked(collect, k.shape[-1])
-                everything = ring.gather(keys)
-            (dq, dk, dv), _ = _walk(ring, keys, gathered_visit, _Gathered(everything, ring.size), unroll=True)
-            dk, dv = (jax.lax.psum_scatter(x.astype(y.dtype), ring.axes, scatter_dimension=1, tiled=True)
-                      for x, y in ((dk, k), (dv, v)))
+                blocks, gathered_visit = _sent_again((kv, segments)), _unpacked(collect, widths)
+                everything = ring.gather(blocks)
+            (dq, dw, dkv), _ = _walk(ring, blocks, gathered_visit, _Gathered(everything, ring.size), unroll=True)
+            dkv = tuple(jax.lax.psum_scatter(g.astype(x.dtype), ring.axes, scatter_dimension=1, tiled=True)
+                        for g, x in zip(dkv, kv))
         elif keep:
-            (dq, dk, dv), _ = _walk(ring, (k, v, segments), travel, _Kept(received), unroll=True, home_last=True)
+            (dq, dw, dkv), _ = _walk(ring, (kv, segments), travel, _Kept(received), unroll=True, home_last=True)
         else:
-            (dq, dk, dv), _ = _walk(ring, _sent_again((k, v, segments)), _unpacked(travel, k.shape[-1]),
-                                    _Passed(ring), unroll=True, home_last=True)
-        return _join(*dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+            (dq, dw, dkv), _ = _walk(ring, _sent_again((kv, segments)), _unpacked(travel, widths),
+                                     _Passed(ring), unroll=True, home_last=True)
+        return _join(*dq).astype(q.dtype), _like(dw, weights), _like(dkv, kv), None
 
     attend.defvjp(forward, backward)
-    return attend(q, k, v, segments)
+    return attend(q, weights, kv, segments)
