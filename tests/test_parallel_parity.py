@@ -116,7 +116,10 @@ SLOW_LAYOUTS = ("zero0_accum", "zero1_accum", "zero2_accum", "tensor2_fsdp2", "t
                 "sequence2_all_gather", "sequence2_ring", "sequence4_ring",
                 "tensor4_fsdp2_sp_fused",
                 "expert8_moe", "expert4_fsdp2_all_gather_moe", "expert2_fsdp4_moe", "expert4_fsdp2_keep_gathered_moe",
-                "expert2_tensor2_fsdp2_moe", "expert8_width_moe", "expert2_tensor2_fsdp2_width_moe")
+                "expert2_tensor2_fsdp2_moe", "expert8_width_moe", "expert2_tensor2_fsdp2_width_moe",
+                # tensor x expert with SP: the ring row's experts and tensor_sp's heads cover its parts;
+                # the width split with a capacity: the width row and the capacity row do.
+                "expert2_tensor2_fsdp2_sp_moe", "expert4_fsdp2_width_moecap")
 REFERENCES = {"fused": "single_fused", "fp8": "single_fp8", "moe": "single_moe", "moecap": "single_moecap"}
 MOE_LAYOUTS = [n for n in LAYOUTS if n.endswith(("_moe", "_moecap"))]
 # The dense tensor layouts, whose collectives the tests below read.

@@ -382,9 +382,11 @@ def test_pipeline_sweep_matches_one_device(one_device, stdlib_batches, name):
 UNROLLED = {"model.scan_unroll": 4}  # each of 2 stages' 4 layers unrolled, as configs/bench_1b.py's 16
 
 
-# The rows alone in the slow tier (`-m slow`), for the suite's time: the split sequence's row has them too.
-@pytest.mark.parametrize("settings", [pytest.param(pipelined("1f1b", 2, 8, UNROLLED), marks=pytest.mark.slow),
-                                      pipelined("1f1b", 2, 8, {**UNROLLED, **RING}, sequence=2, tensor=2)],
+# The split sequence's row (branch-free slots, tensor and sequence in the stages) in the slow tier
+# (`-m slow`), for the suite's time: the rows alone are the property, and its parts are other rows'.
+@pytest.mark.parametrize("settings", [pipelined("1f1b", 2, 8, UNROLLED),
+                                      pytest.param(pipelined("1f1b", 2, 8, {**UNROLLED, **RING}, sequence=2, tensor=2),
+                                                   marks=pytest.mark.slow)],
                          ids=["alone", "sequence2_tensor2_ring"])
 def test_one_f_one_b_keeps_its_ring_in_layer_rows_where_the_layer_loop_unrolls(one_device, stdlib_batches,
                                                                               settings):

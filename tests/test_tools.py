@@ -253,6 +253,7 @@ def test_attention_bench_runs_each_kernel_and_sweep_on_tiny_shapes(monkeypatch, 
     assert capsys.readouterr().out.count("sweep mosaic") == sum(sizes.values())
 
 
+@pytest.mark.slow  # the suite's time: the tool's run of each kernel and sweep is the default tier's
 def test_attention_bench_adopts_the_swept_blocks_with_a_window_and_checks_them(monkeypatch, capsys):
     """--block-sweep --adopt-sweep's path (a window, documents): the sweep's three bests become the
     tuning of the rest of the run, checked against float32 and timed as a row of their own, and
