@@ -435,10 +435,10 @@ def to_hf(model_or_workdir, path: str, dtype: str | None = None, log=print) -> N
     if cfg.moe.num_experts and cfg.moe.capacity_factor:
         log(f"note: model.moe.capacity_factor={cfg.moe.capacity_factor} is not exported: transformers' Mixtral "
             f"routes every token to its experts (as ushard does with capacity_factor=0).")
-    ids = hf_tokenizer.token_ids(trained.tokenizer, log)
+    ids, files = hf_tokenizer.beside_weights(trained.tokenizer, path, log)
     save_hf(trained.params, cfg, path, dtype, max_positions=_max_positions(trained), token_ids=ids)
     if jax.process_index() == 0:
-        hf_tokenizer.write_beside_weights(trained.tokenizer, path, ids, log)
+        hf_tokenizer.write_beside_weights(path, ids, files)
 
 
 def _max_positions(trained: TrainedModel) -> int:

@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 
-from ushard.data.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_file
+from ushard.data.tokenizer import ByteTokenizer, HFTokenizer, special_token_text, tokenizer_file
 from ushard.errors import UserError
 
 # The files beside a tokenizer.json that transformers' AutoTokenizer reads, where they exist.
@@ -28,40 +28,39 @@ TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_to
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
-def token_ids(name: str | None, log=print) -> dict:
-    """{"bos_token_id": ..., "eos_token_id": ...} of the tokenizer `name` (an id or a list of ids; keys
-    left out where unknown), for config.json and generation_config.json."""
+def beside_weights(name: str | None, directory: str, log=print) -> tuple[dict, list[str]]:
+    """What an export into `directory` carries of the tokenizer `name`: ({"bos_token_id": ...,
+    "eos_token_id": ...} for config.json and generation_config.json, an id or a list of ids, keys left
+    out where unknown; the tokenizer files to copy there), with a note where it carries nothing."""
     if name is None:
-        return {}
+        log("note: the model's tokenizer is unknown (it was not trained by a ushard run): copy its tokenizer files "
+            f"into {directory} from where the model came from.")
+        return {}, []
     if name == "byte":
-        return {"eos_token_id": ByteTokenizer.eos_id}
+        return {"eos_token_id": ByteTokenizer.eos_id}, []
     try:
         tokenizer = HFTokenizer(tokenizer_file(name))
     except UserError as e:  # the run's tokenizer moved since: the weights are exported all the same
         log(f"note: no tokenizer files or special-token ids exported: {e}")
-        return {}
-    config = _tokenizer_config(os.path.dirname(tokenizer.path))
+        return {}, []
+    folder = os.path.dirname(tokenizer.path)
+    config = _tokenizer_config(folder)
     ids = {}
     bos = _token_id(tokenizer, config.get("bos_token"))
     if bos is not None:
         ids["bos_token_id"] = bos
     turn_end = _token_id(tokenizer, config.get("eos_token"))
     ids["eos_token_id"] = tokenizer.eos_id if turn_end in (None, tokenizer.eos_id) else [tokenizer.eos_id, turn_end]
-    return ids
+    files = [tokenizer.path] + [os.path.join(folder, f) for f in TOKENIZER_FILES
+                                if os.path.isfile(os.path.join(folder, f))]
+    return ids, files
 
 
-def write_beside_weights(name: str | None, directory: str, ids: dict, log=print) -> None:
-    """The tokenizer's files (for a Hugging Face one) and generation_config.json (`ids`) in `directory`."""
-    if name is None:
-        log("note: the model's tokenizer is unknown (it was not trained by a ushard run): copy its tokenizer files "
-            f"into {directory} from where the model came from.")
-    elif name != "byte" and ids:
-        path = tokenizer_file(name)
-        shutil.copyfile(path, os.path.join(directory, "tokenizer.json"))
-        for file in TOKENIZER_FILES:
-            source = os.path.join(os.path.dirname(path), file)
-            if os.path.isfile(source):
-                shutil.copyfile(source, os.path.join(directory, file))
+def write_beside_weights(directory: str, ids: dict, files: list[str]) -> None:
+    """`beside_weights`' findings in `directory`: the tokenizer's files (tokenizer.json under that name
+    whatever its own) and generation_config.json."""
+    for index, source in enumerate(files):
+        shutil.copyfile(source, os.path.join(directory, "tokenizer.json" if index == 0 else os.path.basename(source)))
     if ids:
         with open(os.path.join(directory, "generation_config.json"), "w") as f:
             json.dump(ids, f, indent=2)
@@ -80,9 +79,6 @@ def _tokenizer_config(directory: str) -> dict:
 
 
 def _token_id(tokenizer: HFTokenizer, token) -> int | None:
-    """The id of a tokenizer_config.json special token (a string, or a dict with its "content")."""
-    if isinstance(token, dict):
-        token = token.get("content")
-    if not isinstance(token, str):
-        return None
-    return tokenizer.token_id(token)
+    """The id of a tokenizer_config.json special token, None where it names none."""
+    text = special_token_text(token)
+    return None if text is None else tokenizer.token_id(text)

@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from ushard.data.sources import read_bytes
-from ushard.data.tokenizer import HFTokenizer
+from ushard.data.tokenizer import HFTokenizer, special_token_text
 from ushard.errors import UserError, install_hint
 
 # The byte tokenizer's template: each turn is a header line `<|role|>` then its content; a user,
@@ -94,8 +94,8 @@ class HFChatTemplate:
         except jinja2.TemplateError as e:
             raise UserError(f"the chat template in {self.source} is not valid jinja2 ({e}).") from None
         # The special tokens a template may name (bos_token, eos_token, ...), as strings.
-        self._tokens = {key: _token_text(value) for key, value in tokenizer_config.items()
-                        if key.endswith("_token") and _token_text(value) is not None}
+        self._tokens = {key: special_token_text(value) for key, value in tokenizer_config.items()
+                        if key.endswith("_token") and special_token_text(value) is not None}
 
     @staticmethod
     def _find(directory: str) -> tuple[str, str, dict]:
@@ -157,13 +157,6 @@ def _raise(message):
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _token_text(value) -> str | None:
-    """A special token as tokenizer_config.json holds it: a string, or an object with its "content"."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
 
 
 def chat_template(tokenizer):

@@ -114,6 +114,14 @@ class HFTokenizer:
 TOKENIZERS = {"byte": ByteTokenizer}
 
 
+def special_token_text(value) -> str | None:
+    """A special token as tokenizer_config.json holds it (`eos_token` and the like): a string, or an
+    object with its "content"; None for anything else (null, a missing key)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
 def tokenizer_file(name: str) -> str:
     """The tokenizer.json that `data.tokenizer` names: the path itself, or tokenizer.json in that directory."""
     path = os.path.expanduser(name)
