@@ -240,7 +240,9 @@ def load_config(name: str, overrides=()) -> ml_collections.ConfigDict:
 
 def _file_line(e: Exception, path: str) -> str:
     """', line N (the line)' of the config file's last frame in `e`'s traceback, or ''."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.samefile(f.filename, path)]
+    # Compared as real paths: samefile would raise on a frame of no file ("<frozen ...>", "<string>").
+    here = os.path.realpath(path)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.realpath(f.filename) == here]
     if not frames:
         return ""
     return f", line {frames[-1].lineno} ({(frames[-1].line or '').strip()}),"
