@@ -105,6 +105,13 @@ class HloOps:
             _add(out[e["name"][:60]], e, steps)
         return out
 
+    def scoped_ms(self, kernels: list[dict], steps: int, scope: str) -> tuple[float, float]:
+        """(device ms per step of the kernels whose instruction's op name lies under `jax.named_scope(scope)`,
+        of all kernels): a fusion counts where its root instruction was traced."""
+        attributed = self.attribute(kernels, steps)
+        inside = sum(ms for name, (ms, _, _) in attributed.items() if f"/{scope}/" in "/" + self.op_name.get(name, ""))
+        return inside, sum(ms for ms, _, _ in attributed.values())
+
     def table(self, kernels: list[dict], steps: int, top: int) -> list[str]:
         """The operations grouped by (op name, shape), largest first, with each matmul group's TFLOP/s."""
         groups = collections.defaultdict(lambda: [0.0, 0, 0, set()])

@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--dump", help="write the compiled HLO and the per-kernel times (JSON) into this folder")
+    parser.add_argument("--scope", help="also print the time of the kernels traced under jax.named_scope(SCOPE), "
+                        "e.g. optimizer (ushard/training/step.py)")
     args, overrides = parser.parse_known_args()
     config = load_config(args.config, [o[len("--config."):] for o in overrides])
     xla_flags.apply(config)  # before the backend starts
@@ -133,8 +135,12 @@ def main() -> None:
     print(f"{'ms/step':>9}  class      kernel")
     for name, ms in sorted(per_step_ms.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{ms:9.2f}  {kernel_class(name):<9}  {name[:110]}")
+    ops = HloOps(step_fn.as_text())
     print("\nby HLO operation (bwd = transpose(jvp())):")
-    print("\n".join(HloOps(step_fn.as_text()).table(kernels, args.steps, args.top)))
+    print("\n".join(ops.table(kernels, args.steps, args.top)))
+    if args.scope:
+        inside, total = ops.scoped_ms(kernels, args.steps, args.scope)
+        print(f"under jax.named_scope({args.scope!r}): {inside:.1f} of {total:.1f} ms a step ({inside / total:.1%})")
 
 
 if __name__ == "__main__":

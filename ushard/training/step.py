@@ -216,16 +216,18 @@ class Steps:
         loss, aux, grads_and_loads, count = self._mean_loss_and_grads(state.params, batch)
         grads = self.model.without_expert_loads(grads_and_loads)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        params = self.model.balance_experts(params, state.params, grads_and_loads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        skipped = state.skipped
-        if self.skip_nonfinite:  # keep the old state where this step's numbers are not finite
-            keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-            params = jax.tree.map(keep_old, params, state.params)
-            opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
-            skipped = skipped + (~finite).astype(jnp.int32)
+        # The update, the balancing and the skip: tools/profile_step.py --scope optimizer sums their kernels.
+        with jax.named_scope("optimizer"):
+            updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            params = self.model.balance_experts(params, state.params, grads_and_loads)
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            skipped = state.skipped
+            if self.skip_nonfinite:  # keep the old state where this step's numbers are not finite
+                keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+                params = jax.tree.map(keep_old, params, state.params)
+                opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
+                skipped = skipped + (~finite).astype(jnp.int32)
         metrics = {"loss": loss, "aux": aux, "grad_norm": grad_norm, "lr": self.schedule(state.step),
                    "finite": finite, "skipped": skipped, "loss_tokens": count}
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1, skipped=skipped), metrics
