@@ -131,6 +131,15 @@ DESCRIPTIONS = {
     "model.moe.grouped_matmul_impl": "the dropless experts' grouped matmul: `auto` (JAX's Pallas Mosaic-GPU kernel "
                                      "on Hopper GPUs in 16-bit compute, megablox on TPUs, else XLA), `xla` "
                                      "(ragged_dot), `mosaic_gpu`, `megablox`",
+    "model.lora.alpha": "LoRA: the update is scaled by alpha / rank (peft's `lora_alpha`)",
+    "model.lora.base_dtype": 'LoRA: the frozen base stored in `compute` (model.compute_dtype: no float32 copy) or '
+        '`param` (model.param_dtype)',
+    "model.lora.dropout": "LoRA: dropout on the adapters' inputs (peft's `lora_dropout`); a step's microbatches "
+        'share its masks',
+    "model.lora.rank": 'LoRA adapters of this rank on the frozen model (docs/finetuning.md); 0: every weight trained',
+    "model.lora.targets": 'LoRA: the weights that get adapters, comma-separated (`wq`, `w_up`, `experts.w_up`: a '
+        'name matches each weight whose path ends with it), or `all`: every projection of '
+        'attention, the MLPs and the experts',
     "model.mtp.depth": "multi-token prediction modules (DeepSeek-V3's; ushard/models/mtp.py): module k predicts "
                        "the token k + 1 places after the next; 0: none. Families: llama, qwen3, deepseek",
     "model.mtp.loss_weight": "the objective adds this times the mean over depths of each depth's cross-entropy "

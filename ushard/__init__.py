@@ -16,7 +16,7 @@ from ushard.aot import compile_for  # noqa: E402
 from ushard.api import load_config, train  # noqa: E402
 from ushard.build import Setup, build  # noqa: E402
 from ushard.errors import UserError  # noqa: E402
-from ushard.hf import from_hf, to_hf  # noqa: E402
+from ushard.hf_convert import from_hf, to_hf  # noqa: E402
 from ushard.trained import TrainedModel, load_model  # noqa: E402
 
 __all__ = ["Setup", "TrainedModel", "UserError", "build", "compile_for", "from_hf", "load_config", "load_model",

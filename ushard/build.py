@@ -21,6 +21,7 @@ from ushard.models.definition import ModelDef, model_definition
 from ushard.parallel import SEAMS
 from ushard.plan import ParallelPlan
 from ushard.sharding import Layout, format_rules
+from ushard.training.lora import Adapters
 from ushard.training.optim import make_optimizer, plan_optimizer
 from ushard.training.step import Steps
 from ushard.xla_flags import ignored_settings
@@ -39,6 +40,7 @@ class Setup:
     schedule: optax.Schedule
     steps: Steps  # jitted init / train_step / loss_and_grads / eval_step for this layout
     notes: tuple[str, ...] = ()  # settings this platform ignores, one line each (printed by describe)
+    adapters: Adapters | None = None  # with LoRA (model.lora.rank > 0): which weights carry adapters
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -58,6 +60,10 @@ class Setup:
         size = f"{self.model.num_params() / 1e6:.1f}M params"
         if self.model_config.moe.num_experts:  # what FLOPs and MFU count: a token's share of the experts
             size += f" ({self.model.num_matmul_params() / 1e6:.1f}M active in a token's matmuls)"
+        if self.adapters:
+            lora = self.model_config.lora
+            size += (f", frozen, with LoRA adapters of rank {lora.rank} on {len(self.adapters.weights)} weights "
+                     f"({self.adapters.num_params() / 1e6:.2f}M trained)")
         return (f"ushard: {size} on {self.mesh.size} {self.plan.platform} device(s), {self.plan.describe()}"
                 f"parameter layout (logical axis -> mesh axes):\n{format_rules(self.layout.zero.params)}"
                 + "".join(f"\nnote: {line}" for line in self.notes))
@@ -77,9 +83,14 @@ def build(config, devices=None, platform: str | None = None, device_kind: str | 
         grouped_kernels.check(model_cfg.moe.grouped_matmul_impl, platform)
     plan = ParallelPlan.create(config, mesh_shape, platform, model_cfg, device_kind or devices[0].device_kind)
     layout = Layout.from_plan(build_mesh(mesh_shape, dict(config.mesh.dcn), devices), plan, SEAMS)
-    plan = dataclasses.replace(plan, **plan_optimizer(config, model, layout))  # needs the layout's state shardings
+    # What the optimizer trains: the model's parameters, or with LoRA only the adapters (both have
+    # `logical` and `shapes`).
+    adapters = Adapters(model, model_cfg.lora) if model_cfg.lora.rank else None
+    trained = adapters or model
+    plan = dataclasses.replace(plan, **plan_optimizer(config, trained, layout))  # needs the layout's state shardings
     layout = dataclasses.replace(layout, plan=plan)
-    tx, schedule = make_optimizer(config, model.logical, layout)
+    tx, schedule = make_optimizer(config, trained.logical, layout)
     t = config.train
-    steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip")
-    return Setup(config, model_cfg, plan, layout, model, tx, schedule, steps, tuple(ignored_settings(config, platform)))
+    steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip", adapters=adapters)
+    return Setup(config, model_cfg, plan, layout, model, tx, schedule, steps, tuple(ignored_settings(config, platform)),
+                 adapters)

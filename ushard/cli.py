@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
         "convert", help="convert between Hugging Face checkpoints and ushard workdirs",
         description="--from-hf DIR --to WORKDIR: a Hugging Face checkpoint (config.json + safetensors) into a "
                     "workdir's checkpoint; --from WORKDIR --to-hf DIR: a workdir's newest checkpoint into a "
-                    "Hugging Face checkpoint.",
+                    "Hugging Face checkpoint (a LoRA run's merged into its base); --from WORKDIR --to-peft DIR: "
+                    "a LoRA run's adapters as a PEFT adapter.",
     )
     convert.add_argument("--from-hf", dest="from_hf", metavar="DIR",
                          help="a Hugging Face checkpoint directory to import")
@@ -81,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="a workdir whose newest checkpoint to export")
     convert.add_argument("--to-hf", dest="to_hf", metavar="DIR",
                          help="the new directory to write the Hugging Face checkpoint into")
+    convert.add_argument("--to-peft", dest="to_peft", metavar="DIR",
+                         help="the new directory to write a LoRA run's adapters into (peft's format)")
     convert.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                          help="--to-hf: the weights' dtype on disk (default: the parameters')")
     aot = sub.add_parser(
@@ -225,21 +228,24 @@ def _writable_directory(path: str, flag: str) -> None:
 
 
 def convert(args) -> None:
-    from ushard import hf
+    from ushard import hf_convert as hf
 
     importing = (args.from_hf, args.to)
     exporting = (args.from_workdir, args.to_hf)
-    if all(importing) and not any(exporting):
+    if args.to_peft and args.from_workdir and not (args.to_hf or any(importing) or args.dtype):
+        _writable_directory(args.to_peft, "--to-peft")
+        hf.convert_to_peft(args.from_workdir, args.to_peft)
+    elif all(importing) and not any(exporting) and not args.to_peft:
         if args.dtype:
             raise UserError("--dtype applies to --to-hf; an imported checkpoint keeps float32 parameters.")
         _writable_directory(args.to, "--to")
         hf.convert_from_hf(args.from_hf, args.to)
-    elif all(exporting) and not any(importing):
+    elif all(exporting) and not any(importing) and not args.to_peft:
         _writable_directory(args.to_hf, "--to-hf")
         hf.convert_to_hf(args.from_workdir, args.to_hf, args.dtype)
     else:
-        raise UserError("convert takes either --from-hf DIR --to WORKDIR (import) or --from WORKDIR --to-hf DIR "
-                        "(export).")
+        raise UserError("convert takes --from-hf DIR --to WORKDIR (import), --from WORKDIR --to-hf DIR (export) or "
+                        "--from WORKDIR --to-peft DIR (a LoRA run's adapters).")
 
 
 def compile_step(args, overrides) -> None:

@@ -123,7 +123,7 @@ def load(workdir: str | None = None, hf: str | None = None, overrides=(), seq_le
         saved, data_state = _saved_items(workdir, trained.step)
         defaults = {}
     else:
-        from ushard import hf as hf_checkpoint
+        from ushard import hf_convert as hf_checkpoint
 
         trained = hf_checkpoint.from_hf(hf, devices)
         saved, data_state = {}, None

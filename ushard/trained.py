@@ -7,6 +7,7 @@ device or laid out ZeRO-3 over several (the `fsdp` axis spanning them).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -16,8 +17,10 @@ from ushard.checkpoint import Checkpoints, saved_model_config
 from ushard.config import MESH_AXES
 from ushard.errors import UserError
 from ushard.mesh import build_mesh
+from ushard.models.config import LoraConfig
 from ushard.models.definition import ModelDef, model_definition
 from ushard.sharding import Layout, check_divisible, use_layout, with_shardings
+from ushard.training import lora
 
 
 @dataclass
@@ -67,12 +70,34 @@ def abstract_params(model: ModelDef, layout: Layout):
 
 
 def load_model(workdir: str, devices=None, log=print) -> TrainedModel:
-    """The model in `workdir`'s newest readable checkpoint, on `devices` (default: the first device)."""
+    """The model in `workdir`'s newest readable checkpoint, on `devices` (default: the first device);
+    a LoRA run's adapters merged into their base."""
     layout = inference_layout(devices)
+    step, state, saved = restore_params(workdir, layout, log)
+    tokenizer = saved.get("data", {}).get("tokenizer", "byte")  # a name or a tokenizer.json's path: sample checks it
+    model_cfg = saved_model_config(saved)
+    params = state["params"]
+    if model_cfg.lora.rank:  # a LoRA run: its adapters merged into the base, a plain model from here on
+        params = lora.merged_params(saved, model_definition(model_cfg), params, state["base_check"],
+                                    abstract_params(model_definition(model_cfg), layout), log)
+        model_cfg = dataclasses.replace(model_cfg, lora=LoraConfig())
+    return TrainedModel(model_definition(model_cfg), params, layout, step, tokenizer,
+                        saved.get("train", {}).get("seq_len"))
+
+
+def restore_params(workdir: str, layout: Layout, log=print) -> tuple[int, dict, dict]:
+    """(step, {"params": ...}, saved config) of `workdir`'s newest readable checkpoint, laid out in
+    `layout`; a LoRA run's "params" are its adapters, beside its base's fingerprint ("base_check")."""
 
     def target(saved_config):
         model_cfg = saved_model_config(saved_config)
-        return {"params": abstract_params(model_definition(model_cfg), layout)}, model_cfg
+        model = model_definition(model_cfg)
+        if model_cfg.lora.rank:  # the adapters and their base's fingerprint (ushard/training/lora.py)
+            adapters = lora.Adapters(model, model_cfg.lora)
+            check = with_shardings(lora.base_check_shape(model), layout.replicated)
+            return {"params": with_shardings(adapters.shapes, layout.shardings(adapters.logical, "params")),
+                    "base_check": check}, model_cfg
+        return {"params": abstract_params(model, layout)}, model_cfg
 
     checkpoints = Checkpoints(workdir, create=False)
     try:
@@ -83,6 +108,4 @@ def load_model(workdir: str, devices=None, log=print) -> TrainedModel:
         raise UserError(f"{checkpoints.directory} holds no complete checkpoint; train a model first with "
                         f"`ushard train --workdir {workdir}`.")
     step, state, _, saved = restored
-    tokenizer = saved.get("data", {}).get("tokenizer", "byte")  # a name or a tokenizer.json's path: sample checks it
-    model = model_definition(saved_model_config(saved))
-    return TrainedModel(model, state["params"], layout, step, tokenizer, saved.get("train", {}).get("seq_len"))
+    return step, state, saved

@@ -22,6 +22,7 @@ from ushard.models.layers import (
     rope_frequencies,
     rotary,
 )
+from ushard.models.low_rank import LowRankAdapted
 from ushard.sharding import KV_NAMES, Q_NAMES, Expansion, constrain, current_layout, gathered, split_ways
 
 
@@ -132,6 +133,9 @@ def spread_kv_heads(w):
     copies = kv_head_copies(w.shape[1])
     if copies == 1:
         return w
+    if isinstance(w, LowRankAdapted):  # the base's heads and B's ([rank, kv_heads, head_dim]) alike
+        return w.map_arrays(lambda a: a, base_fn=spread_kv_heads,
+                            b_fn=lambda b: gathered(jnp.repeat(b, copies, axis=1), (None, "heads", "head_dim")))
     return gathered(jnp.repeat(w, copies, axis=1), ("embed", "heads", "head_dim"))
 
 

@@ -134,6 +134,38 @@ class MTPConfig:
         _check_finite(self, ("loss_weight",), "model.mtp.", allow_zero=True)
 
 
+LORA_BASE_DTYPES = ("compute", "param")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on the frozen model (ushard/training/lora.py); rank 0: none, every weight trained."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the update is scaled by alpha / rank, as peft's lora_alpha
+    dropout: float = 0.0  # of the adapters' inputs, as peft's lora_dropout
+    # Comma-separated weight names (`wq`, `w_up`, `experts.w_up`, ...: a name matches every weight whose
+    # dotted path ends with it), or `all`: every projection of attention, the MLPs and the experts.
+    targets: str = "all"
+    # How the frozen base is stored: `compute` (model.compute_dtype, no float32 copy) or `param`.
+    base_dtype: str = "compute"
+
+    def __post_init__(self):
+        _check_at_least(self, ("rank",), 0, "model.lora.")
+        _check_finite(self, ("alpha",), "model.lora.", allow_zero=False)
+        if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise UserError(f"model.lora.dropout={self.dropout!r} must be a number in [0, 1).")
+        if self.base_dtype not in LORA_BASE_DTYPES:
+            raise UserError(f"model.lora.base_dtype={self.base_dtype!r} is not valid; choose one of: "
+                            f"{', '.join(LORA_BASE_DTYPES)}.")
+        if not isinstance(self.targets, str) or not self.targets.strip(","):
+            raise UserError(f"model.lora.targets={self.targets!r} must name weights (comma-separated) or be 'all'.")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclass(frozen=True)
 class MLAConfig:
     """Multi-head latent attention (DeepSeek-V2 and V3; ushard/models/mla.py). Each token's keys and
@@ -259,6 +291,7 @@ class ModelConfig:
     fp8: bool = False
     moe: MoEConfig = MoEConfig()
     mtp: MTPConfig = MTPConfig()
+    lora: LoraConfig = LoraConfig()  # low-rank adapters on the frozen weights (model.lora.rank > 0)
     mla: MLAConfig = MLAConfig()  # multi-head latent attention (model.family='deepseek')
 
     # How the model is computed (or trained), not what it computes: a run may resume with these
@@ -267,7 +300,8 @@ class ModelConfig:
                                "fp8", "moe.aux_loss_weight", "moe.aux_loss_per_sequence", "moe.z_loss_weight",
                                "moe.bias_update_rate",
                                "moe.dispatch", "moe.dispatch_headroom", "moe.exchange",
-                               "moe.grouped_matmul_impl", "mtp.loss_weight")
+                               "moe.grouped_matmul_impl", "mtp.loss_weight", "lora.dropout",
+                               "lora.base_dtype")
 
     @classmethod
     def from_config(cls, model_cfg, ignore_unknown: bool = False) -> "ModelConfig":
@@ -350,7 +384,7 @@ class ModelConfig:
 
 
 # The nested groups `from_config` builds from their own dicts: model.<key>.* -> the dataclass.
-NESTED_GROUPS = {"moe": MoEConfig, "mla": MLAConfig, "mtp": MTPConfig}
+NESTED_GROUPS = {"moe": MoEConfig, "mla": MLAConfig, "mtp": MTPConfig, "lora": LoraConfig}
 
 
 def _rope_scaling(group) -> RopeScaling:

@@ -15,6 +15,7 @@ from flax import nnx
 
 from ushard.models.config import ModelConfig
 from ushard.models.decoder import Decoder, init_cache
+from ushard.models.low_rank import LowRankAdapted
 from ushard.models.moe import ExpertBias
 from ushard.models.mtp import mtp_tokens
 from ushard.models.registry import family
@@ -131,7 +132,7 @@ class ModelDef:
         that each microbatch's saved residuals refer to them instead of holding copies."""
         dtype = jnp.dtype(self.cfg.compute_dtype)
         return jax.tree.map(lambda w, names: weight_for_compute(w, names, dtype), stack, self.logical[self.STACK],
-                            is_leaf=lambda x: isinstance(x, tuple))
+                            is_leaf=lambda x: isinstance(x, (tuple, LowRankAdapted)))
 
     def head(self, others, x):
         return self.module(others).head(x)

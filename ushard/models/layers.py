@@ -10,6 +10,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from ushard.models.fp8 import fp8_einsum
+from ushard.models.low_rank import LowRankAdapted
 from ushard.sharding import constrain
 
 # The residual stream between (and out of) attention and the MLP: with sequence parallelism its length
@@ -19,7 +20,10 @@ MLP_NAMES = ("act_batch", "act_length", "act_mlp")  # the MLP's hidden activatio
 
 
 def project(spec: str, x, w, fp8: bool = False):
-    """`einsum(spec, x, w)` of an activation by a weight, in x's dtype; with `fp8`, one FP8 GEMM."""
+    """`einsum(spec, x, w)` of an activation by a weight, in x's dtype; with `fp8`, one FP8 GEMM. A
+    LoRA-adapted weight adds its low-rank update (ushard/models/low_rank.py)."""
+    if isinstance(w, LowRankAdapted):
+        return w.project(spec, x, lambda spec, x, base: project(spec, x, base, fp8))
     w = w.astype(x.dtype)
     return fp8_einsum(spec, x, w) if fp8 else jnp.einsum(spec, x, w)
 

@@ -40,6 +40,7 @@ from ushard.models.layers import (
     rotary,
     yarn_mscale,
 )
+from ushard.models.low_rank import merged
 from ushard.sharding import Q_NAMES, Expansion, constrain
 
 # The latents' norms: DeepSeek's (and transformers') take RMSNorm's default epsilon, not rms_norm_eps.
@@ -116,7 +117,7 @@ class LatentAttention(nnx.Module):
         and values (ushard/parallel/context.py)."""
         latent = constrain(jnp.concatenate(self._latent(x, positions), axis=-1), LATENT_NAMES)
         expand = functools.partial(expand_latent, self.nope, self.fp8)
-        return latent, Expansion(expand, self.wkv_b[...], WKV_B_NAMES, (LATENT_NAMES,))
+        return latent, Expansion(expand, merged(self.wkv_b[...]), WKV_B_NAMES, (LATENT_NAMES,))
 
     def _output(self, out):
         return attention_output(out, self.wo[...], self.fp8)
@@ -142,7 +143,7 @@ class LatentAttention(nnx.Module):
         k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, latent[:, :, None].astype(k_cache.dtype), length, axis=1)
         v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, k_rot[:, :, None].astype(v_cache.dtype), length, axis=1)
         latents, rot_keys = k_cache[:, :, 0].astype(q.dtype), v_cache[:, :, 0].astype(q.dtype)
-        w_kv = self.wkv_b[...].astype(q.dtype)  # [kv_lora_rank, heads, nope + v]
+        w_kv = merged(self.wkv_b[...]).astype(q.dtype)  # [kv_lora_rank, heads, nope + v]
         q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :self.nope], w_kv[..., :self.nope])
         scores = (jnp.einsum("bthr,bsr->bhts", q_latent, latents, preferred_element_type=jnp.float32)
                   + jnp.einsum("bthk,bsk->bhts", q[..., self.nope:], rot_keys, preferred_element_type=jnp.float32))

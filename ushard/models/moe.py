@@ -57,6 +57,7 @@ from ushard.kernels import grouped_matmul as grouped_kernels
 from ushard.models import dispatch
 from ushard.models.config import ModelConfig, MoEConfig
 from ushard.models.layers import SwiGLU, fan_in_init, param
+from ushard.models.low_rank import merged
 from ushard.sharding import current_layout, sum_over_rows
 
 # The auxiliary figure that reports a ragged dispatch whose rows did not fit its receive buffer.
@@ -208,7 +209,8 @@ class RoutedExperts(nnx.Module):
     def weights(self, dtype) -> dict:
         """The weights in the compute dtype, still laid out as stored (expert.py gathers them: after
         the cast, a gather moves fewer bytes)."""
-        return {name: getattr(self, name)[...].astype(dtype) for name in self.NAMES}
+        # LoRA on the experts (ushard/training/lora.py) is applied merged: the seam moves arrays.
+        return {name: merged(getattr(self, name)[...]).astype(dtype) for name in self.NAMES}
 
 
 class MoE(nnx.Module):

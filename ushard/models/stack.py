@@ -11,11 +11,14 @@ layout's `seams.run_stack` (ushard/parallel/pipeline.py, wired in by `build`), w
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ushard.kernels.attention import FUSED_ATTENTION
+from ushard.models.low_rank import LowRankAdapted, adapter_names
 from ushard.sharding import current_layout, gathered
 
 
@@ -95,7 +98,13 @@ def weights_for_compute(layer_state, compute_dtype):
 
 
 def weight_for_compute(w, logical_names, compute_dtype):
-    """A matmul weight cast to the compute dtype and gathered (ZeRO-3); a norm scale as it is."""
+    """A matmul weight cast to the compute dtype and gathered (ZeRO-3); a norm scale as it is. A
+    LoRA-adapted weight's A and B are gathered as their names (`adapter_names`) say."""
     if "norm" in logical_names:
         return w
+    if isinstance(w, LowRankAdapted):
+        a_names, b_names = adapter_names(logical_names, w.lead, w.a.ndim - 1 - w.lead)
+        return dataclasses.replace(w, base=gathered(w.base.astype(compute_dtype), logical_names),
+                                   a=gathered(w.a.astype(compute_dtype), a_names),
+                                   b=gathered(w.b.astype(compute_dtype), b_names))
     return gathered(w.astype(compute_dtype), logical_names)

@@ -10,6 +10,7 @@ at sync points (logging, eval, checkpoints, signals), so dispatch stays ahead of
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import signal
@@ -25,9 +26,12 @@ from ushard.checkpoint import Checkpoints
 from ushard.data import local_block, make_batches, place_batch
 from ushard.errors import Preempted, UserError
 from ushard.metrics import MetricsWriter, peak_flops
+from ushard.models.config import LoraConfig
 from ushard.models.moe import DISPATCH_OVERFLOW
+from ushard.sharding import with_shardings
 from ushard.training import processes
 from ushard.training.init_from import initial_params
+from ushard.training.lora import fingerprint, same_base
 from ushard.training.optim import check_same_optimizer, schedule_change
 from ushard.training.state import TrainState
 
@@ -143,10 +147,12 @@ class Trainer:
             batches.append(batch)
         return batches
 
-    def eval_loss(self, params) -> float:
+    def eval_loss(self, params, frozen=None) -> float:
+        """The held-out loss of `params` (with LoRA, the adapters on the `frozen` base)."""
         t = self.config.train
-        sums = [self.steps.eval_step(params, self._to_device(self.batches.eval_batch(i, t.batch_size, self.rows)))
-                for i in range(t.eval_batches)]
+        base = () if frozen is None else (frozen,)
+        batches = (self._to_device(self.batches.eval_batch(i, t.batch_size, self.rows)) for i in range(t.eval_batches))
+        sums = [self.steps.eval_step(params, batch, *base) for batch in batches]
         loss, count = np.sum(jax.device_get(sums), axis=0)
         return float(loss / max(count, 1.0))
 
@@ -170,17 +176,42 @@ class Trainer:
                 note = schedule_change(saved_config, self.config.train, step)
                 if note:
                     log(note)
-                return TrainState.from_dict(state), data_state
+                state = TrainState.from_dict(state)
+                if self.setup.adapters:
+                    state = self._with_base(state, log)
+                return state, data_state
         if self.config.checkpoint.init_from:
             return self._start_from(self.config.checkpoint.init_from, log), self.batches.initial_state()
         return self.steps.init(self.config.train.seed), self.batches.initial_state()
 
     def _start_from(self, path: str, log) -> TrainState:
         """A fresh run's state around the parameters in `path` (checkpoint.init_from): step 0, a fresh optimizer."""
-        target = self.steps.abstract_state().params
-        params = initial_params(path, self.setup.model_config, target, log)
-        log(f"starting from the parameters in {path} (step 0, a fresh optimizer)")
+        params = self._model_params_in(path, log)
+        log(f"starting from the parameters in {path} (step 0, a fresh optimizer"
+            + (", LoRA adapters on the frozen weights)" if self.setup.adapters else ")"))
         return self.steps.fresh_state(params)
+
+    def _model_params_in(self, path: str, log):
+        """The model's parameters in `path`, laid out as the run's (LoRA's adapters are no part of them)."""
+        target = with_shardings(self.setup.model.shapes, self.steps.shardings.model_params)
+        model_cfg = dataclasses.replace(self.setup.model_config, lora=LoraConfig())
+        return initial_params(path, model_cfg, target, log)
+
+    def _with_base(self, state: TrainState, log) -> TrainState:
+        """A restored LoRA state with its frozen base rebuilt (checkpoint.init_from's, else the seed's),
+        refused in a sentence if it is not the base the checkpoint's adapters were trained on."""
+        path = self.config.checkpoint.init_from
+        if path:
+            params = self._model_params_in(path, log)
+        else:
+            params = self.steps.init_model(self.config.train.seed)
+        frozen = self.steps.frozen_base(params)
+        if not same_base(jax.device_get(state.base_check), jax.device_get(fingerprint(frozen))):
+            where = f"checkpoint.init_from={path}" if path else f"the seed {self.config.train.seed}'s random weights"
+            raise UserError(f"the checkpoints in {self.checkpoints.directory} hold LoRA adapters trained on another "
+                            f"base than {where}; start from the base they were trained on (the saved config "
+                            "names it), or use another --workdir.")
+        return state.replace(frozen=frozen)
 
     def _save(self, state: TrainState, data_state, step: int) -> None:
         if self.checkpoints:
@@ -288,7 +319,7 @@ class Trainer:
                 now = time.perf_counter()
                 record = self._record(step, fetched[-1][2], (now - last_time) / (step - last_step))
                 if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-                    record["eval_loss"] = self.eval_loss(state.params)
+                    record["eval_loss"] = self.eval_loss(state.params, state.frozen)
                 records.append(record)
                 try:
                     writer.write(record)

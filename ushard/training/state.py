@@ -10,14 +10,19 @@ import jax
 
 @flax.struct.dataclass
 class TrainState:
-    params: Any
+    params: Any  # what the optimizer trains: the model's parameters, or with LoRA its adapters
     opt_state: Any
     step: jax.Array  # int32 scalar: updates applied so far
     skipped: jax.Array  # int32 scalar: steps whose update was dropped as non-finite
+    # With LoRA (ushard/training/lora.py): the frozen base, never saved (a run rebuilds it), and its
+    # fingerprint, saved, that a resume checks the rebuilt base against.
+    frozen: Any = None
+    base_check: Any = None
 
     def as_dict(self) -> dict:
-        """The checkpoint's layout: a plain dict with one entry per field."""
-        return {"params": self.params, "opt_state": self.opt_state, "step": self.step, "skipped": self.skipped}
+        """The checkpoint's layout: a plain dict with one entry per saved field."""
+        saved = {"params": self.params, "opt_state": self.opt_state, "step": self.step, "skipped": self.skipped}
+        return saved if self.base_check is None else {**saved, "base_check": self.base_check}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainState":

@@ -30,41 +30,50 @@ from ushard.parallel import context
 from ushard.parallel.maps import nested_maps
 from ushard.parallel.pipeline import StageTail, one_f_one_b
 from ushard.sharding import Layout, current_layout, split_rows, use_layout, with_shardings
+from ushard.training.lora import Adapters, fingerprint
 from ushard.training.loss import cross_entropy_sums
 from ushard.training.state import TrainState
 
 
 @dataclass
 class StateShardings:
-    params: Any
+    params: Any  # the trained parameters' (the model's, or with LoRA its adapters')
     grads: Any
     opt_state: Any
     replicated: NamedSharding
+    model_params: Any  # the model's parameters' (what `fresh_state` takes)
+    frozen: Any = None  # with LoRA, the frozen base's
 
     @property
     def state(self) -> TrainState:
-        return TrainState(params=self.params, opt_state=self.opt_state, step=self.replicated, skipped=self.replicated)
+        lora = self.frozen is not None
+        return TrainState(params=self.params, opt_state=self.opt_state, step=self.replicated, skipped=self.replicated,
+                          frozen=self.frozen, base_check=self.replicated if lora else None)
 
 
-def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: Layout) -> StateShardings:
-    replicated = layout.replicated
+def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: Layout,
+                    adapters: Adapters | None = None) -> StateShardings:
+    logical, shapes = (adapters.logical, adapters.shapes) if adapters else (model.logical, model.shapes)
+    model_params = layout.shardings(model.logical, "params")
     return StateShardings(
-        params=layout.shardings(model.logical, "params"),
-        grads=layout.shardings(model.logical, "grads"),
-        opt_state=opt_state_shardings(model, tx, layout),
-        replicated=replicated,
+        params=layout.shardings(logical, "params"),
+        grads=layout.shardings(logical, "grads"),
+        opt_state=opt_state_shardings(shapes, logical, tx, layout),
+        replicated=layout.replicated,
+        model_params=model_params,
+        frozen=model_params if adapters else None,
     )
 
 
-def opt_state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: Layout):
+def opt_state_shardings(shapes, logical, tx: optax.GradientTransformation, layout: Layout):
     """Each optimizer-state leaf shaped like a parameter (Adam's moments, Muon's momentum) takes that
     parameter's ZeRO sharding; the rest (step counts, Adafactor's factored row and column
     statistics) are replicated. A leaf belongs to the parameter whose path ends its own path (optax
     nests a tree like the parameters' in every state), whichever optimizer and partition hold it."""
-    abstract_opt = jax.eval_shape(tx.init, model.shapes)
+    abstract_opt = jax.eval_shape(tx.init, shapes)
     by_path = {tuple(path): (shape, sharding) for (path, shape), sharding in zip(
-        jax.tree_util.tree_flatten_with_path(model.shapes)[0],
-        jax.tree.leaves(layout.shardings(model.logical, "opt_state")))}
+        jax.tree_util.tree_flatten_with_path(shapes)[0],
+        jax.tree.leaves(layout.shardings(logical, "opt_state")))}
     longest = max(map(len, by_path), default=0)
 
     def sharding(path, leaf):
@@ -94,52 +103,75 @@ def objective_terms(logits, aux, batch, mtp_logits=(), mtp_weight: float = 0.0):
 
 
 class Steps:
-    """The compiled functions of one (model, optimizer, layout). Build one per layout."""
+    """The compiled functions of one (model, optimizer, layout). Build one per layout.
 
-    def __init__(self, model: ModelDef, tx, schedule, layout: Layout, grad_accum: int, skip_nonfinite: bool):
+    With LoRA (`adapters`), `params` everywhere below are the adapters, and `loss_and_grads` and
+    `eval_step` take the frozen base (`TrainState.frozen`) as a third argument."""
+
+    def __init__(self, model: ModelDef, tx, schedule, layout: Layout, grad_accum: int, skip_nonfinite: bool,
+                 adapters: Adapters | None = None):
         self.model, self.tx, self.schedule, self.layout = model, tx, schedule, layout
+        self.adapters = adapters
         self.grad_accum = grad_accum
         self.skip_nonfinite = skip_nonfinite
-        self.shardings = sh = state_shardings(model, tx, layout)
+        self.shardings = sh = state_shardings(model, tx, layout, adapters)
         self.batch_shardings = dict.fromkeys(BATCH_FIELDS, layout.batch)
         batch_sh = self.batch_shardings
+        frozen_sh = (sh.frozen,) if adapters else ()
         self.init = jax.jit(self._init, static_argnums=0, out_shardings=sh.state)
         # A state at step 0 around given parameters (checkpoint.init_from): a fresh optimizer.
-        self.fresh_state = jax.jit(self._fresh_state, in_shardings=(sh.params,), out_shardings=sh.state,
+        self.fresh_state = jax.jit(self._fresh_state, in_shardings=(sh.model_params,), out_shardings=sh.state,
                                    donate_argnums=0)
         self.train_step = jax.jit(
             self._train_step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, sh.replicated),
             donate_argnums=0
         )
         self.loss_and_grads = jax.jit(
-            self._loss_and_grads, in_shardings=(sh.params, batch_sh), out_shardings=(sh.replicated, sh.grads)
+            self._loss_and_grads, in_shardings=(sh.params, batch_sh, *frozen_sh),
+            out_shardings=(sh.replicated, sh.grads)
         )
-        self.eval_step = jax.jit(self._eval_sums, in_shardings=(sh.params, batch_sh), out_shardings=sh.replicated)
+        self.eval_step = jax.jit(self._eval_sums, in_shardings=(sh.params, batch_sh, *frozen_sh),
+                                 out_shardings=sh.replicated)
+        # The model's parameters from a seed, and LoRA's frozen base of given ones (a resume rebuilds it).
+        self.init_model = jax.jit(model.init, static_argnums=0, out_shardings=sh.model_params)
+        if adapters:
+            self.frozen_base = jax.jit(adapters.frozen, in_shardings=(sh.model_params,), out_shardings=sh.frozen)
 
     # ------------------------------------------------------------------ traced functions
 
     def _init(self, seed: int) -> TrainState:
-        return self._fresh_state(self.model.init(seed))
+        return self._fresh_state(self.model.init(seed), seed)
 
-    def _fresh_state(self, params) -> TrainState:
+    def _fresh_state(self, params, seed: int = 0) -> TrainState:
+        """A state at step 0 around the model's parameters `params`: with LoRA, frozen, with fresh adapters."""
         zero = jnp.zeros((), jnp.int32)
-        return TrainState(params=params, opt_state=self.tx.init(params), step=zero, skipped=zero)
+        if self.adapters is None:
+            return TrainState(params=params, opt_state=self.tx.init(params), step=zero, skipped=zero)
+        frozen = self.adapters.frozen(params)
+        adapters = self.adapters.init(seed + 1)
+        return TrainState(params=adapters, opt_state=self.tx.init(adapters), step=zero, skipped=zero, frozen=frozen,
+                          base_check=fingerprint(frozen))
+
+    def model_params(self, params, frozen=None, step=None):
+        """The parameters the model computes with: `params`, or with LoRA the frozen base with the
+        adapters `params` attached (dropout masks drawn from `step`, none without one)."""
+        return params if self.adapters is None else self.adapters.attach(frozen, params, step)
 
     def abstract_state(self, seed: int = 0) -> TrainState:
         """The state's shapes and dtypes, each carrying its sharding (for restoring checkpoints)."""
         return with_shardings(jax.eval_shape(lambda: self._init(seed)), self.shardings.state)
 
-    def _objective(self, params, batch):
-        logits, aux, mtp_logits = self.model.apply_for_training(params, batch)
+    def _objective(self, params, batch, frozen=None, step=None):
+        logits, aux, mtp_logits = self.model.apply_for_training(self.model_params(params, frozen, step), batch)
         return objective_terms(logits, aux, batch, mtp_logits, self.model.cfg.mtp.loss_weight)
 
-    def _one_f_one_b_grads(self, params, batch):
+    def _one_f_one_b_grads(self, params, batch, frozen=None, step=None):
         """What `jax.grad(self._objective, has_aux=True)` returns, by the 1F1B pipeline schedule: the
         model's three parts run per microbatch, the loss on the last stage as each one leaves the layers.
         The MTP modules run on the last stage too, inside its slots after its layers (the schedule's
         `StageTail`), on the embeddings of their tokens looked up outside them."""
         model = self.model
-        stack, others = model.split_stack(params)
+        stack, others = model.split_stack(self.model_params(params, frozen, step))
         # The embedding, final norm and head, gathered for compute once per step rather than once per
         # microbatch (ZeRO-3 would gather them in every tick of the pipeline).
         compute = self.layout.shardings(model.split_stack(model.logical)[1], "compute")
@@ -152,7 +184,8 @@ class Steps:
             outer=others, stack=stack, batch=batch, layout=current_layout(), prepare=model.stack_for_compute,
             tail=tail,
         )
-        return model.join_stack(d_stack, {**d_others, **(d_mtp or {})}), sums
+        grads = model.join_stack(d_stack, {**d_others, **(d_mtp or {})})
+        return (grads if self.adapters is None else self.adapters.grads_of(grads)), sums
 
     def _last_stage_terms(self, others, x, aux, mb, mtp_states):
         """The objective of one microbatch leaving the pipeline's last stage: head, loss, and the MTP
@@ -169,12 +202,12 @@ class Steps:
         with use_layout(dataclasses.replace(self.layout, zigzag=split)), nested_maps(self.layout.pipeline is not None):
             yield context.reordered(batch, self.layout)
 
-    def _eval_sums(self, params, batch):
+    def _eval_sums(self, params, batch, frozen=None):
         with self._tracing(batch) as batch:
-            _, (loss, count, _) = self._objective(params, batch)
+            _, (loss, count, _) = self._objective(params, batch, frozen)
             return jnp.stack([loss, count])
 
-    def _grad_sums(self, params, batch):
+    def _grad_sums(self, params, batch, frozen=None, step=None):
         """(loss sum, token count, weighted aux sums) and summed gradients over the global batch,
         microbatch by microbatch."""
         pipeline = self.layout.pipeline
@@ -184,43 +217,44 @@ class Steps:
             grad_fn = jax.grad(self._objective, has_aux=True)
         pin = lambda g: jax.lax.with_sharding_constraint(g, self.shardings.grads)  # noqa: E731
         if self.grad_accum == 1:
-            grads, sums = grad_fn(params, batch)
+            grads, sums = grad_fn(params, batch, frozen, step)
             return sums, pin(grads)
 
         def one_microbatch(carry, micro):
             sums_acc, grad_acc = carry
-            grads, sums = grad_fn(params, micro)
+            grads, sums = grad_fn(params, micro, frozen, step)
             return (jax.tree.map(jnp.add, sums_acc, sums), pin(jax.tree.map(jnp.add, grad_acc, grads))), None
 
         micro_batches = jax.tree.map(lambda x: split_rows(x, self.grad_accum, self.layout), batch)
         first = jax.tree.map(lambda x: x[0], micro_batches)
-        sums_shape = jax.eval_shape(lambda: grad_fn(params, first)[1])
+        sums_shape = jax.eval_shape(lambda: grad_fn(params, first, frozen, step)[1])
         zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
         zero_grads = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
         (sums, grads), _ = jax.lax.scan(one_microbatch, (zero_sums, zero_grads), micro_batches)
         return sums, grads
 
-    def _mean_loss_and_grads(self, params, batch):
+    def _mean_loss_and_grads(self, params, batch, frozen=None, step=None):
         """(mean loss, mean aux terms, mean gradients, target tokens counted) over the global batch."""
         with self._tracing(batch) as batch:
-            (loss, count, weighted_aux), grads = self._grad_sums(params, batch)
+            (loss, count, weighted_aux), grads = self._grad_sums(params, batch, frozen, step)
             divisor = jnp.maximum(count, 1.0)
             aux = {name: term / divisor for name, term in weighted_aux.items()}
             return loss / divisor, aux, jax.tree.map(lambda g: g / divisor, grads), count
 
-    def _loss_and_grads(self, params, batch):
-        loss, _, grads, _ = self._mean_loss_and_grads(params, batch)
+    def _loss_and_grads(self, params, batch, frozen=None):
+        loss, _, grads, _ = self._mean_loss_and_grads(params, batch, frozen)
         return loss, grads
 
     def _train_step(self, state: TrainState, batch):
-        loss, aux, grads_and_loads, count = self._mean_loss_and_grads(state.params, batch)
-        grads = self.model.without_expert_loads(grads_and_loads)
+        loss, aux, grads_and_loads, count = self._mean_loss_and_grads(state.params, batch, state.frozen, state.step)
+        grads = grads_and_loads if self.adapters else self.model.without_expert_loads(grads_and_loads)
         grad_norm = optax.tree.norm(grads)
         # The update, the balancing and the skip: tools/profile_step.py --scope optimizer sums their kernels.
         with jax.named_scope("optimizer"):
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            params = self.model.balance_experts(params, state.params, grads_and_loads)
+            if self.adapters is None:  # with LoRA the routing biases are frozen with the rest
+                params = self.model.balance_experts(params, state.params, grads_and_loads)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             skipped = state.skipped
             if self.skip_nonfinite:  # keep the old state where this step's numbers are not finite
@@ -230,4 +264,4 @@ class Steps:
                 skipped = skipped + (~finite).astype(jnp.int32)
         metrics = {"loss": loss, "aux": aux, "grad_norm": grad_norm, "lr": self.schedule(state.step),
                    "finite": finite, "skipped": skipped, "loss_tokens": count}
-        return TrainState(params=params, opt_state=opt_state, step=state.step + 1, skipped=skipped), metrics
+        return state.replace(params=params, opt_state=opt_state, step=state.step + 1, skipped=skipped), metrics

@@ -1,0 +1,272 @@
+"""LoRA (ushard/training/lora.py): against peft + transformers + torch AdamW step for step, the PEFT
+export loaded by peft, the merged export, every layout against one device, what the optimizer and the
+all-reduce see, the base checked on a resume, and the refusals."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ushard
+from conftest import small_config
+from helpers import assert_same_training, run_config
+from ushard.errors import UserError
+from ushard.models.low_rank import LowRankAdapted
+from ushard.training.loop import Trainer
+
+VOCAB, LENGTH, ROWS, STEPS = 300, 16, 4, 20
+LORA = {"model.lora.rank": 4, "model.lora.alpha": 8.0}
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def relative_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# --------------------------------------------------------------------------- the low-rank weight itself
+
+
+def test_low_rank_projection_is_the_merged_weights_product():
+    """`project` through a LowRankAdapted weight (the update from the activations) equals the product
+    with the merged weight, for a column-parallel [embed, heads, head_dim] and a row-parallel one."""
+    from ushard.models.layers import project
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
+    for spec, base_shape, ins in (("btd,dhk->bthk", (8, 3, 4), 1), ("bthk,hkd->btd", (3, 4, 8), 2)):
+        base = jnp.asarray(rng.normal(size=base_shape), jnp.float32)
+        a = jnp.asarray(rng.normal(size=(*base_shape[:ins], 2)), jnp.float32)
+        b = jnp.asarray(rng.normal(size=(2, *base_shape[ins:])), jnp.float32)
+        w = LowRankAdapted(base, a, b, jnp.zeros(()), scale=1.5)
+        inputs = x if ins == 1 else jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.float32)
+        np.testing.assert_allclose(project(spec, inputs, w), jnp.einsum(spec, inputs, w.merged()), rtol=1e-5,
+                                   atol=1e-5)
+
+
+# --------------------------------------------------------------------------- against peft
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False)
+    model = tf.LlamaForCausalLM(config).float()
+    directory = str(tmp_path_factory.mktemp("llama"))
+    model.save_pretrained(directory)
+    return directory
+
+
+def lora_config(base: str, **overrides):
+    settings = {"model.vocab_size": VOCAB, "model.norm_eps": 1e-6, "model.rope_theta": 10000.0,
+                "model.param_dtype": "float32", "train.seq_len": LENGTH, "train.batch_size": ROWS,
+                "train.steps": STEPS, "train.warmup_steps": 0, "train.schedule": "constant", "train.lr": 1e-2,
+                "train.grad_clip": 0.0, "optim.weight_decay": 0.01, "optim.b2": 0.999,
+                "checkpoint.init_from": base, **LORA}
+    return small_config("tiny", **{**settings, **overrides})
+
+
+def fixed_batches(count: int):
+    # Two batches in turn, so that 20 steps visibly learn them.
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, VOCAB, (2, ROWS, LENGTH + 1)).astype(np.int32)[np.arange(count) % 2]
+    positions = np.broadcast_to(np.arange(LENGTH, dtype=np.int32), (ROWS, LENGTH))
+    return tokens, [{"inputs": t[:, :-1], "targets": t[:, 1:], "positions": positions,
+                     "segment_ids": np.ones((ROWS, LENGTH), np.int32), "loss_mask": np.ones((ROWS, LENGTH), np.int32)}
+                    for t in tokens]
+
+
+def with_random_b(state, seed=2):
+    """The adapters with B random too (peft's zeros leave A's first gradient zero)."""
+    rng = np.random.default_rng(seed)
+
+    def fill(path, x):
+        if path[-1].key == "lora_b":
+            return jax.device_put(jnp.asarray(0.05 * rng.normal(size=x.shape), x.dtype), x.sharding)
+        return x
+
+    return state.replace(params=jax.tree_util.tree_map_with_path(fill, state.params))
+
+
+def test_lora_trains_as_peft_and_its_export_loads_in_peft(llama_dir, tmp_path):
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    tf = pytest.importorskip("transformers")
+    from ushard.hf_peft import save_peft
+
+    trainer = Trainer(lora_config(llama_dir), devices=jax.devices()[:1])
+    state = with_random_b(trainer._start_from(llama_dir, log=lambda *_: None))
+    adapters = trainer.setup.adapters
+    initial = str(tmp_path / "initial")
+    save_peft(adapters, state.params, initial, llama_dir)
+
+    tokens, batches = fixed_batches(STEPS)
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.steps.train_step(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        losses.append(float(metrics["loss"]))
+
+    base = tf.LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, initial, is_trainable=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trained) == adapters.num_params()
+    opt = torch.optim.AdamW(trained, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    expected = []
+    for t in tokens:
+        logits = model(input_ids=torch.from_numpy(t[:, :-1]).long()).logits
+        targets = torch.from_numpy(t[:, 1:]).long().reshape(-1)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    np.testing.assert_allclose(losses, expected, rtol=1e-4)
+    assert losses[-1] < losses[0] - 0.1  # it learned: the comparison is not of two flat lines
+
+    # The trained adapters exported, loaded by peft onto the base: the same logits.
+    exported = str(tmp_path / "trained")
+    save_peft(adapters, state.params, exported, llama_dir)
+    loaded = peft.PeftModel.from_pretrained(tf.LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32),
+                                            exported)
+    probe = tokens[0][:, :-1]
+    with torch.no_grad():
+        theirs = loaded(input_ids=torch.from_numpy(probe).long()).logits.numpy()
+    model_params = trainer.steps.model_params(state.params, state.frozen)
+    ours = jax.jit(lambda p, t: trainer.setup.model.apply(p, t, jnp.asarray(batches[0]["positions"]))[0])(
+        model_params, jnp.asarray(probe))
+    assert relative_error(ours, theirs) <= 1e-5
+
+
+# --------------------------------------------------------------------------- a run: resume, export, refusals
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_text("a low-rank update of every projection, trained on a frozen base. " * 200)
+    return str(path)
+
+
+def test_a_lora_run_resumes_exports_merged_and_checks_its_base(llama_dir, tmp_path, text_file):
+    tf = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    run = str(tmp_path / "run")
+    common = {"data.source": "text", "data.paths": text_file, "train.steps": 2, "checkpoint.every": 1,
+              "mesh.fsdp": -1, "train.batch_size": 8}
+    rows = ushard.train(lora_config(llama_dir, **common), run)
+    assert len(rows) == 2
+    saved = os.path.join(run, "checkpoints")
+    # The checkpoint holds the adapters and the base's fingerprint, not the base.
+    assert not any("embedding" in f for _, _, files in os.walk(saved) for f in files)
+    more = ushard.train(lora_config(llama_dir, **{**common, "train.steps": 3}), run)
+    assert [r["step"] for r in more] == [3]
+
+    merged = ushard.load_model(run, log=lambda *_: None)
+    hf_dir = str(tmp_path / "merged")
+    ushard.to_hf(merged, hf_dir, log=lambda *_: None)
+    probe = np.random.default_rng(3).integers(0, VOCAB, (2, LENGTH)).astype(np.int32)
+    with torch.no_grad():
+        theirs = tf.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)(
+            input_ids=torch.from_numpy(probe).long()).logits.numpy()
+    assert relative_error(merged(probe), theirs) <= 1e-5
+
+    # The adapters as a PEFT adapter (`ushard convert --to-peft`), loaded by peft onto the base.
+    from test_hf import cli
+
+    peft = pytest.importorskip("peft")
+    adapter_dir = str(tmp_path / "adapter")
+    assert cli("convert", "--from", run, "--to-peft", adapter_dir)[0] == 0
+    base = tf.LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base, adapter_dir)(input_ids=torch.from_numpy(probe).long())
+    assert relative_error(adapted.logits.numpy(), theirs) <= 1e-5
+    status, _, err = cli("convert", "--from", run, "--to-peft", adapter_dir)
+    assert status == 2 and f"{adapter_dir} is not empty" in err  # nothing written over
+
+    # Another base under the same workdir: refused in a sentence, nothing written.
+    other = str(tmp_path / "other")
+    model = tf.LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    model.save_pretrained(other)
+    before = sorted(os.listdir(saved))
+    with pytest.raises(UserError, match=r"hold LoRA adapters trained on another base than checkpoint.init_from="):
+        ushard.train(lora_config(other, **{**common, "train.steps": 4}), run)
+    assert sorted(os.listdir(saved)) == before
+
+
+def test_a_target_that_names_no_projection_is_refused():
+    with pytest.raises(UserError, match=r"model.lora.targets names 'q_proj', which is no projection of this model; "
+                                        r"its projections are .*wq"):
+        Trainer(small_config("tiny", **LORA, **{"model.lora.targets": "wq,q_proj"}), devices=jax.devices()[:1])
+
+
+# --------------------------------------------------------------------------- what is trained, where
+
+
+def test_only_the_adapters_are_trained_and_all_reduced():
+    """Pure data parallelism: the optimizer state is the adapters' shapes, and the step's gradient
+    all-reduce moves no more than the adapters' bytes."""
+    config = small_config("tiny", **LORA, **{"mesh.data": 8, "mesh.fsdp": 1})
+    trainer = Trainer(config, devices=jax.devices()[:8])
+    state = trainer.steps.init(0)
+    adapter_leaves = jax.tree.leaves(state.params)
+    adapter_bytes = sum(x.size * 4 for x in adapter_leaves)
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert sorted(x.shape for x in moments) == sorted([x.shape for x in adapter_leaves] * 2)
+    hlo = trainer.steps.train_step.lower(state, trainer.global_batches(1)[0]).compile().as_text()
+    reduced = 0
+    for shape in re.findall(r"= (\([^)]*\)|\S+) all-reduce(?:-start)?\(", hlo):
+        for dims in re.findall(r"f32\[([0-9,]*)\]", shape):
+            reduced += 4 * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    assert 0 < reduced <= adapter_bytes + 1024
+    model_bytes = sum(x.size * 4 for x in jax.tree.leaves(trainer.setup.model.shapes))
+    assert adapter_bytes < model_bytes / 10
+
+
+# --------------------------------------------------------------------------- every layout against one device
+
+LORA_LAYOUTS = {
+    "fsdp8_zero3": ({"mesh.fsdp": 8, "parallel.zero_stage": 3}, 8),
+    "tensor2_sp": ({"mesh.tensor": 2, "mesh.fsdp": 4, "parallel.sequence_parallel": True}, 8),
+    "pipeline2_1f1b": ({"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_schedule": "1f1b",
+                        "parallel.pipeline_microbatches": 4}, 8),
+    "expert2_moe": ({"mesh.expert": 2, "mesh.fsdp": 4}, 8),
+}
+QUICK = ("fsdp8_zero3",)
+
+
+def lora_run(overrides, devices, batches, moe=False):
+    name = "tiny_moe" if moe else "tiny"
+    moe_sizes = {"model.moe.expert_d_ff": 64} if moe else {}
+    config = small_config(name, **{**LORA, **moe_sizes, "train.steps": 3, "train.lr": 1e-2, **overrides})
+    return run_config(config, jax.devices()[:devices], batches)
+
+
+@pytest.fixture(scope="module")
+def single(stdlib_batches):
+    return lora_run({}, 1, stdlib_batches)
+
+
+@pytest.fixture(scope="module")
+def single_moe(stdlib_batches):
+    return lora_run({}, 1, stdlib_batches, moe=True)
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in LORA_LAYOUTS])
+def test_lora_on_every_layout_trains_as_one_device(name, request, stdlib_batches):
+    overrides, devices = LORA_LAYOUTS[name]
+    moe = name.endswith("_moe")
+    reference = request.getfixturevalue("single_moe" if moe else "single")
+    got = lora_run(overrides, devices, stdlib_batches, moe=moe)
+    assert_same_training(got, reference)
+    assert reference["losses"][-1] < reference["losses"][0]  # the adapters moved the loss
