@@ -58,13 +58,14 @@ def test_xla_flags_from_the_config_yield_to_the_users(monkeypatch):
 
 
 def test_convert_into_a_directory_it_cannot_create_says_so_before_any_work(tmp_path):
-    """Both directions of `ushard convert` create their output first: a path under a file is one
+    """Every direction of `ushard convert` creates its output first: a path under a file is one
     sentence, before a checkpoint is read (the input directories here hold none)."""
     blocker = tmp_path / "file"
     blocker.write_text("")
-    nothing = dict(from_hf=None, to=None, from_workdir=None, to_hf=None, dtype=None)
+    nothing = dict(from_hf=None, to=None, from_workdir=None, to_hf=None, to_peft=None, dtype=None)
     for flag, given in (("--to", dict(from_hf=str(tmp_path), to=str(blocker / "w"))),
-                        ("--to-hf", dict(from_workdir=str(tmp_path), to_hf=str(blocker / "hf")))):
+                        ("--to-hf", dict(from_workdir=str(tmp_path), to_hf=str(blocker / "hf"))),
+                        ("--to-peft", dict(from_workdir=str(tmp_path), to_peft=str(blocker / "peft")))):
         with pytest.raises(UserError, match=f"^cannot create {flag} {blocker}/.*: Not a directory; give a writable "
                                             "directory.$"):
             cli.convert(SimpleNamespace(**{**nothing, **given}))

@@ -270,7 +270,9 @@ def gradient_bytes(setup, state) -> int:
       embedding's and head's, and the layers' of an unrolled stack) and keeps them so before slicing
       them: those are held as ZeRO-1 lays them out."""
     layout, model, platform, stage = setup.layout, setup.model, setup.plan.platform, setup.plan.zero_stage
-    if platform == "tpu" and stage == 1:
+    if setup.adapters:  # LoRA: the adapters' gradients, as the step pins them
+        shardings = setup.steps.shardings.grads
+    elif platform == "tpu" and stage == 1:
         shardings = layout.shardings(model.logical, "opt_state")
     elif platform == "cpu" and stage == 2:
         stack, others = model.split_stack(model.logical)
@@ -306,6 +308,8 @@ def vocabulary_buffers(setup) -> int:
     table = model.shapes["embedding"]
     table_names = model.logical["embedding"]
     gradient = shard_bytes(jax.ShapeDtypeStruct(table.shape, jnp.float32, sharding=layout.sharding(table_names)))
+    if setup.adapters:  # LoRA: the table is frozen, nothing differentiates it
+        gradient = 0
     return vocabulary_weights(setup) + gradient
 
 
@@ -406,15 +410,16 @@ def hoisted_cast(setup) -> bool:
     compute dtype; not under a pipeline (not checked; 1F1B prepares its stage's weights itself,
     `one_f_one_b_buffers`). CPUs hold float32 (no cast, `held_dtype`); GPUs have not been checked."""
     cfg = setup.model_config
+    stored = jnp.dtype(setup.adapters.base_dtype if setup.adapters else cfg.param_dtype)  # LoRA: the frozen base's
     return (setup.plan.platform == "tpu" and setup.layout.pipeline is None and cfg.scan_unroll < cfg.n_layers
-            and jnp.dtype(cfg.param_dtype) != jnp.dtype(cfg.compute_dtype))
+            and stored != jnp.dtype(cfg.compute_dtype))
 
 
 def cast_layer_shards(setup) -> int:
     """One device's bytes of the layer stack's matmul weight shards, split as stored, in the compute
     dtype: the cast `hoisted_cast` keeps (norm scales are used as stored, `weight_for_compute`)."""
     model, dtype = setup.model, jnp.dtype(setup.model_config.compute_dtype)
-    shapes, shardings = model.split_stack(model.shapes)[0], model.split_stack(setup.steps.shardings.params)[0]
+    shapes, shardings = model.split_stack(model.shapes)[0], model.split_stack(setup.steps.shardings.model_params)[0]
     names = jax.tree.leaves(model.split_stack(model.logical)[0], is_leaf=_is_names)
     return sum(shard_bytes(jax.ShapeDtypeStruct(p.shape, dtype, sharding=s))
                for p, s, n in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), names) if "norm" not in n)
@@ -497,7 +502,7 @@ def chunk_weights(setup, work: DeviceWork) -> int:
         names = model.split_stack(model.logical)[0]
         sliced = jax.tree.map(layout.sharding, names, is_leaf=_is_names)
     else:
-        sliced = model.split_stack(setup.steps.shardings.params)[0]
+        sliced = model.split_stack(setup.steps.shardings.model_params)[0]
     held = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, dtype, sharding=sharding),
                         stack, sliced)
     return shard_bytes(held) * work.layers * work.stages // setup.model_config.n_layers
