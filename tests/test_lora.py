@@ -52,23 +52,38 @@ def test_low_rank_projection_is_the_merged_weights_product():
 # --------------------------------------------------------------------------- against peft
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
+def save_tiny(kind: str, directory: str) -> str:
     torch = pytest.importorskip("torch")
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                            rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False)
-    model = tf.LlamaForCausalLM(config).float()
-    directory = str(tmp_path_factory.mktemp("llama"))
-    model.save_pretrained(directory)
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if kind == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**sizes, head_dim=16))
+    else:
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**sizes, attention_bias=False))
+    model.float().save_pretrained(directory)
     return directory
 
 
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return save_tiny("llama", str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return save_tiny("qwen3", str(tmp_path_factory.mktemp("qwen3")))
+
+
 def lora_config(base: str, **overrides):
-    settings = {"model.vocab_size": VOCAB, "model.norm_eps": 1e-6, "model.rope_theta": 10000.0,
-                "model.param_dtype": "float32", "train.seq_len": LENGTH, "train.batch_size": ROWS,
+    """tiny with the Hugging Face checkpoint `base`'s model settings (as `convert --from-hf` prints
+    them), LoRA on, and AdamW as torch's with a constant learning rate."""
+    from ushard import hf
+    from ushard.hf_convert import _hf_settings
+
+    model = {f"model.{k}": v for k, v in _hf_settings(hf.model_config(hf.read_config(base), base)).items()}
+    settings = {**model, "model.param_dtype": "float32", "train.seq_len": LENGTH, "train.batch_size": ROWS,
                 "train.steps": STEPS, "train.warmup_steps": 0, "train.schedule": "constant", "train.lr": 1e-2,
                 "train.grad_clip": 0.0, "optim.weight_decay": 0.01, "optim.b2": 0.999,
                 "checkpoint.init_from": base, **LORA}
@@ -97,12 +112,14 @@ def with_random_b(state, seed=2):
     return state.replace(params=jax.tree_util.tree_map_with_path(fill, state.params))
 
 
-def test_lora_trains_as_peft_and_its_export_loads_in_peft(llama_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_lora_trains_as_peft_and_its_export_loads_in_peft(kind, request, tmp_path):
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
     tf = pytest.importorskip("transformers")
     from ushard.hf_peft import save_peft
 
+    llama_dir = request.getfixturevalue(f"{kind}_dir")  # the base: a tiny random Llama or Qwen3
     trainer = Trainer(lora_config(llama_dir), devices=jax.devices()[:1])
     state = with_random_b(trainer._start_from(llama_dir, log=lambda *_: None))
     adapters = trainer.setup.adapters
@@ -115,7 +132,7 @@ def test_lora_trains_as_peft_and_its_export_loads_in_peft(llama_dir, tmp_path):
         state, metrics = trainer.steps.train_step(state, {k: jnp.asarray(v) for k, v in batch.items()})
         losses.append(float(metrics["loss"]))
 
-    base = tf.LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32)
+    base = tf.AutoModelForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, initial, is_trainable=True)
     trained = [p for p in model.parameters() if p.requires_grad]
     assert sum(p.numel() for p in trained) == adapters.num_params()
@@ -135,8 +152,8 @@ def test_lora_trains_as_peft_and_its_export_loads_in_peft(llama_dir, tmp_path):
     # The trained adapters exported, loaded by peft onto the base: the same logits.
     exported = str(tmp_path / "trained")
     save_peft(adapters, state.params, exported, llama_dir)
-    loaded = peft.PeftModel.from_pretrained(tf.LlamaForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32),
-                                            exported)
+    loaded = peft.PeftModel.from_pretrained(
+        tf.AutoModelForCausalLM.from_pretrained(llama_dir, torch_dtype=torch.float32), exported)
     probe = tokens[0][:, :-1]
     with torch.no_grad():
         theirs = loaded(input_ids=torch.from_numpy(probe).long()).logits.numpy()
@@ -160,15 +177,15 @@ def test_a_lora_run_resumes_exports_merged_and_checks_its_base(llama_dir, tmp_pa
     tf = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     run = str(tmp_path / "run")
-    common = {"data.source": "text", "data.paths": text_file, "train.steps": 2, "checkpoint.every": 1,
+    common = {"data.source": "text", "data.paths": text_file, "train.steps": 1, "checkpoint.every": 1,
               "mesh.fsdp": -1, "train.batch_size": 8}
     rows = ushard.train(lora_config(llama_dir, **common), run)
-    assert len(rows) == 2
+    assert len(rows) == 1
     saved = os.path.join(run, "checkpoints")
     # The checkpoint holds the adapters and the base's fingerprint, not the base.
     assert not any("embedding" in f for _, _, files in os.walk(saved) for f in files)
-    more = ushard.train(lora_config(llama_dir, **{**common, "train.steps": 3}), run)
-    assert [r["step"] for r in more] == [3]
+    more = ushard.train(lora_config(llama_dir, **{**common, "train.steps": 2}), run)
+    assert [r["step"] for r in more] == [2]
 
     merged = ushard.load_model(run, log=lambda *_: None)
     hf_dir = str(tmp_path / "merged")
@@ -200,7 +217,7 @@ def test_a_lora_run_resumes_exports_merged_and_checks_its_base(llama_dir, tmp_pa
     model.save_pretrained(other)
     before = sorted(os.listdir(saved))
     with pytest.raises(UserError, match=r"hold LoRA adapters trained on another base than checkpoint.init_from="):
-        ushard.train(lora_config(other, **{**common, "train.steps": 4}), run)
+        ushard.train(lora_config(other, **{**common, "train.steps": 3}), run)
     assert sorted(os.listdir(saved)) == before
 
 
