@@ -258,6 +258,9 @@ LORA_LAYOUTS = {
     "pipeline2_1f1b": ({"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_schedule": "1f1b",
                         "parallel.pipeline_microbatches": 4}, 8),
     "expert2_moe": ({"mesh.expert": 2, "mesh.fsdp": 4}, 8),
+    # A float8 base under tensor parallelism (the KV heads' scales repeated with them) and ZeRO-3.
+    "tensor2_sp_float8": ({"mesh.tensor": 2, "mesh.fsdp": 4, "parallel.sequence_parallel": True,
+                           "model.lora.base_dtype": "float8"}, 8),
 }
 QUICK = ("fsdp8_zero3",)
 
@@ -279,11 +282,53 @@ def single_moe(stdlib_batches):
     return lora_run({}, 1, stdlib_batches, moe=True)
 
 
+@pytest.fixture(scope="module")
+def single_float8(stdlib_batches):
+    return lora_run({"model.lora.base_dtype": "float8"}, 1, stdlib_batches)
+
+
 @pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in LORA_LAYOUTS])
 def test_lora_on_every_layout_trains_as_one_device(name, request, stdlib_batches):
     overrides, devices = LORA_LAYOUTS[name]
     moe = name.endswith("_moe")
-    reference = request.getfixturevalue("single_moe" if moe else "single")
+    reference = request.getfixturevalue({"moe": "single_moe", "float8": "single_float8"}.get(name.split("_")[-1],
+                                                                                          "single"))
     got = lora_run(overrides, devices, stdlib_batches, moe=moe)
     assert_same_training(got, reference)
     assert reference["losses"][-1] < reference["losses"][0]  # the adapters moved the loss
+
+
+# --------------------------------------------------------------------------- a float8 base
+
+
+def test_float8_quantization_and_its_product():
+    """Each output channel's largest magnitude maps to float8's largest; dequantized, every entry is
+    within float8's spacing (1/16 of the channel's magnitude); the projection through a float8 base
+    is the product with the dequantized weight plus the update."""
+    from ushard.models.layers import project
+    from ushard.models.low_rank import quantized
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(8, 3, 4)), jnp.float32)  # [embed, heads, head_dim]
+    q, scale = quantized(w, lead=0, ins=1)
+    assert q.dtype == jnp.float8_e4m3fn and scale.shape == (3, 4)
+    dequantized = q.astype(jnp.float32) * scale
+    amax = jnp.max(jnp.abs(w), axis=0)
+    assert float(jnp.max(jnp.abs(dequantized - w) / amax)) <= 1 / 16
+    np.testing.assert_allclose(jnp.max(jnp.abs(dequantized), axis=0), amax, rtol=1e-6)
+    a = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
+    adapted = LowRankAdapted(q, a, b, jnp.zeros(()), base_scale=scale, scale=0.5)
+    x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
+    expected = jnp.einsum("btd,dhk->bthk", x, dequantized + 0.5 * jnp.einsum("dz,zhk->dhk", a, b))
+    np.testing.assert_allclose(project("btd,dhk->bthk", x, adapted), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(adapted.merged(), dequantized + 0.5 * jnp.einsum("dz,zhk->dhk", a, b), rtol=1e-6)
+
+
+def test_a_float8_base_trains_as_the_exact_base_within_its_rounding(single, single_float8):
+    got = single_float8
+    frozen = got["trainer"].steps.init(0).frozen
+    assert frozen["weights"]["blocks"]["attn"]["wq"].dtype == jnp.float8_e4m3fn
+    assert frozen["weights"]["embedding"].dtype == jnp.float32  # not adapted: the compute dtype (float32 here)
+    np.testing.assert_allclose(got["losses"], single["losses"], rtol=2e-2)
+    assert got["losses"] != single["losses"]  # the rounding is there

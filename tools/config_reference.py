@@ -132,8 +132,9 @@ DESCRIPTIONS = {
                                      "on Hopper GPUs in 16-bit compute, megablox on TPUs, else XLA), `xla` "
                                      "(ragged_dot), `mosaic_gpu`, `megablox`",
     "model.lora.alpha": "LoRA: the update is scaled by alpha / rank (peft's `lora_alpha`)",
-    "model.lora.base_dtype": 'LoRA: the frozen base stored in `compute` (model.compute_dtype: no float32 copy) or '
-        '`param` (model.param_dtype)',
+    "model.lora.base_dtype": 'LoRA: the frozen base stored in `compute` (model.compute_dtype: no float32 copy), '
+        '`param` (model.param_dtype) or `float8` (the adapted weights in float8 e4m3 with per-output-channel '
+        'scales, cast for their matmuls; the rest in compute)',
     "model.lora.dropout": "LoRA: dropout on the adapters' inputs (peft's `lora_dropout`); a step's microbatches "
         'share its masks',
     "model.lora.rank": 'LoRA adapters of this rank on the frozen model (docs/finetuning.md); 0: every weight trained',

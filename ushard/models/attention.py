@@ -134,8 +134,10 @@ def spread_kv_heads(w):
     if copies == 1:
         return w
     if isinstance(w, LowRankAdapted):  # the base's heads and B's ([rank, kv_heads, head_dim]) alike
-        return w.map_arrays(lambda a: a, base_fn=spread_kv_heads,
-                            b_fn=lambda b: gathered(jnp.repeat(b, copies, axis=1), (None, "heads", "head_dim")))
+        return w.map_arrays(lambda a: a, base_fn=lambda base: gathered(jnp.repeat(base, copies, axis=1),
+                                                                       ("embed", "heads", "head_dim")),
+                            b_fn=lambda b: gathered(jnp.repeat(b, copies, axis=1), (None, "heads", "head_dim")),
+                            scale_fn=lambda s: gathered(jnp.repeat(s, copies, axis=0), ("heads", "head_dim")))
     return gathered(jnp.repeat(w, copies, axis=1), ("embed", "heads", "head_dim"))
 
 

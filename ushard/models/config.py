@@ -134,7 +134,7 @@ class MTPConfig:
         _check_finite(self, ("loss_weight",), "model.mtp.", allow_zero=True)
 
 
-LORA_BASE_DTYPES = ("compute", "param")
+LORA_BASE_DTYPES = ("compute", "param", "float8")
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,8 @@ class LoraConfig:
     # Comma-separated weight names (`wq`, `w_up`, `experts.w_up`, ...: a name matches every weight whose
     # dotted path ends with it), or `all`: every projection of attention, the MLPs and the experts.
     targets: str = "all"
-    # How the frozen base is stored: `compute` (model.compute_dtype, no float32 copy) or `param`.
+    # How the frozen base is stored: `compute` (model.compute_dtype, no float32 copy), `param`, or
+    # `float8` (the adapted weights in float8 e4m3 with per-output-channel scales, the rest in compute).
     base_dtype: str = "compute"
 
     def __post_init__(self):

@@ -30,6 +30,8 @@ class LowRankAdapted:
     # What `dropout` draws its mask from: float32 numbers (one per layer when stacked), made a key
     # inside; zero gradient, and a float leaf keeps every weight pytree differentiable.
     seed: jax.Array
+    # A float8 base's per-output-channel scales [*lead, *outs] (`quantized`): the weight is base * scale.
+    base_scale: jax.Array | None = None
     scale: float = dataclasses.field(metadata=dict(static=True), default=1.0)
     lead: int = dataclasses.field(metadata=dict(static=True), default=0)
     dropout: float = dataclasses.field(metadata=dict(static=True), default=0.0)
@@ -55,11 +57,20 @@ class LowRankAdapted:
         return self
 
     def astype(self, dtype) -> "LowRankAdapted":
-        return self.map_arrays(lambda w: w.astype(dtype))
+        # A float8 base stays float8 (cast where it is multiplied: `project`), its scales float32.
+        return dataclasses.replace(self, base=self.base if self.float8 else self.base.astype(dtype),
+                                   a=self.a.astype(dtype), b=self.b.astype(dtype))
 
-    def map_arrays(self, fn, base_fn=None, b_fn=None) -> "LowRankAdapted":
-        """The same weight with `fn` applied to base, A and B (`base_fn` / `b_fn` instead where given)."""
-        return dataclasses.replace(self, base=(base_fn or fn)(self.base), a=fn(self.a), b=(b_fn or fn)(self.b))
+    @property
+    def float8(self) -> bool:
+        return self.base_scale is not None
+
+    def map_arrays(self, fn, base_fn=None, b_fn=None, scale_fn=None) -> "LowRankAdapted":
+        """The same weight with `fn` applied to base, A and B (`base_fn` / `b_fn` instead where given;
+        a float8 base's scales by `scale_fn`)."""
+        scale = self.base_scale if self.base_scale is None else (scale_fn or (lambda s: s))(self.base_scale)
+        return dataclasses.replace(self, base=(base_fn or fn)(self.base), a=fn(self.a), b=(b_fn or fn)(self.b),
+                                   base_scale=scale)
 
     # ----------------------------------------------------------------- the two ways of computing with it
 
@@ -72,7 +83,12 @@ class LowRankAdapted:
         z = RANK_LETTER
         update = jnp.einsum(f"{lead}{ins}{z},{lead}{z}{outs}->{lead}{ins}{outs}", self.a.astype(jnp.float32),
                             self.b.astype(jnp.float32))
-        return (jax.lax.stop_gradient(self.base).astype(jnp.float32) + self.scale * update).astype(self.base.dtype)
+        base = jax.lax.stop_gradient(self.base).astype(jnp.float32)
+        if self.float8:  # the scales broadcast over the input axes
+            scale = jax.lax.stop_gradient(self.base_scale)
+            base = base * scale.reshape(*scale.shape[:len(lead)], *[1] * len(ins), *scale.shape[len(lead):])
+        dtype = jnp.float32 if self.float8 else self.base.dtype
+        return (base + self.scale * update).astype(dtype)
 
     def project(self, spec: str, x, base_product):
         """`einsum(spec, x, W)` with W this weight (no lead axes: one expert's or a dense one), the base's
@@ -85,6 +101,8 @@ class LowRankAdapted:
         z = RANK_LETTER
         assert z not in spec and self.lead == 0, (spec, self.lead)
         y = base_product(spec, x, jax.lax.stop_gradient(self.base))
+        if self.float8:  # the output axes come last in every projection's spec
+            y = (y.astype(jnp.float32) * jax.lax.stop_gradient(self.base_scale)).astype(y.dtype)
         h = jnp.einsum(f"{x_spec},{ins}{z}->{between}{z}", self._dropped(x), self.a.astype(x.dtype))
         update = jnp.einsum(f"{between}{z},{z}{outs}->{out}", h, self.b.astype(x.dtype))
         return y + (self.scale * update).astype(y.dtype)
@@ -107,6 +125,25 @@ def adapter_names(names: tuple, lead: int, ins: int) -> tuple[tuple, tuple]:
     """The logical names of A and B from their base's `names` ([*lead, *ins, *outs]): the layout shards
     them by the base's rules, with the rank unnamed (whole on every device)."""
     return (*names[:lead + ins], None), (*names[:lead], None, *names[lead + ins:])
+
+
+def scale_names(names: tuple, lead: int, ins: int) -> tuple:
+    """The logical names of a float8 base's scales: the base's without its input axes."""
+    return (*names[:lead], *names[lead + ins:])
+
+
+FLOAT8 = jnp.float8_e4m3fn
+
+
+def quantized(w, lead: int, ins: int) -> tuple[jax.Array, jax.Array]:
+    """(w in float8 e4m3, float32 scales [*lead, *outs]) with w ~ q * scale: each output channel's
+    largest magnitude over the input axes maps to float8's largest (448)."""
+    axes = tuple(range(lead, lead + ins))
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=axes)
+    scale = jnp.maximum(amax, 1e-30) / float(jnp.finfo(FLOAT8).max)
+    expanded = scale.reshape(*scale.shape[:lead], *[1] * ins, *scale.shape[lead:])
+    return (w32 / expanded).astype(FLOAT8), scale
 
 
 def merged(w):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ushard.kernels.attention import FUSED_ATTENTION
-from ushard.models.low_rank import LowRankAdapted, adapter_names
+from ushard.models.low_rank import LowRankAdapted, adapter_names, scale_names
 from ushard.sharding import current_layout, gathered
 
 
@@ -103,8 +103,11 @@ def weight_for_compute(w, logical_names, compute_dtype):
     if "norm" in logical_names:
         return w
     if isinstance(w, LowRankAdapted):
-        a_names, b_names = adapter_names(logical_names, w.lead, w.a.ndim - 1 - w.lead)
-        return dataclasses.replace(w, base=gathered(w.base.astype(compute_dtype), logical_names),
+        ins = w.a.ndim - 1 - w.lead
+        a_names, b_names = adapter_names(logical_names, w.lead, ins)
+        base = w.base if w.float8 else w.base.astype(compute_dtype)  # float8 gathers as float8
+        scale = None if w.base_scale is None else gathered(w.base_scale, scale_names(logical_names, w.lead, ins))
+        return dataclasses.replace(w, base=gathered(base, logical_names), base_scale=scale,
                                    a=gathered(w.a.astype(compute_dtype), a_names),
                                    b=gathered(w.b.astype(compute_dtype), b_names))
     return gathered(w.astype(compute_dtype), logical_names)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from ushard.errors import UserError
 from ushard.models.config import LoraConfig
 from ushard.models.definition import ModelDef, tree_paths
-from ushard.models.low_rank import LowRankAdapted, adapter_names, input_axes
+from ushard.models.low_rank import LowRankAdapted, adapter_names, input_axes, quantized, scale_names
 from ushard.training.init_from import initial_params
 
 # The projections a target may name: attention's (latent attention's too), the MLPs' and the experts'.
@@ -101,7 +101,12 @@ class Adapters:
         for w in self.weights:
             _set(self.logical, w.path, w.logical())
             _set(self.shapes, w.path, {k: jax.ShapeDtypeStruct(s, dtype) for k, s in w.shapes(cfg.rank).items()})
-        self.base_dtype = jnp.dtype(model.cfg.compute_dtype if cfg.base_dtype == "compute" else model.cfg.param_dtype)
+        self.float8 = cfg.base_dtype == "float8"
+        self.base_dtype = jnp.dtype(model.cfg.param_dtype if cfg.base_dtype == "param" else model.cfg.compute_dtype)
+        # A float8 base's per-output-channel scales, nested like the parameters (empty otherwise).
+        self.scale_logical = {}
+        for w in self.weights if self.float8 else ():
+            _set(self.scale_logical, w.path, scale_names(w.names, w.stacked + w.lead, w.ins))
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(self.shapes))
@@ -120,18 +125,28 @@ class Adapters:
             _set(out, w.path, {"lora_a": a, "lora_b": jnp.zeros(shape_b.shape, shape_b.dtype)})
         return out
 
-    def frozen(self, params):
-        """The base as the run keeps it: matmul weights in `base_dtype`, norm scales and routing biases
-        as they are."""
+    def frozen(self, params) -> dict:
+        """The base as the run keeps it, {"weights": nested like the parameters, "scales": ...}: matmul
+        weights in `base_dtype`, norm scales and routing biases as they are; with `float8`, the adapted
+        weights quantized (ushard/models/low_rank.py, `quantized`) and their scales."""
         names = jax.tree.leaves(self.model.logical, is_leaf=lambda x: isinstance(x, tuple))
         leaves, tree = jax.tree.flatten(params)
         cast = [w if n[-1] == "norm" or w.ndim < 2 else w.astype(self.base_dtype) for w, n in zip(leaves, names)]
-        return jax.tree.unflatten(tree, cast)
+        weights, scales = jax.tree.unflatten(tree, cast), {}
+        for w in self.weights if self.float8 else ():
+            q, scale = quantized(_get(params, w.path), w.stacked + w.lead, w.ins)
+            _set(weights, w.path, q)
+            _set(scales, w.path, scale)
+        return {"weights": weights, "scales": scales}
+
+    def frozen_logical(self) -> dict:
+        """The logical names of `frozen`'s result."""
+        return {"weights": self.model.logical, "scales": self.scale_logical}
 
     def attach(self, frozen, adapters, step=None):
         """The model's parameters with each adapted weight a `LowRankAdapted` of its frozen base and
         adapters; with dropout, its masks drawn from `step` (a different mask each step and layer)."""
-        params = _copy_nested(frozen)
+        params = _copy_nested(frozen["weights"])
         for i, w in enumerate(self.weights):
             ad = _get(adapters, w.path)
             seed_shape = w.shape[:w.stacked]
@@ -141,8 +156,10 @@ class Adapters:
                 layer = jnp.arange(math.prod(seed_shape), dtype=jnp.int32).reshape(seed_shape)
                 mixed = (step.astype(jnp.int32) * 7919 + i * 104729 + layer * 15485863) % (1 << 24)
                 seed = mixed.astype(jnp.float32)
-            _set(params, w.path, LowRankAdapted(_get(frozen, w.path), ad["lora_a"], ad["lora_b"], seed,
-                                                scale=self.cfg.scale, lead=w.lead, dropout=self.cfg.dropout))
+            base_scale = _get(frozen["scales"], w.path) if self.float8 else None
+            _set(params, w.path, LowRankAdapted(_get(frozen["weights"], w.path), ad["lora_a"], ad["lora_b"], seed,
+                                                base_scale=base_scale, scale=self.cfg.scale, lead=w.lead,
+                                                dropout=self.cfg.dropout))
         return params
 
     def grads_of(self, grads) -> dict:
@@ -154,23 +171,24 @@ class Adapters:
             _set(out, w.path, {"lora_a": g.a, "lora_b": g.b})
         return out
 
-    def merge(self, frozen, adapters):
-        """The model's parameters with every adapter folded into its weight (export, sampling), in the
-        parameters' dtype."""
-        params = _copy_nested(frozen)
+    def merge(self, params, adapters):
+        """The model's parameters `params` (the base as loaded, not `frozen`'s) with every adapter folded
+        into its weight (export, sampling), in the parameters' dtype."""
+        params = _copy_nested(params)
         for w in self.weights:
             ad = _get(adapters, w.path)
-            node = LowRankAdapted(_get(frozen, w.path), ad["lora_a"], ad["lora_b"], jnp.zeros(()),
+            node = LowRankAdapted(_get(params, w.path), ad["lora_a"], ad["lora_b"], jnp.zeros(()),
                                   scale=self.cfg.scale, lead=w.stacked + w.lead)
             _set(params, w.path, node.merged())
         return params
 
 
-def fingerprint(frozen) -> jax.Array:
-    """[weights, 2] float32: each frozen weight's sum and sum of squares. A checkpoint keeps it, and a
-    resume on another base (another `checkpoint.init_from`, or its files changed) is refused."""
+def fingerprint(frozen: dict) -> jax.Array:
+    """[weights, 2] float32: each frozen weight's sum and sum of squares (`Adapters.frozen`'s result). A
+    checkpoint keeps it, and a resume on another base (another `checkpoint.init_from`, or its files
+    changed) is refused."""
     return jnp.stack([jnp.stack([jnp.sum(w.astype(jnp.float32)), jnp.sum(jnp.square(w.astype(jnp.float32)))])
-                      for w in jax.tree.leaves(frozen)])
+                      for w in jax.tree.leaves(frozen["weights"])])
 
 
 def same_base(saved, now) -> bool:

@@ -55,13 +55,14 @@ def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: L
                     adapters: Adapters | None = None) -> StateShardings:
     logical, shapes = (adapters.logical, adapters.shapes) if adapters else (model.logical, model.shapes)
     model_params = layout.shardings(model.logical, "params")
+    frozen = layout.shardings(adapters.frozen_logical(), "params") if adapters else None
     return StateShardings(
         params=layout.shardings(logical, "params"),
         grads=layout.shardings(logical, "grads"),
         opt_state=opt_state_shardings(shapes, logical, tx, layout),
         replicated=layout.replicated,
         model_params=model_params,
-        frozen=model_params if adapters else None,
+        frozen=frozen,
     )
 
 
