@@ -100,13 +100,13 @@ def fixed_batches(count: int):
                     for t in tokens]
 
 
-def with_random_b(state, seed=2):
+def with_random_b(state, seed=2, size=0.05):
     """The adapters with B random too (peft's zeros leave A's first gradient zero)."""
     rng = np.random.default_rng(seed)
 
     def fill(path, x):
         if path[-1].key == "lora_b":
-            return jax.device_put(jnp.asarray(0.05 * rng.normal(size=x.shape), x.dtype), x.sharding)
+            return jax.device_put(jnp.asarray(size * rng.normal(size=x.shape), x.dtype), x.sharding)
         return x
 
     return state.replace(params=jax.tree_util.tree_map_with_path(fill, state.params))
@@ -332,3 +332,37 @@ def test_a_float8_base_trains_as_the_exact_base_within_its_rounding(single, sing
     assert frozen["weights"]["embedding"].dtype == jnp.float32  # not adapted: the compute dtype (float32 here)
     np.testing.assert_allclose(got["losses"], single["losses"], rtol=2e-2)
     assert got["losses"] != single["losses"]  # the rounding is there
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def dropout_losses(stdlib_batches, overrides, devices=1):
+    """Two steps' losses on the same batch, from adapters whose update shows in the loss."""
+    config = small_config("tiny", **{**LORA, "train.steps": 2, "train.lr": 1e-2, **overrides})
+    trainer = Trainer(config, devices=jax.devices()[:devices], batches=stdlib_batches)
+    state = with_random_b(trainer.steps.init(0), size=1.0)
+    batch = trainer.global_batches(1)[0]
+    out = []
+    for _ in range(2):
+        state, metrics = trainer.steps.train_step(state, batch)
+        out.append(float(metrics["loss"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dropped(stdlib_batches):
+    return dropout_losses(stdlib_batches, {"model.lora.dropout": 0.3})
+
+
+def test_dropout_changes_the_loss(stdlib_batches, dropped):
+    """Step 0 has the same weights with and without LoRA dropout: only the masks differ."""
+    plain = dropout_losses(stdlib_batches, {})
+    assert abs(plain[0] - dropped[0]) > 1e-3
+
+
+@pytest.mark.slow
+def test_dropout_masks_do_not_depend_on_the_layout(stdlib_batches, dropped):
+    """ZeRO-3 over 8 devices draws the masks one device draws (the random bits are the sharding's own)."""
+    got = dropout_losses(stdlib_batches, {"model.lora.dropout": 0.3, "mesh.fsdp": 8}, devices=8)
+    np.testing.assert_allclose(got, dropped, rtol=1e-5)
