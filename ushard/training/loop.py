@@ -26,7 +26,7 @@ from ushard.data import local_block, make_batches, place_batch
 from ushard.errors import Preempted, UserError
 from ushard.metrics import MetricsWriter, peak_flops
 from ushard.models.moe import DISPATCH_OVERFLOW
-from ushard.training import processes
+from ushard.training import dpo_reference, processes
 from ushard.training.init_from import initial_params
 from ushard.training.optim import check_same_optimizer, schedule_change
 from ushard.training.state import TrainState
@@ -143,10 +143,11 @@ class Trainer:
             batches.append(batch)
         return batches
 
-    def eval_loss(self, params) -> float:
+    def eval_loss(self, state: TrainState) -> float:
         t = self.config.train
-        sums = [self.steps.eval_step(params, self._to_device(self.batches.eval_batch(i, t.batch_size, self.rows)))
-                for i in range(t.eval_batches)]
+        reference = (state.reference,) if self.steps.frozen_reference else ()
+        sums = [self.steps.eval_step(state.params, self._to_device(self.batches.eval_batch(i, t.batch_size, self.rows)),
+                                     *reference) for i in range(t.eval_batches)]
         loss, count = np.sum(jax.device_get(sums), axis=0)
         return float(loss / max(count, 1.0))
 
@@ -203,6 +204,8 @@ class Trainer:
             log(summary)
         state, data_state = self.initial_state(log)
         step = int(jax.device_get(state.step))
+        if self.config.train.objective == "dpo" and self.config.train.dpo.reference == "precomputed":
+            self.batches.with_reference(dpo_reference.table(self, state, step, log))
         signals.check(self._nothing_new(step))
         writer = MetricsWriter(self.workdir, resume_step=step,  # drops what an earlier run logged after it
                                tracker=tracking.start(self.config, self.workdir, log))
@@ -288,7 +291,7 @@ class Trainer:
                 now = time.perf_counter()
                 record = self._record(step, fetched[-1][2], (now - last_time) / (step - last_step))
                 if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-                    record["eval_loss"] = self.eval_loss(state.params)
+                    record["eval_loss"] = self.eval_loss(state)
                 records.append(record)
                 try:
                     writer.write(record)
@@ -374,12 +377,14 @@ class Trainer:
 
     def _record(self, step, metrics, step_time) -> dict:
         t = self.config.train
-        tokens_per_s = t.batch_size * t.seq_len / step_time
+        pairs = t.objective == "dpo"  # a row each for a pair's chosen and rejected sequence
+        tokens_per_s = (2 if pairs else 1) * t.batch_size * t.seq_len / step_time
         tflops = self.setup.flops_per_token * tokens_per_s / self.setup.mesh.size / 1e12
         return {
             "step": step,
             "loss": float(metrics["loss"]),
-            **{f"aux/{name}": float(value) for name, value in metrics["aux"].items()},
+            # The model's terms as aux/<name>; an objective's own figures carry their group (dpo/<name>).
+            **{name if "/" in name else f"aux/{name}": float(value) for name, value in metrics["aux"].items()},
             "grad_norm": float(metrics["grad_norm"]),
             "lr": float(metrics["lr"]),
             "tokens_per_s": tokens_per_s,
@@ -387,7 +392,8 @@ class Trainer:
             "tflops_per_device": tflops,
             "mfu": tflops * 1e12 / self.peak if self.peak else None,
             "skipped_steps": int(metrics["skipped"]),
-            "loss_tokens": int(metrics["loss_tokens"]),  # the targets the loss counted (all but masked ones)
+            # the targets the loss counted (all but masked ones); DPO: the pairs it averaged over
+            "loss_pairs" if pairs else "loss_tokens": int(metrics["loss_tokens"]),
         }
 
 

@@ -1,7 +1,8 @@
 """The jitted training and eval steps, with explicit shardings and donated state.
 
-The loss is a *sum* over target tokens and the gradient is divided by the token count of the whole
-global batch at the end, so one microbatch or many, one device or many, compute the same number.
+The loss is a *sum* over target tokens (DPO: over pairs; the objective, ushard/training/objectives.py,
+says which) and the gradient is divided by the count of the whole global batch at the end, so one
+microbatch or many, one device or many, compute the same number.
 The model's auxiliary terms (`aux`, scalars such as an MoE load-balancing loss) are added to the
 objective weighted by each microbatch's token count, so they too average over the global batch, and
 are reported beside the loss (a term whose gradient is stopped, such as an MoE layer's expert load,
@@ -23,14 +24,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from ushard.data.packing import FIELDS as BATCH_FIELDS
 from ushard.models.definition import ModelDef
 from ushard.models.mtp import with_mtp_fields
 from ushard.parallel import context
 from ushard.parallel.maps import nested_maps
 from ushard.parallel.pipeline import StageTail, one_f_one_b
 from ushard.sharding import Layout, current_layout, split_rows, use_layout, with_shardings
-from ushard.training.loss import cross_entropy_sums
+from ushard.training import dpo
+from ushard.training.objectives import LanguageModelling, objective_terms  # noqa: F401 (objective_terms: its old home)
 from ushard.training.state import TrainState
 
 
@@ -40,19 +41,24 @@ class StateShardings:
     grads: Any
     opt_state: Any
     replicated: NamedSharding
+    reference: Any = None  # a frozen reference policy's (DPO): the parameters'
 
     @property
     def state(self) -> TrainState:
-        return TrainState(params=self.params, opt_state=self.opt_state, step=self.replicated, skipped=self.replicated)
+        return TrainState(params=self.params, opt_state=self.opt_state, step=self.replicated, skipped=self.replicated,
+                          reference=self.reference)
 
 
-def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: Layout) -> StateShardings:
+def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: Layout,
+                    frozen_reference: bool = False) -> StateShardings:
     replicated = layout.replicated
+    params = layout.shardings(model.logical, "params")
     return StateShardings(
-        params=layout.shardings(model.logical, "params"),
+        params=params,
         grads=layout.shardings(model.logical, "grads"),
         opt_state=opt_state_shardings(model, tx, layout),
         replicated=replicated,
+        reference=params if frozen_reference else None,
     )
 
 
@@ -77,32 +83,22 @@ def opt_state_shardings(model: ModelDef, tx: optax.GradientTransformation, layou
     return jax.tree_util.tree_map_with_path(sharding, abstract_opt)
 
 
-def objective_terms(logits, aux, batch, mtp_logits=(), mtp_weight: float = 0.0):
-    """(cross-entropy sum + token-weighted aux terms, (cross-entropy sum, token count, weighted aux)).
-
-    With multi-token prediction (`mtp_logits`, one per depth; ushard/models/mtp.py), aux gains
-    "mtp_loss": `mtp_weight` times the mean over depths of each depth's cross-entropy summed over its
-    counted positions and divided by the main loss's token count (DeepSeek-V3's 1/T), so that it adds
-    up over microbatches as the main loss does."""
-    loss, count = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
-    if mtp_logits:
-        summed = sum(cross_entropy_sums(lg, batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])[0]
-                     for k, lg in enumerate(mtp_logits, 1))
-        aux = {**aux, "mtp_loss": mtp_weight * summed / len(mtp_logits) / jnp.maximum(count, 1.0)}
-    weighted_aux = {name: term * count for name, term in aux.items()}
-    return loss + sum(weighted_aux.values(), 0.0), (loss, count, weighted_aux)
-
-
 class Steps:
     """The compiled functions of one (model, optimizer, layout). Build one per layout."""
 
-    def __init__(self, model: ModelDef, tx, schedule, layout: Layout, grad_accum: int, skip_nonfinite: bool):
+    def __init__(self, model: ModelDef, tx, schedule, layout: Layout, grad_accum: int, skip_nonfinite: bool,
+                 objective=None):
         self.model, self.tx, self.schedule, self.layout = model, tx, schedule, layout
         self.grad_accum = grad_accum
         self.skip_nonfinite = skip_nonfinite
-        self.shardings = sh = state_shardings(model, tx, layout)
-        self.batch_shardings = dict.fromkeys(BATCH_FIELDS, layout.batch)
+        # What the step minimises (ushard/training/objectives.py); a frozen reference lives in the state.
+        self.objective = objective or LanguageModelling(model.cfg.mtp.loss_weight)
+        self.frozen_reference = self.objective.reference == "frozen"
+        self.shardings = sh = state_shardings(model, tx, layout, self.frozen_reference)
+        self.batch_shardings = dict.fromkeys(self.objective.fields, layout.batch)
         batch_sh = self.batch_shardings
+        # The functions of parameters and a batch take the reference's parameters too where there is one.
+        with_ref = (sh.params, batch_sh, sh.reference) if self.frozen_reference else (sh.params, batch_sh)
         self.init = jax.jit(self._init, static_argnums=0, out_shardings=sh.state)
         # A state at step 0 around given parameters (checkpoint.init_from): a fresh optimizer.
         self.fresh_state = jax.jit(self._fresh_state, in_shardings=(sh.params,), out_shardings=sh.state,
@@ -112,9 +108,13 @@ class Steps:
             donate_argnums=0
         )
         self.loss_and_grads = jax.jit(
-            self._loss_and_grads, in_shardings=(sh.params, batch_sh), out_shardings=(sh.replicated, sh.grads)
+            self._loss_and_grads, in_shardings=with_ref, out_shardings=(sh.replicated, sh.grads)
         )
-        self.eval_step = jax.jit(self._eval_sums, in_shardings=(sh.params, batch_sh), out_shardings=sh.replicated)
+        self.eval_step = jax.jit(self._eval_sums, in_shardings=with_ref, out_shardings=sh.replicated)
+        if self.objective.name == "dpo":  # the pass before training of train.dpo.reference="precomputed"
+            pairs = dict.fromkeys(self.objective.pair_fields, layout.batch)
+            self.pair_reference_logps = jax.jit(self._pair_reference_logps, in_shardings=(sh.params, pairs),
+                                                out_shardings=sh.replicated)
 
     # ------------------------------------------------------------------ traced functions
 
@@ -123,15 +123,29 @@ class Steps:
 
     def _fresh_state(self, params) -> TrainState:
         zero = jnp.zeros((), jnp.int32)
-        return TrainState(params=params, opt_state=self.tx.init(params), step=zero, skipped=zero)
+        reference = dpo.frozen_copy(params, self.model.cfg.compute_dtype) if self.frozen_reference else None
+        return TrainState(params=params, opt_state=self.tx.init(params), step=zero, skipped=zero, reference=reference)
 
     def abstract_state(self, seed: int = 0) -> TrainState:
         """The state's shapes and dtypes, each carrying its sharding (for restoring checkpoints)."""
         return with_shardings(jax.eval_shape(lambda: self._init(seed)), self.shardings.state)
 
     def _objective(self, params, batch):
-        logits, aux, mtp_logits = self.model.apply_for_training(params, batch)
-        return objective_terms(logits, aux, batch, mtp_logits, self.model.cfg.mtp.loss_weight)
+        logits, aux, mtp_logits = self.model.apply_for_training(params, self.objective.model_batch(batch))
+        return self.objective.terms(logits, aux, batch, mtp_logits)
+
+    def _with_reference(self, reference, batch):
+        """The batch with the reference policy's log-probs (DPO, computed from its parameters)."""
+        if reference is None:
+            return batch
+        logits = self.model.apply_for_training(reference, self.objective.model_batch(batch))[0]
+        return {**batch, **dpo.reference_fields(logits, batch)}
+
+    def _pair_reference_logps(self, params, batch):
+        """[pairs, 2]: each pair's summed reference log-probs (chosen, rejected) under `params`."""
+        with self._tracing(batch) as batch:
+            fields = self._with_reference(params, batch)
+            return jnp.stack([jnp.sum(fields[f], axis=-1) for f in dpo.REFERENCE_FIELDS], axis=-1)
 
     def _one_f_one_b_grads(self, params, batch):
         """What `jax.grad(self._objective, has_aux=True)` returns, by the 1F1B pipeline schedule: the
@@ -145,9 +159,10 @@ class Steps:
         compute = self.layout.shardings(model.split_stack(model.logical)[1], "compute")
         mtp, others = model.split_mtp(jax.lax.with_sharding_constraint(others, compute))
         tail = StageTail(mtp, inputs=model.mtp_embeddings, run=model.mtp_states) if mtp else None
+        rows = self.objective.model_batch  # the rows the model runs on, from each microbatch's
         sums, d_others, d_stack, d_mtp = one_f_one_b(
-            first=lambda others, mb: model.embed(others, mb["inputs"]),
-            stage=lambda chunk, x, mb: model.layers(chunk, x, mb["positions"], mb["segment_ids"]),
+            first=lambda others, mb: model.embed(others, rows(mb)["inputs"]),
+            stage=lambda chunk, x, mb: model.layers(chunk, x, rows(mb)["positions"], rows(mb)["segment_ids"]),
             last=self._last_stage_terms,
             outer=others, stack=stack, batch=batch, layout=current_layout(), prepare=model.stack_for_compute,
             tail=tail,
@@ -158,7 +173,7 @@ class Steps:
         """The objective of one microbatch leaving the pipeline's last stage: head, loss, and the MTP
         modules' head and loss on the states they computed there."""
         logits, mtp_logits = self.model.head_for_training(others, x, mtp_states)
-        return objective_terms(logits, aux, mb, mtp_logits, self.model.cfg.mtp.loss_weight)
+        return self.objective.terms(logits, aux, mb, mtp_logits)
 
     @contextlib.contextmanager
     def _tracing(self, batch):
@@ -169,19 +184,22 @@ class Steps:
         with use_layout(dataclasses.replace(self.layout, zigzag=split)), nested_maps(self.layout.pipeline is not None):
             yield context.reordered(batch, self.layout)
 
-    def _eval_sums(self, params, batch):
+    def _eval_sums(self, params, batch, reference=None):
         with self._tracing(batch) as batch:
-            _, (loss, count, _) = self._objective(params, batch)
+            _, (loss, count, _) = self._objective(params, self._with_reference(reference, batch))
             return jnp.stack([loss, count])
 
-    def _grad_sums(self, params, batch):
-        """(loss sum, token count, weighted aux sums) and summed gradients over the global batch,
-        microbatch by microbatch."""
+    def _grad_sums(self, params, batch, reference=None):
+        """(loss sum, count, weighted aux sums) and summed gradients over the global batch, microbatch by
+        microbatch (with a reference policy's parameters, its log-probs computed microbatch by microbatch)."""
         pipeline = self.layout.pipeline
         if pipeline is not None and pipeline.name == "1f1b":
-            grad_fn = self._one_f_one_b_grads
+            policy_grads = self._one_f_one_b_grads
         else:
-            grad_fn = jax.grad(self._objective, has_aux=True)
+            policy_grads = jax.grad(self._objective, has_aux=True)
+
+        def grad_fn(params, micro):
+            return policy_grads(params, self._with_reference(reference, micro))
         pin = lambda g: jax.lax.with_sharding_constraint(g, self.shardings.grads)  # noqa: E731
         if self.grad_accum == 1:
             grads, sums = grad_fn(params, batch)
@@ -200,20 +218,21 @@ class Steps:
         (sums, grads), _ = jax.lax.scan(one_microbatch, (zero_sums, zero_grads), micro_batches)
         return sums, grads
 
-    def _mean_loss_and_grads(self, params, batch):
-        """(mean loss, mean aux terms, mean gradients, target tokens counted) over the global batch."""
+    def _mean_loss_and_grads(self, params, batch, reference=None):
+        """(mean loss, mean aux terms, mean gradients, count: target tokens, or pairs) over the global batch."""
         with self._tracing(batch) as batch:
-            (loss, count, weighted_aux), grads = self._grad_sums(params, batch)
+            (loss, count, weighted_aux), grads = self._grad_sums(params, batch, reference)
             divisor = jnp.maximum(count, 1.0)
             aux = {name: term / divisor for name, term in weighted_aux.items()}
             return loss / divisor, aux, jax.tree.map(lambda g: g / divisor, grads), count
 
-    def _loss_and_grads(self, params, batch):
-        loss, _, grads, _ = self._mean_loss_and_grads(params, batch)
+    def _loss_and_grads(self, params, batch, reference=None):
+        loss, _, grads, _ = self._mean_loss_and_grads(params, batch, reference)
         return loss, grads
 
     def _train_step(self, state: TrainState, batch):
-        loss, aux, grads_and_loads, count = self._mean_loss_and_grads(state.params, batch)
+        reference = dpo.reference_params(state) if self.frozen_reference else None
+        loss, aux, grads_and_loads, count = self._mean_loss_and_grads(state.params, batch, reference)
         grads = self.model.without_expert_loads(grads_and_loads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
@@ -228,4 +247,5 @@ class Steps:
             skipped = skipped + (~finite).astype(jnp.int32)
         metrics = {"loss": loss, "aux": aux, "grad_norm": grad_norm, "lr": self.schedule(state.step),
                    "finite": finite, "skipped": skipped, "loss_tokens": count}
-        return TrainState(params=params, opt_state=opt_state, step=state.step + 1, skipped=skipped), metrics
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1, skipped=skipped,
+                          reference=state.reference), metrics
