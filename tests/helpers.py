@@ -65,8 +65,9 @@ def run_config(config, devices, batches):
     state = trainer.steps.init(config.train.seed)
     batches = trainer.global_batches(config.train.steps)
     first = batches[0]
+    reference = (state.reference,) if trainer.steps.frozen_reference else ()  # DPO's frozen reference policy
     with compiler_log() as log:
-        loss0, grads0 = trainer.steps.loss_and_grads(state.params, first)
+        loss0, grads0 = trainer.steps.loss_and_grads(state.params, first, *reference)
         compiled = trainer.steps.train_step.lower(state, first).compile()
     result = {
         "trainer": trainer,

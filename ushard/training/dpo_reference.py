@@ -40,7 +40,7 @@ def compute(trainer, params) -> np.ndarray:
     """One forward pass of the reference (`params` in the compute dtype) over every pair, a global batch
     of train.batch_size pairs at a time (the last one filled up with the first pairs)."""
     batches, size = trainer.batches, trainer.config.train.batch_size
-    reference = jax.jit(dpo.frozen_copy, static_argnums=1)(params, trainer.setup.model_cfg.compute_dtype)
+    reference = jax.jit(dpo.frozen_copy, static_argnums=1)(params, trainer.setup.model_config.compute_dtype)
     n = len(batches.pairs)
     out = []
     for start in range(0, n, size):
@@ -59,8 +59,9 @@ def _write(path: str, values: np.ndarray, order: dict) -> None:
 def _read(path: str | None, order: dict) -> np.ndarray:
     fresh = "start a new workdir to compute it afresh"
     if path is None or not os.path.isfile(path):
-        raise UserError(f"train.dpo.reference='precomputed': the run resumes at a later step but {path or 'the workdir'} "
-                        f"holds no {FILE} (the reference log-probs its first start computed); {fresh}.")
+        raise UserError(f"train.dpo.reference='precomputed': the run resumes at a later step but "
+                        f"{path or 'the workdir'} holds no {FILE} (the reference log-probs its first start "
+                        f"computed); {fresh}.")
     with np.load(path) as saved:
         if str(saved["order"]) != json.dumps(order, sort_keys=True):
             raise UserError(f"{path} holds the reference log-probs of other preference data than this run's; {fresh}.")

@@ -1,0 +1,349 @@
+"""DPO: the loss and its gradients against TRL's, every layout against one device, accumulation, the
+precomputed reference against the frozen one, the preference source's tokens, masks and pairing, and
+the bad inputs it refuses."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import SMALL_MOE, data_config, small_config
+from helpers import assert_same_training, run_config
+from ushard.cli import main
+from ushard.data.packing import FIELDS
+from ushard.data.preference import REFERENCE_FIELDS, REJECTED, Pairs, PreferenceBatches
+from ushard.data.tokenizer import get_tokenizer
+from ushard.errors import UserError
+from ushard.sharding import split_rows
+from ushard.training import dpo, dpo_reference
+from ushard.training.loop import Trainer
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+TEXT_PAIRS = os.path.join(DATA, "preference.jsonl")
+CHAT_PAIRS = os.path.join(DATA, "preference_chat.jsonl")
+
+
+def dpo_config(config_name="tiny", **overrides):
+    settings = {"train.objective": "dpo", "data.source": "preference", "data.paths": TEXT_PAIRS,
+                "train.batch_size": 16, "train.seq_len": 16, "train.steps": 3}
+    return small_config(config_name, **{**settings, **overrides})
+
+
+def one_sentence(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message and message.endswith("."), message
+    return message
+
+
+# --------------------------------------------------------------------------- the loss against TRL
+
+PAIRS, TOKENS, VOCAB = 4, 9, 11
+
+
+@pytest.fixture(scope="module")
+def fixed_pairs():
+    """Logits of 4 pairs (TRL's order: the chosen rows, then the rejected ones), their tokens, which
+    tokens are completion, and reference log-probs."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2 * PAIRS, TOKENS - 1, VOCAB)).astype(np.float32)
+    tokens = rng.integers(0, VOCAB, size=(2 * PAIRS, TOKENS)).astype(np.int32)
+    counted = np.zeros((2 * PAIRS, TOKENS), np.int32)
+    for row in range(2 * PAIRS):  # a prompt of 2-4 tokens, a completion of 2-5, then padding
+        start = rng.integers(2, 5)
+        counted[row, start:start + rng.integers(2, 6)] = 1
+    ref = rng.normal(size=(2, PAIRS)).astype(np.float32) * 3 - 12
+    return logits, tokens, counted, ref
+
+
+def trl_loss(fixed_pairs, loss_type, beta, label_smoothing):
+    """TRL's own DPOTrainer._compute_loss (trl 1.16) run on the fixed logits: a stand-in for the
+    trainer's attributes and a model that returns them, precomputed reference log-probs. -> (loss,
+    d loss / d logits in TRL's row order, TRL's logged metrics)."""
+    torch = pytest.importorskip("torch")
+    trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
+    logits, tokens, counted, ref = fixed_pairs
+    logits_t = torch.tensor(logits, requires_grad=True)
+    input_ids = torch.tensor(tokens, dtype=torch.long)
+
+    def model(input_ids, labels, **kwargs):  # what a transformers model's fused head returns
+        targets = labels[:, 1:]
+        picked = torch.log_softmax(logits_t, dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+        zeros = torch.zeros(targets.shape)
+        return types.SimpleNamespace(log_probs=picked * (targets != -100), entropy=zeros, mean_logits=zeros,
+                                     is_top1=zeros.bool())
+
+    model.training = True
+    accelerator = types.SimpleNamespace(device="cpu", gather=lambda x: x, gather_for_metrics=lambda x: x)
+    trainer = types.SimpleNamespace(
+        model=model, accelerator=accelerator, aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
+        f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=beta,
+        label_smoothing=label_smoothing, use_weighting=False, _tp_size=1, _total_train_tokens=0,
+        _metrics=collections.defaultdict(lambda: collections.defaultdict(list)))
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+              "completion_mask": torch.tensor(counted), "ref_chosen_logps": torch.tensor(ref[0]),
+              "ref_rejected_logps": torch.tensor(ref[1])}
+    loss = trl_dpo.DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    loss.backward()
+    metrics = {k: v[0] for k, v in trainer._metrics["train"].items()}
+    return loss.item(), logits_t.grad.numpy(), metrics
+
+
+def cdpo_loss(fixed_pairs, beta, label_smoothing):
+    """Conservative DPO, a literal transcription of TRL's `sigmoid` loss with label smoothing as TRL
+    computed it before 1.x (trl 1.16's `sigmoid` has no smoothing term, so its code cannot be called):
+    losses = -logsigmoid(β·logits)·(1 - ε) - logsigmoid(-β·logits)·ε, logits the difference of the
+    chosen and rejected log-ratios."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    logits, tokens, counted, ref = fixed_pairs
+    logits_t = torch.tensor(logits, requires_grad=True)
+    targets = torch.tensor(tokens[:, 1:], dtype=torch.long)
+    mask = torch.tensor(counted[:, 1:])
+    per_token = torch.log_softmax(logits_t, dim=-1).gather(-1, targets[..., None])[..., 0]
+    chosen_logps, rejected_logps = (per_token * mask).sum(-1).chunk(2)
+    ratios = (chosen_logps - torch.tensor(ref[0])) - (rejected_logps - torch.tensor(ref[1]))
+    losses = (-F.logsigmoid(beta * ratios) * (1 - label_smoothing) - F.logsigmoid(-beta * ratios) * label_smoothing)
+    loss = losses.mean()
+    loss.backward()
+    return loss.item(), logits_t.grad.numpy()
+
+
+def ushard_loss(fixed_pairs, cfg):
+    """ushard's DPO objective on the same logits, laid out as its batches are (pair k: row k of the
+    chosen and of the rejected fields; the model's rows interleaved). -> (loss, gradient in TRL's
+    order, metrics)."""
+    logits, tokens, counted, ref = fixed_pairs
+    objective = dpo.DPO(cfg)
+    rows = {"targets": tokens[:, 1:], "loss_mask": counted[:, 1:]}
+    batch = {}
+    for prefix, half in (("", slice(0, PAIRS)), (REJECTED, slice(PAIRS, None))):
+        for f in FIELDS:
+            batch[prefix + f] = jnp.asarray(rows[f][half] if f in rows else np.zeros((PAIRS, TOKENS - 1), np.int32))
+    for name, values in zip(REFERENCE_FIELDS, ref):  # the precomputed form: the value in column 0
+        batch[name] = jnp.zeros((PAIRS, TOKENS - 1)).at[:, 0].set(values)
+    interleave = np.stack([np.arange(PAIRS), PAIRS + np.arange(PAIRS)], axis=1).reshape(-1)
+
+    def mean_loss(model_logits):
+        _, (loss, pairs, sums) = objective.terms(model_logits, {}, batch)
+        return loss / pairs, {k: v / pairs for k, v in sums.items()}
+
+    (loss, metrics), grad = jax.value_and_grad(mean_loss, has_aux=True)(jnp.asarray(logits[interleave]))
+    return float(loss), np.asarray(grad)[np.argsort(interleave)], {k: float(v) for k, v in metrics.items()}
+
+
+def dpo_settings(**values):
+    """train.dpo's keys (with the reference precomputed: the batch holds it)."""
+    base = {"beta": 0.1, "label_smoothing": 0.0, "loss_type": "sigmoid", "reference": "precomputed"}
+    return types.SimpleNamespace(**{**base, **values})
+
+
+@pytest.mark.parametrize("loss_type, beta, label_smoothing", [
+    ("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.0), ("robust", 0.3, 0.2), ("ipo", 0.4, 0.0)])
+def test_loss_and_gradients_equal_trls(fixed_pairs, loss_type, beta, label_smoothing):
+    want, want_grad, trl_metrics = trl_loss(fixed_pairs, loss_type, beta, label_smoothing)
+    got, got_grad, metrics = ushard_loss(fixed_pairs, dpo_settings(loss_type=loss_type, beta=beta,
+                                                                   label_smoothing=label_smoothing))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert np.abs(want_grad).max() > 1e-3  # the gradient is not trivially zero
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-5 * np.abs(want_grad).max())
+    names = {"dpo/rewards_chosen": "rewards/chosen", "dpo/rewards_rejected": "rewards/rejected",
+             "dpo/margin": "rewards/margins", "dpo/accuracy": "rewards/accuracies"}
+    for ours, theirs in names.items():
+        np.testing.assert_allclose(metrics[ours], trl_metrics[theirs], rtol=1e-5, atol=1e-6)
+    assert 0 < metrics["dpo/accuracy"] < 1  # the fixed pairs have both kinds
+
+
+def test_label_smoothing_gives_conservative_dpo(fixed_pairs):
+    want, want_grad = cdpo_loss(fixed_pairs, 0.2, 0.1)
+    got, got_grad, _ = ushard_loss(fixed_pairs, dpo_settings(beta=0.2, label_smoothing=0.1))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-5 * np.abs(want_grad).max())
+    plain, _, _ = ushard_loss(fixed_pairs, dpo_settings(beta=0.2))
+    assert abs(plain - got) > 1e-3
+
+
+# --------------------------------------------------------------------------- the preference source
+
+
+def test_text_pairs_count_the_completion_and_its_end_token_only():
+    tokenizer = get_tokenizer("byte")
+    pairs = Pairs(data_config(source="preference", paths=TEXT_PAIRS), 17)
+    records = [json.loads(line) for line in open(TEXT_PAIRS)]
+    fields = pairs.fields(np.arange(len(records)))
+    for k, record in enumerate(records):
+        for prefix, key in (("", "chosen"), (REJECTED, "rejected")):
+            counted = fields[prefix + "targets"][k][fields[prefix + "loss_mask"][k] == 1]
+            assert counted[-1] == tokenizer.eos_id
+            assert tokenizer.decode(counted[:-1]) == record[key]
+            prompt = tokenizer.encode(record["prompt"])
+            np.testing.assert_array_equal(fields[prefix + "inputs"][k][:len(prompt)], prompt)
+            assert fields[prefix + "segment_ids"][k][0] == 1  # one sequence a row, from column 0
+
+
+def test_chat_pairs_count_the_assistant_completion_only(tmp_path):
+    """A prompt with an earlier assistant turn: only the completion's tokens count."""
+    tokenizer = get_tokenizer("byte")
+    record = {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "EARLIER"},
+                         {"role": "user", "content": "colour?"}],
+              "chosen": [{"role": "assistant", "content": "blue"}],
+              "rejected": [{"role": "assistant", "content": "no idea"}]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(record) + "\n" + open(CHAT_PAIRS).readline())
+    fields = Pairs(data_config(source="preference", paths=str(path)), 96).fields(np.arange(2))
+    for prefix, answer in (("", "blue"), (REJECTED, "no idea")):
+        counted = fields[prefix + "targets"][0][fields[prefix + "loss_mask"][0] == 1]
+        assert counted[-1] == tokenizer.eos_id and tokenizer.decode(counted[:-1]) == answer
+        assert "EARLIER" in tokenizer.decode(fields[prefix + "inputs"][0])
+
+
+def test_a_pair_stays_together_through_every_split_of_the_rows():
+    """Row k of the chosen and of the rejected fields is one record's, in every microbatch split
+    (strided, as the step and the pipeline split) and every contiguous data shard, and the model's
+    rows put them side by side."""
+    batches = PreferenceBatches(data_config(source="preference", paths=TEXT_PAIRS), 16, 0)
+    batch, _ = batches.train_batch(batches.initial_state(), 8)
+    record = {tuple(v): i for i, v in enumerate(batches.pairs.fields(np.arange(24))["inputs"].tolist())}
+    chosen_of = [record[tuple(r)] for r in batch["inputs"].tolist()]
+    rejected = batches.pairs.fields(np.array(chosen_of))["rejected_inputs"]
+    np.testing.assert_array_equal(batch["rejected_inputs"], rejected)
+    for count in (1, 2, 4):
+        for micro in range(count):
+            parts = {k: split_rows(jnp.asarray(v), count, None)[micro] for k, v in batch.items()}
+            rows = np.asarray(dpo.pair_rows(parts)["inputs"])
+            for shard in np.split(np.arange(len(rows)), len(rows) // 2):  # the finest: a pair per device
+                chosen, rejected_row = rows[shard]
+                k = record[tuple(chosen.tolist())]
+                np.testing.assert_array_equal(rejected_row, batches.pairs.fields(np.array([k]))["rejected_inputs"][0])
+
+
+def test_the_data_position_counts_pairs_and_resumes_at_the_next_one():
+    batches = PreferenceBatches(data_config(source="preference", paths=TEXT_PAIRS), 16, 0)
+    whole, _ = batches.train_batch(batches.initial_state(), 8)
+    _, after_three = batches.train_batch(batches.initial_state(), 3)
+    rest, _ = batches.train_batch(batches.check_resume(after_three, False), 5)
+    np.testing.assert_array_equal(rest["inputs"], whole["inputs"][3:])
+    assert batches.check_resume(after_three, False)["position"] == 3
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("record, sentence", [
+    ({"prompt": "a", "chosen": "", "rejected": "b"}, "{name}: its 'chosen' completion is empty"),
+    ({"prompt": "a", "chosen": "b"}, "{name} has no 'rejected' field"),
+    ({"prompt": "a", "chosen": "b", "rejected": "x" * 40}, "{name}: its prompt and 'rejected' completion are 42 "
+                                                            "tokens, more than train.seq_len + 1 = 17"),
+    ({"prompt": "a", "chosen": [{"role": "user", "content": "b"}], "rejected": "c"},
+     "{name}: its 'chosen' completion has no non-empty assistant message"),
+    ({"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"},
+     "{name}: its 'prompt' and 'chosen' fields must both be text or both be messages"),
+])
+def test_a_bad_record_is_named(tmp_path, record, sentence):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "ok", "chosen": "yes", "rejected": "no"}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(UserError) as excinfo:
+        Pairs(data_config(source="preference", paths=str(path)), 17)
+    assert one_sentence(excinfo).startswith(sentence.format(name=f"{path}:2"))
+
+
+@pytest.mark.parametrize("overrides, sentence", [
+    (["train.objective=dpo"], "train.objective='dpo' with data.source='stdlib': DPO trains on preference pairs"),
+    (["data.source=preference", f"data.paths={TEXT_PAIRS}"], "train.objective='lm' with data.source='preference'"),
+    (["train.objective=dpo", "data.source=preference", f"data.paths={TEXT_PAIRS}", "train.dpo.beta=0"],
+     "train.dpo.beta=0.0 must be positive"),
+])
+def test_the_cli_refuses_dpo_settings_before_any_work(tmp_path, capsys, overrides, sentence):
+    workdir = tmp_path / "run"
+    args = [f"--config.{o}" for o in overrides]
+    assert main(["train", "--config", "tiny", *args, "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"ushard: error: {sentence}"), err
+    assert not workdir.exists()
+
+
+def test_the_cli_refuses_a_record_too_long_and_leaves_the_workdir_as_it_was(tmp_path, capsys):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": "r" * 100}) + "\n")
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text('{"step": 1}\n')
+    args = ["--config.train.objective=dpo", "--config.data.source=preference", f"--config.data.paths={path}",
+            "--config.train.seq_len=32"]
+    assert main(["train", "--config", "tiny", *args, "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"ushard: error: {path}:1: its prompt and 'rejected' completion are 102 tokens, more than "
+                   f"train.seq_len + 1 = 33; raise train.seq_len or drop the record."]
+    assert (workdir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+# --------------------------------------------------------------------------- layouts, accumulation, reference
+
+
+def pair_batches(config):
+    return PreferenceBatches(config.data, config.train.seq_len, config.train.seed)
+
+
+def run_dpo(devices, config_name="tiny", precomputed=False, **overrides):
+    config = dpo_config(config_name, **overrides, **({"train.dpo.reference": "precomputed"} if precomputed else {}))
+    batches = pair_batches(config)
+    if precomputed:
+        trainer = Trainer(config, devices=jax.devices()[:devices], batches=batches)
+        batches.with_reference(dpo_reference.compute(trainer, trainer.steps.init(config.train.seed).params))
+    return run_config(config, jax.devices()[:devices], batches)
+
+
+@pytest.fixture(scope="module")
+def single():
+    return run_dpo(1)
+
+
+def test_dpo_trains_and_reports_its_metrics(single):
+    assert single["losses"][0] == pytest.approx(np.log(2), rel=1e-6)  # the policy is its reference at step 0
+    assert single["losses"][2] < single["losses"][0]
+    assert set(single["aux"][2]) == {f"dpo/{m}" for m in dpo.METRICS}
+    assert single["aux"][2]["dpo/margin"] > 0 and single["aux"][2]["dpo/accuracy"] > 0.5
+
+
+@pytest.mark.slow  # the fsdp row below accumulates too
+def test_gradient_accumulation_equals_one_microbatch(single):
+    assert_same_training(run_dpo(1, **{"train.grad_accum": 2}), single)
+
+
+def test_fsdp_zero3_with_accumulation_matches_one_device(single):
+    """One pair per device in each of two microbatches: a pair split across either would change the loss."""
+    assert_same_training(run_dpo(8, **{"mesh.fsdp": 8, "parallel.zero_stage": 3, "train.grad_accum": 2}), single)
+
+
+def test_the_precomputed_reference_equals_the_frozen_copy(single):
+    got = run_dpo(1, precomputed=True)
+    assert "reference" not in got["init_shardings"].as_dict()  # no second model in the state
+    assert_same_training(got, single)
+
+
+@pytest.mark.slow
+def test_tensor_with_sequence_parallelism_matches_one_device(single):
+    assert_same_training(run_dpo(8, **{"mesh.tensor": 2, "mesh.fsdp": 4, "parallel.sequence_parallel": True}), single)
+
+
+@pytest.mark.slow
+def test_one_f_one_b_matches_one_device():
+    deep = {"model.n_layers": 4}
+    want = run_dpo(1, **deep)
+    got = run_dpo(8, **deep, **{"mesh.pipeline": 2, "mesh.fsdp": 4, "parallel.pipeline_schedule": "1f1b",
+                                "parallel.pipeline_microbatches": 2})
+    assert_same_training(got, want)
+
+
+@pytest.mark.slow
+def test_experts_over_two_devices_match_one_device():
+    want = run_dpo(1, "tiny_moe", **SMALL_MOE)
+    got = run_dpo(8, "tiny_moe", **SMALL_MOE, **{"mesh.expert": 2, "mesh.fsdp": 4})
+    assert_same_training(got, want)
