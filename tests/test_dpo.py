@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_MOE, data_config, small_config
-from helpers import assert_same_training, run_config
+from helpers import assert_same_training, run_config, tree_relative_difference
 from ushard.cli import main
 from ushard.data.packing import FIELDS
 from ushard.data.preference import REFERENCE_FIELDS, REJECTED, Pairs, PreferenceBatches
@@ -347,3 +347,62 @@ def test_experts_over_two_devices_match_one_device():
     want = run_dpo(1, "tiny_moe", **SMALL_MOE)
     got = run_dpo(8, "tiny_moe", **SMALL_MOE, **{"mesh.expert": 2, "mesh.fsdp": 4})
     assert_same_training(got, want)
+
+
+def test_the_planner_counts_the_frozen_reference():
+    """In the compute dtype: bfloat16 adds half the float32 parameters' bytes."""
+    from ushard import build
+    from ushard.planner import estimate_state_bytes
+
+    lm = estimate_state_bytes(build(small_config(**{"model.compute_dtype": "bfloat16"}), jax.devices()[:1]))[0]
+    frozen = estimate_state_bytes(build(dpo_config(**{"model.compute_dtype": "bfloat16"}), jax.devices()[:1]))[0]
+    precomputed = estimate_state_bytes(build(dpo_config(**{"model.compute_dtype": "bfloat16",
+                                                           "train.dpo.reference": "precomputed"}),
+                                             jax.devices()[:1]))[0]
+    assert frozen == lm * 3 // 2 and precomputed == lm
+
+
+def train_in(workdir, steps, **overrides):
+    config = dpo_config(**{"train.steps": steps, "checkpoint.every": 2, "checkpoint.async_save": False, **overrides})
+    return Trainer(config, str(workdir), devices=jax.devices()[:1]).run(log=lambda *a: None)
+
+
+@pytest.mark.slow  # the default tier: the checkpoint holds the reference (below)
+@pytest.mark.parametrize("reference", ["frozen", "precomputed"])
+def test_a_resume_continues_exactly(tmp_path, reference):
+    settings = {"train.dpo.reference": reference}
+    straight = train_in(tmp_path / "straight", 4, **settings)
+    train_in(tmp_path / "resumed", 2, **settings)
+    resumed = train_in(tmp_path / "resumed", 4, **settings)
+    assert [r["step"] for r in resumed] == [3, 4]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in straight[2:]], rtol=1e-6)
+    np.testing.assert_allclose([r["dpo/margin"] for r in resumed], [r["dpo/margin"] for r in straight[2:]], rtol=1e-5)
+
+
+def test_a_checkpoint_holds_the_frozen_reference_and_a_changed_reference_is_refused(tmp_path):
+    """What makes a resume exact: the restored state's reference is the initial parameters, not the
+    trained ones."""
+    train_in(tmp_path, 2)
+    trainer = Trainer(dpo_config(**{"train.steps": 4}), str(tmp_path), devices=jax.devices()[:1])
+    state, _ = trainer.initial_state(log=lambda *a: None)
+    initial = jax.device_get(trainer.steps.init(0).params)
+    assert int(state.step) == 2
+    for got, want in zip(jax.tree.leaves(jax.device_get(state.reference)), jax.tree.leaves(initial)):
+        np.testing.assert_array_equal(got, want)
+    assert tree_relative_difference(jax.device_get(state.params), initial) > 1e-4
+    trainer.checkpoints.close()
+    with pytest.raises(UserError) as excinfo:
+        train_in(tmp_path, 4, **{"train.dpo.reference": "precomputed"})
+    assert one_sentence(excinfo).startswith(
+        f"the checkpoints in {tmp_path / 'checkpoints'} were trained with train.objective='dpo' with "
+        f"train.dpo.reference='frozen', not train.objective='dpo' with train.dpo.reference='precomputed'; ")
+
+
+def test_a_precomputed_resume_without_its_reference_file_is_refused(tmp_path):
+    settings = {"train.dpo.reference": "precomputed"}
+    train_in(tmp_path, 2, **settings)
+    assert (tmp_path / dpo_reference.FILE).is_file()
+    (tmp_path / dpo_reference.FILE).unlink()
+    with pytest.raises(UserError) as excinfo:
+        train_in(tmp_path, 4, **settings)
+    assert "holds no dpo_reference.npz" in one_sentence(excinfo)

@@ -28,6 +28,7 @@ from ushard.metrics import MetricsWriter, peak_flops
 from ushard.models.moe import DISPATCH_OVERFLOW
 from ushard.training import dpo_reference, processes
 from ushard.training.init_from import initial_params
+from ushard.training.objectives import check_same_objective
 from ushard.training.optim import check_same_optimizer, schedule_change
 from ushard.training.state import TrainState
 
@@ -161,6 +162,7 @@ class Trainer:
 
             def target(saved_config):
                 check_same_optimizer(saved_config, self.config, self.checkpoints.directory)
+                check_same_objective(saved_config, self.config, self.checkpoints.directory)
                 return abstract, self.setup.model_config
 
             restored = self.checkpoints.restore_newest(target, log, restart=self.config.checkpoint.restart)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ushard.data.packing import FIELDS
+from ushard.errors import UserError
 from ushard.training.loss import cross_entropy_sums
 
 
@@ -59,3 +60,20 @@ def objective_for(train_cfg, model_cfg):
 
         return DPO(train_cfg.dpo)
     return LanguageModelling(model_cfg.mtp.loss_weight)
+
+
+def state_kind(train_cfg) -> str:
+    """What a checkpoint's state holds besides parameters and optimizer state, in words."""
+    if train_cfg.get("objective", "lm") != "dpo":
+        return "train.objective='lm'"
+    return f"train.objective='dpo' with train.dpo.reference={train_cfg.get('dpo', {}).get('reference', 'frozen')!r}"
+
+
+def check_same_objective(saved_config: dict, config, where: str) -> None:
+    """A checkpoint holds a frozen reference exactly when its run had one: a resume under another
+    objective or reference is refused (another workdir can start from its parameters)."""
+    saved, now = state_kind(saved_config.get("train") or {}), state_kind(config.train)
+    if saved != now:
+        raise UserError(f"the checkpoints in {where} were trained with {saved}, not {now}; resume with the "
+                        f"checkpoints' settings, or start a new run from these parameters: another workdir and "
+                        f"--config.checkpoint.init_from=<this workdir>.")
