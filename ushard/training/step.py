@@ -31,7 +31,7 @@ from ushard.parallel.maps import nested_maps
 from ushard.parallel.pipeline import StageTail, one_f_one_b
 from ushard.sharding import Layout, current_layout, split_rows, use_layout, with_shardings
 from ushard.training import dpo
-from ushard.training.objectives import LanguageModelling, objective_terms  # noqa: F401 (objective_terms: its old home)
+from ushard.training.objectives import LanguageModelling
 from ushard.training.state import TrainState
 
 
