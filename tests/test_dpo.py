@@ -406,3 +406,21 @@ def test_a_precomputed_resume_without_its_reference_file_is_refused(tmp_path):
     with pytest.raises(UserError) as excinfo:
         train_in(tmp_path, 4, **settings)
     assert "holds no dpo_reference.npz" in one_sentence(excinfo)
+
+
+def test_parquet_records_give_the_jsonl_records_rows(tmp_path):
+    """Text and message columns alike (a list of structs reads back as a list of dicts)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    for source in (TEXT_PAIRS, CHAT_PAIRS):
+        records = [json.loads(line) for line in open(source)]
+        path = tmp_path / (os.path.basename(source) + ".parquet")
+        pq.write_table(pa.Table.from_pylist(records), path, row_group_size=5)
+        want = Pairs(data_config(source="preference", paths=source), 97).fields(np.arange(len(records)))
+        got = Pairs(data_config(source="preference", paths=str(path)), 97).fields(np.arange(len(records)))
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "chosen": "b"}]), tmp_path / "short.parquet")
+    with pytest.raises(UserError) as excinfo:
+        Pairs(data_config(source="preference", paths=str(tmp_path / "short.parquet")), 17)
+    assert one_sentence(excinfo).startswith(f"{tmp_path / 'short.parquet'} has no column 'rejected'")

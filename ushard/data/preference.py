@@ -222,8 +222,10 @@ class PreferenceBatches:
         self._epochs: dict[int, np.ndarray] = {}
 
     def summary(self) -> str:
-        return (f"data: {len(self.pairs):,} preference pairs ({len(self.train):,} for training, "
-                f"{len(self.held_out) if self.held_out is not self.train else 0:,} held out), a row per sequence")
+        held = (f"{len(self.held_out):,} held out" if self.held_out is not self.train
+                else "none held out: eval scores training pairs")
+        return (f"data: {len(self.pairs):,} preference pairs ({len(self.train):,} for training, {held}), a row per "
+                f"sequence")
 
     def with_reference(self, table: np.ndarray) -> None:
         """Batches from now on carry each pair's reference log-probs from `table` ([pairs, 2])."""
