@@ -317,14 +317,17 @@ def test_the_cli_refuses_a_record_too_long_and_leaves_the_workdir_as_it_was(tmp_
 
 
 def assert_same_dpo_training(got, want):
-    """assert_same_training, but at step 1 (the policy is its reference) every reward is 0 up to
-    rounding and the accuracy of those ties is rounding's: step 1's rewards are compared with an
-    absolute tolerance and its accuracy not at all."""
-    assert_same_training({**got, "aux": got["aux"][1:]}, {**want, "aux": want["aux"][1:]})
-    first, want_first = got["aux"][0], want["aux"][0]
-    assert want_first["dpo/margin"] == 0 and want_first.keys() == first.keys()
-    for name in ("dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/margin"):
-        assert abs(first[name]) < 1e-6, name
+    """assert_same_training, with the `dpo/` metrics to an absolute 1e-6 besides 1e-5 relative (a
+    reward is β times a difference of log-probs summed in float32: near 0 its relative error is
+    large), and step 1's accuracy not compared: while the policy is its reference every reward is 0
+    up to rounding, and the accuracy of those ties is rounding's."""
+    assert_same_training({**got, "aux": []}, {**want, "aux": []})
+    assert want["aux"][0]["dpo/margin"] == 0
+    for step, (aux, want_aux) in enumerate(zip(got["aux"], want["aux"])):
+        assert aux.keys() == want_aux.keys()
+        for name in aux:
+            if not (step == 0 and name == "dpo/accuracy"):
+                np.testing.assert_allclose(aux[name], want_aux[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def pair_batches(config):
@@ -418,7 +421,7 @@ def train_in(workdir, steps, **overrides):
 @pytest.mark.slow  # the default tier: the checkpoint holds the reference (below)
 @pytest.mark.parametrize("reference", ["frozen", "precomputed"])
 def test_a_resume_continues_exactly(tmp_path, reference):
-    settings = {"train.dpo.reference": reference}
+    settings = {"train.dpo.reference": reference, "train.schedule": "constant"}  # the same rates, 2 steps or 4
     straight = train_in(tmp_path / "straight", 4, **settings)
     train_in(tmp_path / "resumed", 2, **settings)
     resumed = train_in(tmp_path / "resumed", 4, **settings)
