@@ -66,8 +66,7 @@ def run_config(config, devices, batches):
     batches = trainer.global_batches(config.train.steps)
     first = batches[0]
     with compiler_log() as log:
-        frozen = () if state.frozen is None else (state.frozen,)
-        loss0, grads0 = trainer.steps.loss_and_grads(state.params, first, *frozen)
+        loss0, grads0 = trainer.steps.loss_and_grads(state.params, first, *trainer.steps.extra_inputs(state))
         compiled = trainer.steps.train_step.lower(state, first).compile()
     result = {
         "trainer": trainer,

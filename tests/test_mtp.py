@@ -19,7 +19,7 @@ from ushard.errors import UserError
 from ushard.models.config import ModelConfig, MTPConfig
 from ushard.models.definition import model_definition
 from ushard.models.mtp import with_mtp_fields
-from ushard.training.step import objective_terms
+from ushard.training.objectives import objective_terms
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, compute_dtype="float32")
 B, T = 2, 16

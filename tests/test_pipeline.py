@@ -26,6 +26,7 @@ from helpers import (
 )
 from ushard import build
 from ushard.config import MESH_AXES
+from ushard.data.packing import FIELDS as BATCH_FIELDS
 from ushard.mesh import build_mesh
 from ushard.parallel.pipeline import (
     IDLE,
@@ -45,7 +46,6 @@ from ushard.parallel.pipeline import (
 )
 from ushard.sharding import Layout, use_layout
 from ushard.training.loop import Trainer
-from ushard.training.step import BATCH_FIELDS
 
 # --------------------------------------------------------------------------- the schedule tables
 

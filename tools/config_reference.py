@@ -175,6 +175,16 @@ DESCRIPTIONS = {
     "train.max_nonfinite_steps": "skip / rollback give up after this many non-finite steps in a row",
     "train.process_timeout_s": ("with several processes: seconds a process waits for one that went silent (killed, a "
                                 "lost host) or holds up a checkpoint's barrier; then it stops, naming it"),
+    "train.objective": "what the step minimises: `lm` (next-token cross-entropy: pre-training, SFT) or `dpo` "
+                       "(direct preference optimisation on `data.source='preference'` pairs: docs/finetuning.md)",
+    "train.dpo.beta": "DPO: β, how far the policy may move from the reference policy",
+    "train.dpo.loss_type": "DPO: `sigmoid` (DPO; with label smoothing, conservative DPO), `robust` (rDPO) or `ipo` "
+                           "(IPO, length-normalised), as TRL's loss types of those names",
+    "train.dpo.label_smoothing": "DPO: ε in [0, 0.5), the assumed share of pairs whose preference is flipped "
+                                 "(`sigmoid`, `robust`); 0: none",
+    "train.dpo.reference": "DPO: the reference policy's log-probs from `frozen` (a copy of the initial parameters in "
+                           "the compute dtype, sharded like them, in the train state and checkpoints) or "
+                           "`precomputed` (one forward pass over the pairs before training; DIR/dpo_reference.npz)",
     # optim
     "optim.name": "`adamw`, `muon` (matrices; AdamW for the embedding, LM head, norms and routing biases), `lion` "
                   "or `adafactor`; a checkpoint resumes only under its own",
@@ -246,9 +256,10 @@ DESCRIPTIONS = {
     "parallel.pipeline_repeats": "circular schedule: chunks of layers (virtual stages) per device",
     # data
     "data.source": "`stdlib` (the Python standard library's .py files), `text` (a file per document), `jsonl`, "
-                   "`parquet` (a row per document), `tokens` (.npy files of token ids, documents ending in EOS) "
-                   "or `chat` (JSONL conversations, `{\"messages\": [{\"role\", \"content\"}, ...]}`: "
-                   "docs/finetuning.md)",
+                   "`parquet` (a row per document), `tokens` (.npy files of token ids, documents ending in EOS), "
+                   "`chat` (JSONL conversations, `{\"messages\": [{\"role\", \"content\"}, ...]}`: "
+                   "docs/finetuning.md) or `preference` (JSONL / Parquet records of `prompt`, `chosen`, "
+                   "`rejected`, for `train.objective='dpo'`)",
     "data.paths": "a glob of data files, or several separated by commas (each one component of data.weights)",
     "data.jsonl_field": "jsonl: the field of each record that holds the text",
     "data.parquet_column": "parquet: the string column that holds the text (null rows are skipped)",

@@ -22,6 +22,7 @@ from ushard.parallel import SEAMS
 from ushard.plan import ParallelPlan
 from ushard.sharding import Layout, format_rules
 from ushard.training.lora import Adapters
+from ushard.training.objectives import objective_for
 from ushard.training.optim import make_optimizer, plan_optimizer
 from ushard.training.step import Steps
 from ushard.xla_flags import ignored_settings
@@ -91,6 +92,7 @@ def build(config, devices=None, platform: str | None = None, device_kind: str | 
     layout = dataclasses.replace(layout, plan=plan)
     tx, schedule = make_optimizer(config, trained.logical, layout)
     t = config.train
-    steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip", adapters=adapters)
+    steps = Steps(model, tx, schedule, layout, t.grad_accum, skip_nonfinite=t.on_nonfinite == "skip", adapters=adapters,
+                  objective=objective_for(t, model_cfg))
     return Setup(config, model_cfg, plan, layout, model, tx, schedule, steps, tuple(ignored_settings(config, platform)),
                  adapters)

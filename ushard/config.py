@@ -34,7 +34,10 @@ from ushard.training import optim
 MESH_AXES = ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")
 SCHEDULES = optim.SCHEDULES
 NONFINITE_POLICIES = ("skip", "rollback", "stop")
-DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "tokens", "chat")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "tokens", "chat", "preference")
+OBJECTIVES = ("lm", "dpo")
+DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo")  # ushard/training/dpo.py
+DPO_REFERENCES = ("frozen", "precomputed")
 TRAIN_ON = ("assistant", "all")
 
 
@@ -74,6 +77,19 @@ def default_config() -> ml_collections.ConfigDict:
     # With several processes: how long one waits for another that went silent (killed, lost host) or
     # that holds up a checkpoint's barrier, before the run stops with a sentence naming it.
     c.train.process_timeout_s = 60
+    # What the step minimises: "lm" (next-token cross-entropy: pre-training, SFT) or "dpo" (direct
+    # preference optimisation on data.source="preference" pairs; ushard/training/dpo.py).
+    c.train.objective = "lm"
+    c.train.dpo = ml_collections.ConfigDict()
+    c.train.dpo.beta = 0.1  # how far the policy may move from the reference (the KL penalty's weight)
+    # sigmoid: -log σ(βΔ) (with label_smoothing ε > 0: conservative DPO); robust: rDPO; ipo: IPO,
+    # length-normalised (as TRL's loss types of those names)
+    c.train.dpo.loss_type = "sigmoid"
+    c.train.dpo.label_smoothing = 0.0  # ε: the assumed share of pairs whose preference is flipped, in [0, 0.5)
+    # The reference policy's log-probs: "frozen" (a copy of the initial parameters in the compute dtype,
+    # sharded like them, part of the train state) or "precomputed" (one forward pass over the pairs
+    # before training; the batches carry them, no second model on the devices).
+    c.train.dpo.reference = "frozen"
 
     # The optimizer (ushard/training/optim.py's registry): adamw | muon | lion | adafactor. The keys
     # directly here are AdamW's; Muon updates the parameters it does not take (embedding, LM head,
@@ -148,7 +164,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.parallel.expert_width_parts = 1
 
     c.data = ml_collections.ConfigDict()
-    # stdlib | text | jsonl | parquet | tokens (.npy files of token ids) | chat (JSONL conversations)
+    # stdlib | text | jsonl | parquet | tokens (.npy files of token ids) | chat (JSONL conversations) |
+    # preference (JSONL or Parquet records of prompt / chosen / rejected, for train.objective="dpo")
     c.data.source = "stdlib"
     c.data.paths = ""  # a glob, or several separated by commas
     c.data.jsonl_field = "text"
@@ -469,7 +486,7 @@ def check_settings(config) -> ModelConfig:
     _positive(config.checkpoint.every, "checkpoint.every", allow_zero=True)
     _positive(config.checkpoint.keep, "checkpoint.keep")
     for key, valid in (("train.schedule", SCHEDULES), ("train.wsd_decay", optim.WSD_DECAYS),
-                       ("train.on_nonfinite", NONFINITE_POLICIES),
+                       ("train.on_nonfinite", NONFINITE_POLICIES), ("train.objective", OBJECTIVES),
                        ("data.source", DATA_SOURCES), ("data.train_on", TRAIN_ON),
                        ("parallel.zero_stage", (0, 1, 2, 3)), ("parallel.context_parallel", context.MODES),
                        ("parallel.pipeline_schedule", PIPELINE_SCHEDULES), ("parallel.pipeline_head", PIPELINE_HEADS),
@@ -497,6 +514,7 @@ def check_settings(config) -> ModelConfig:
         raise UserError(f"data.source={d.source!r} needs data.paths, a glob of files to read.")
     mixture_weights(d)
     _check_fine_tuning_data(d)
+    _check_objective(t, d, model_cfg)
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
                         f"use a multiple of {t.grad_accum}.")
@@ -515,6 +533,32 @@ def _check_fine_tuning_data(d) -> None:
     if packs_whole(d) and d.chunk_tokens:
         raise UserError(f"data.chunk_tokens={d.chunk_tokens} cuts documents into pieces, but fine-tuning examples "
                         f"are packed whole; leave it 0.")
+
+
+def _check_objective(t, d, model_cfg) -> None:
+    """train.objective and train.dpo.* against the data and the model."""
+    if (t.objective == "dpo") != (d.source == "preference"):
+        raise UserError(f"train.objective={t.objective!r} with data.source={d.source!r}: DPO trains on preference "
+                        f"pairs and preference pairs are for DPO; set both train.objective='dpo' and "
+                        f"data.source='preference', or neither.")
+    if t.objective != "dpo":
+        return
+    p = t.dpo
+    for key, valid in (("loss_type", DPO_LOSS_TYPES), ("reference", DPO_REFERENCES)):
+        _choice(p[key], valid, f"train.dpo.{key}")
+    if not p.beta > 0:
+        raise UserError(f"train.dpo.beta={p.beta!r} must be positive (typical: 0.1).")
+    if not 0.0 <= p.label_smoothing < 0.5:
+        raise UserError(f"train.dpo.label_smoothing={p.label_smoothing!r} must be in [0, 0.5) (0: plain DPO).")
+    if p.label_smoothing and p.loss_type == "ipo":
+        raise UserError(f"train.dpo.label_smoothing={p.label_smoothing!r} applies to the sigmoid and robust losses, "
+                        f"not train.dpo.loss_type='ipo'; set it to 0.")
+    if model_cfg.mtp.depth:
+        raise UserError(f"model.mtp.depth={model_cfg.mtp.depth} with train.objective='dpo': multi-token "
+                        f"prediction is a pre-training objective; set model.mtp.depth=0.")
+    if d.weights:
+        raise UserError(f"data.weights={d.weights!r} weighs a mixture of documents; preference pairs are used "
+                        f"each once an epoch, so leave it empty.")
 
 
 def check_mesh(config, num_devices: int) -> dict[str, int]:

@@ -111,7 +111,7 @@ from ushard.models.definition import model_definition
 from ushard.parallel.expert import EXPERT_MATMUL, receive_rows
 from ushard.parallel.pipeline import ring_size
 from ushard.sharding import Layout, Seams, use_layout
-from ushard.training.step import objective_terms
+from ushard.training.objectives import objective_terms
 
 # Each dimension tensor parallelism splits, scaled by a prime of its own in the second trace. The
 # model's width is heads x head size, so it grows by kv_heads x groups x head_dim.

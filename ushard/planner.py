@@ -628,11 +628,12 @@ def device_memory(setup) -> int | None:
 
 def estimate_state_bytes(setup) -> tuple[int, int, int]:
     """(parameters, optimizer state, float32 gradients): one device's bytes, from the shardings; with
-    LoRA the parameters are the frozen base and the adapters, the rest the adapters'."""
+    LoRA the parameters are the frozen base and the adapters, the rest the adapters'. The parameters
+    include DPO's frozen reference copy where the state holds one."""
     from ushard import estimate
 
     state = setup.steps.abstract_state()
-    return (estimate.shard_bytes((state.params, state.frozen)), estimate.shard_bytes(state.opt_state),
+    return (estimate.shard_bytes((state.params, state.frozen, state.reference)), estimate.shard_bytes(state.opt_state),
             estimate.gradient_bytes(setup, state))
 
 

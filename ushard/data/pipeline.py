@@ -47,6 +47,7 @@ import numpy as np
 
 from ushard.data.corpus import Corpus, load_corpus, require_window, splitmix64
 from ushard.data.packing import FIELDS, PackedStream, pack_whole, window_rows
+from ushard.data.preference import PreferenceBatches
 from ushard.errors import UserError
 
 __all__ = ["FIELDS", "Batches", "make_batches"]
@@ -189,7 +190,10 @@ class Batches:
         return None
 
 
-def make_batches(data_cfg, seq_len: int, seed: int) -> Batches:
+def make_batches(data_cfg, seq_len: int, seed: int) -> Batches | PreferenceBatches:
+    """The batches of the configured source (preference pairs: ushard/data/preference.py)."""
+    if data_cfg.source == "preference":
+        return PreferenceBatches(data_cfg, seq_len, seed)
     if data_cfg.chunk_tokens < 0:
         raise UserError(f"data.chunk_tokens={data_cfg.chunk_tokens} must be a number of tokens, or 0 for "
                         f"2 * (train.seq_len + 1).")

@@ -29,9 +29,10 @@ from ushard.metrics import MetricsWriter, peak_flops
 from ushard.models.config import LoraConfig
 from ushard.models.moe import DISPATCH_OVERFLOW
 from ushard.sharding import with_shardings
-from ushard.training import processes
+from ushard.training import dpo_reference, processes
 from ushard.training.init_from import initial_params
 from ushard.training.lora import fingerprint, same_base
+from ushard.training.objectives import check_same_objective
 from ushard.training.optim import check_same_optimizer, schedule_change
 from ushard.training.state import TrainState
 
@@ -147,12 +148,11 @@ class Trainer:
             batches.append(batch)
         return batches
 
-    def eval_loss(self, params, frozen=None) -> float:
-        """The held-out loss of `params` (with LoRA, the adapters on the `frozen` base)."""
+    def eval_loss(self, state: TrainState) -> float:
+        """The held-out loss of a state's parameters (with LoRA its adapters on the frozen base)."""
         t = self.config.train
-        base = () if frozen is None else (frozen,)
         batches = (self._to_device(self.batches.eval_batch(i, t.batch_size, self.rows)) for i in range(t.eval_batches))
-        sums = [self.steps.eval_step(params, batch, *base) for batch in batches]
+        sums = [self.steps.eval_step(state.params, batch, *self.steps.extra_inputs(state)) for batch in batches]
         loss, count = np.sum(jax.device_get(sums), axis=0)
         return float(loss / max(count, 1.0))
 
@@ -166,6 +166,7 @@ class Trainer:
 
             def target(saved_config):
                 check_same_optimizer(saved_config, self.config, self.checkpoints.directory)
+                check_same_objective(saved_config, self.config, self.checkpoints.directory)
                 return abstract, self.setup.model_config
 
             restored = self.checkpoints.restore_newest(target, log, restart=self.config.checkpoint.restart)
@@ -234,6 +235,8 @@ class Trainer:
             log(summary)
         state, data_state = self.initial_state(log)
         step = int(jax.device_get(state.step))
+        if self.config.train.objective == "dpo" and self.config.train.dpo.reference == "precomputed":
+            self.batches.with_reference(dpo_reference.table(self, state, step, log))
         signals.check(self._nothing_new(step))
         writer = MetricsWriter(self.workdir, resume_step=step,  # drops what an earlier run logged after it
                                tracker=tracking.start(self.config, self.workdir, log))
@@ -319,7 +322,7 @@ class Trainer:
                 now = time.perf_counter()
                 record = self._record(step, fetched[-1][2], (now - last_time) / (step - last_step))
                 if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-                    record["eval_loss"] = self.eval_loss(state.params, state.frozen)
+                    record["eval_loss"] = self.eval_loss(state)
                 records.append(record)
                 try:
                     writer.write(record)
@@ -405,12 +408,14 @@ class Trainer:
 
     def _record(self, step, metrics, step_time) -> dict:
         t = self.config.train
-        tokens_per_s = t.batch_size * t.seq_len / step_time
+        pairs = t.objective == "dpo"  # a row each for a pair's chosen and rejected sequence
+        tokens_per_s = (2 if pairs else 1) * t.batch_size * t.seq_len / step_time
         tflops = self.setup.flops_per_token * tokens_per_s / self.setup.mesh.size / 1e12
         return {
             "step": step,
             "loss": float(metrics["loss"]),
-            **{f"aux/{name}": float(value) for name, value in metrics["aux"].items()},
+            # The model's terms as aux/<name>; an objective's own figures carry their group (dpo/<name>).
+            **{name if "/" in name else f"aux/{name}": float(value) for name, value in metrics["aux"].items()},
             "grad_norm": float(metrics["grad_norm"]),
             "lr": float(metrics["lr"]),
             "tokens_per_s": tokens_per_s,
@@ -418,7 +423,8 @@ class Trainer:
             "tflops_per_device": tflops,
             "mfu": tflops * 1e12 / self.peak if self.peak else None,
             "skipped_steps": int(metrics["skipped"]),
-            "loss_tokens": int(metrics["loss_tokens"]),  # the targets the loss counted (all but masked ones)
+            # the targets the loss counted (all but masked ones); DPO: the pairs it averaged over
+            "loss_pairs" if pairs else "loss_tokens": int(metrics["loss_tokens"]),
         }
 
 

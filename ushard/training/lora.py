@@ -162,6 +162,21 @@ class Adapters:
                                                 dropout=self.cfg.dropout))
         return params
 
+    def base_params(self, frozen: dict):
+        """The model's parameters of the frozen base alone (DPO's reference policy under LoRA): its
+        weights as they are, a float8 weight as a rank-0 `LowRankAdapted` that applies its scales."""
+        if not self.float8:
+            return frozen["weights"]
+        params = _copy_nested(frozen["weights"])
+        for w in self.weights:
+            base = _get(frozen["weights"], w.path)
+            ahead = w.stacked + w.lead
+            a = jnp.zeros((*base.shape[:ahead + w.ins], 0), jnp.float32)
+            b = jnp.zeros((*base.shape[:ahead], 0, *base.shape[ahead + w.ins:]), jnp.float32)
+            _set(params, w.path, LowRankAdapted(base, a, b, jnp.zeros(base.shape[:w.stacked], jnp.float32),
+                                                base_scale=_get(frozen["scales"], w.path), lead=w.lead))
+        return params
+
     def grads_of(self, grads) -> dict:
         """The adapters' gradients out of a gradient of `attach`'s tree (a 1F1B pipeline differentiates
         every weight it is handed; the base's entries are zeros)."""

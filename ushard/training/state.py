@@ -18,11 +18,20 @@ class TrainState:
     # fingerprint, saved, that a resume checks the rebuilt base against.
     frozen: Any = None
     base_check: Any = None
+    # DPO's frozen reference policy without LoRA (train.dpo.reference="frozen"): the initial parameters
+    # in the compute dtype, sharded like them, never updated; None otherwise. Checkpoints hold it, so a
+    # resume is exact whatever became of the weights the run started from (checkpoint.init_from).
+    # (With LoRA the reference is the frozen base without the adapters: no copy.)
+    reference: Any = None
 
     def as_dict(self) -> dict:
         """The checkpoint's layout: a plain dict with one entry per saved field."""
         saved = {"params": self.params, "opt_state": self.opt_state, "step": self.step, "skipped": self.skipped}
-        return saved if self.base_check is None else {**saved, "base_check": self.base_check}
+        if self.base_check is not None:
+            saved["base_check"] = self.base_check
+        if self.reference is not None:
+            saved["reference"] = self.reference
+        return saved
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainState":

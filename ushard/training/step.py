@@ -1,7 +1,8 @@
 """The jitted training and eval steps, with explicit shardings and donated state.
 
-The loss is a *sum* over target tokens and the gradient is divided by the token count of the whole
-global batch at the end, so one microbatch or many, one device or many, compute the same number.
+The loss is a *sum* over target tokens (DPO: over pairs; the objective, ushard/training/objectives.py,
+says which) and the gradient is divided by the count of the whole global batch at the end, so one
+microbatch or many, one device or many, compute the same number.
 The model's auxiliary terms (`aux`, scalars such as an MoE load-balancing loss) are added to the
 objective weighted by each microbatch's token count, so they too average over the global batch, and
 are reported beside the loss (a term whose gradient is stopped, such as an MoE layer's expert load,
@@ -23,15 +24,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from ushard.data.packing import FIELDS as BATCH_FIELDS
 from ushard.models.definition import ModelDef
 from ushard.models.mtp import with_mtp_fields
 from ushard.parallel import context
 from ushard.parallel.maps import nested_maps
 from ushard.parallel.pipeline import StageTail, one_f_one_b
 from ushard.sharding import Layout, current_layout, split_rows, use_layout, with_shardings
+from ushard.training import dpo
 from ushard.training.lora import Adapters, fingerprint
-from ushard.training.loss import cross_entropy_sums
+from ushard.training.objectives import LanguageModelling
 from ushard.training.state import TrainState
 
 
@@ -43,16 +44,17 @@ class StateShardings:
     replicated: NamedSharding
     model_params: Any  # the model's parameters' (what `fresh_state` takes)
     frozen: Any = None  # with LoRA, the frozen base's
+    reference: Any = None  # a frozen reference policy's (DPO without LoRA): the model's parameters'
 
     @property
     def state(self) -> TrainState:
         lora = self.frozen is not None
         return TrainState(params=self.params, opt_state=self.opt_state, step=self.replicated, skipped=self.replicated,
-                          frozen=self.frozen, base_check=self.replicated if lora else None)
+                          frozen=self.frozen, base_check=self.replicated if lora else None, reference=self.reference)
 
 
 def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: Layout,
-                    adapters: Adapters | None = None) -> StateShardings:
+                    adapters: Adapters | None = None, frozen_reference: bool = False) -> StateShardings:
     logical, shapes = (adapters.logical, adapters.shapes) if adapters else (model.logical, model.shapes)
     model_params = layout.shardings(model.logical, "params")
     frozen = layout.shardings(adapters.frozen_logical(), "params") if adapters else None
@@ -63,6 +65,7 @@ def state_shardings(model: ModelDef, tx: optax.GradientTransformation, layout: L
         replicated=layout.replicated,
         model_params=model_params,
         frozen=frozen,
+        reference=model_params if frozen_reference else None,
     )
 
 
@@ -87,38 +90,28 @@ def opt_state_shardings(shapes, logical, tx: optax.GradientTransformation, layou
     return jax.tree_util.tree_map_with_path(sharding, abstract_opt)
 
 
-def objective_terms(logits, aux, batch, mtp_logits=(), mtp_weight: float = 0.0):
-    """(cross-entropy sum + token-weighted aux terms, (cross-entropy sum, token count, weighted aux)).
-
-    With multi-token prediction (`mtp_logits`, one per depth; ushard/models/mtp.py), aux gains
-    "mtp_loss": `mtp_weight` times the mean over depths of each depth's cross-entropy summed over its
-    counted positions and divided by the main loss's token count (DeepSeek-V3's 1/T), so that it adds
-    up over microbatches as the main loss does."""
-    loss, count = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
-    if mtp_logits:
-        summed = sum(cross_entropy_sums(lg, batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])[0]
-                     for k, lg in enumerate(mtp_logits, 1))
-        aux = {**aux, "mtp_loss": mtp_weight * summed / len(mtp_logits) / jnp.maximum(count, 1.0)}
-    weighted_aux = {name: term * count for name, term in aux.items()}
-    return loss + sum(weighted_aux.values(), 0.0), (loss, count, weighted_aux)
-
-
 class Steps:
     """The compiled functions of one (model, optimizer, layout). Build one per layout.
 
-    With LoRA (`adapters`), `params` everywhere below are the adapters, and `loss_and_grads` and
-    `eval_step` take the frozen base (`TrainState.frozen`) as a third argument."""
+    With LoRA (`adapters`), `params` everywhere below are the adapters. `loss_and_grads` and
+    `eval_step` take what the state holds besides them as a third argument (`extra_inputs`): with
+    LoRA the frozen base (`TrainState.frozen`, DPO's reference too: the base without the adapters),
+    or DPO's frozen reference copy (`TrainState.reference`)."""
 
     def __init__(self, model: ModelDef, tx, schedule, layout: Layout, grad_accum: int, skip_nonfinite: bool,
-                 adapters: Adapters | None = None):
+                 adapters: Adapters | None = None, objective=None):
         self.model, self.tx, self.schedule, self.layout = model, tx, schedule, layout
         self.adapters = adapters
         self.grad_accum = grad_accum
         self.skip_nonfinite = skip_nonfinite
-        self.shardings = sh = state_shardings(model, tx, layout, adapters)
-        self.batch_shardings = dict.fromkeys(BATCH_FIELDS, layout.batch)
+        # What the step minimises (ushard/training/objectives.py). A frozen reference policy is the
+        # base without the adapters under LoRA, else a copy the state holds.
+        self.objective = objective or LanguageModelling(model.cfg.mtp.loss_weight)
+        self.frozen_reference = self.objective.reference == "frozen" and adapters is None
+        self.shardings = sh = state_shardings(model, tx, layout, adapters, self.frozen_reference)
+        self.batch_shardings = dict.fromkeys(self.objective.fields, layout.batch)
         batch_sh = self.batch_shardings
-        frozen_sh = (sh.frozen,) if adapters else ()
+        frozen_sh = (sh.frozen,) if adapters else (sh.reference,) if self.frozen_reference else ()
         self.init = jax.jit(self._init, static_argnums=0, out_shardings=sh.state)
         # A state at step 0 around given parameters (checkpoint.init_from): a fresh optimizer.
         self.fresh_state = jax.jit(self._fresh_state, in_shardings=(sh.model_params,), out_shardings=sh.state,
@@ -137,6 +130,28 @@ class Steps:
         self.init_model = jax.jit(model.init, static_argnums=0, out_shardings=sh.model_params)
         if adapters:
             self.frozen_base = jax.jit(adapters.frozen, in_shardings=(sh.model_params,), out_shardings=sh.frozen)
+        if self.objective.name == "dpo":  # the pass before training of train.dpo.reference="precomputed"
+            pairs = dict.fromkeys(self.objective.pair_fields, layout.batch)
+            source = sh.frozen if adapters else sh.params
+            self.pair_reference_logps = jax.jit(self._pair_reference_logps, in_shardings=(source, pairs),
+                                                out_shardings=sh.replicated)
+
+    def extra_inputs(self, state: TrainState) -> tuple:
+        """What `loss_and_grads` and `eval_step` take after (params, batch) for this state."""
+        if self.adapters is not None:
+            return (state.frozen,)
+        return (state.reference,) if self.frozen_reference else ()
+
+    def reference_source(self, state: TrainState):
+        """What `pair_reference_logps` takes of a state at step 0: the frozen base (LoRA) or the params."""
+        return state.frozen if self.adapters is not None else state.params
+
+    def _inputs(self, extra):
+        """(LoRA's frozen base, the reference policy's parameters) from `extra_inputs`'s argument."""
+        if self.adapters is not None:
+            reference = self.adapters.base_params(extra) if self.objective.reference == "frozen" else None
+            return extra, reference
+        return None, extra
 
     # ------------------------------------------------------------------ traced functions
 
@@ -147,7 +162,9 @@ class Steps:
         """A state at step 0 around the model's parameters `params`: with LoRA, frozen, with fresh adapters."""
         zero = jnp.zeros((), jnp.int32)
         if self.adapters is None:
-            return TrainState(params=params, opt_state=self.tx.init(params), step=zero, skipped=zero)
+            reference = dpo.frozen_copy(params, self.model.cfg.compute_dtype) if self.frozen_reference else None
+            return TrainState(params=params, opt_state=self.tx.init(params), step=zero, skipped=zero,
+                              reference=reference)
         frozen = self.adapters.frozen(params)
         adapters = self.adapters.init(seed + 1)
         return TrainState(params=adapters, opt_state=self.tx.init(adapters), step=zero, skipped=zero, frozen=frozen,
@@ -163,8 +180,24 @@ class Steps:
         return with_shardings(jax.eval_shape(lambda: self._init(seed)), self.shardings.state)
 
     def _objective(self, params, batch, frozen=None, step=None):
-        logits, aux, mtp_logits = self.model.apply_for_training(self.model_params(params, frozen, step), batch)
-        return objective_terms(logits, aux, batch, mtp_logits, self.model.cfg.mtp.loss_weight)
+        model_batch = self.objective.model_batch(batch)
+        logits, aux, mtp_logits = self.model.apply_for_training(self.model_params(params, frozen, step), model_batch)
+        return self.objective.terms(logits, aux, batch, mtp_logits)
+
+    def _with_reference(self, reference, batch):
+        """The batch with the reference policy's log-probs (DPO, computed from its parameters)."""
+        if reference is None:
+            return batch
+        logits = self.model.apply_for_training(reference, self.objective.model_batch(batch))[0]
+        return {**batch, **dpo.reference_fields(jax.lax.stop_gradient(logits), batch)}
+
+    def _pair_reference_logps(self, source, batch):
+        """[pairs, 2]: each pair's summed reference log-probs (chosen, rejected), from the parameters
+        (or with LoRA the frozen base) `source`."""
+        reference = self.adapters.base_params(source) if self.adapters is not None else source
+        with self._tracing(batch) as batch:
+            fields = self._with_reference(reference, batch)
+            return jnp.stack([jnp.sum(fields[f], axis=-1) for f in dpo.REFERENCE_FIELDS], axis=-1)
 
     def _one_f_one_b_grads(self, params, batch, frozen=None, step=None):
         """What `jax.grad(self._objective, has_aux=True)` returns, by the 1F1B pipeline schedule: the
@@ -178,9 +211,10 @@ class Steps:
         compute = self.layout.shardings(model.split_stack(model.logical)[1], "compute")
         mtp, others = model.split_mtp(jax.lax.with_sharding_constraint(others, compute))
         tail = StageTail(mtp, inputs=model.mtp_embeddings, run=model.mtp_states) if mtp else None
+        rows = self.objective.model_batch  # the rows the model runs on, from each microbatch's
         sums, d_others, d_stack, d_mtp = one_f_one_b(
-            first=lambda others, mb: model.embed(others, mb["inputs"]),
-            stage=lambda chunk, x, mb: model.layers(chunk, x, mb["positions"], mb["segment_ids"]),
+            first=lambda others, mb: model.embed(others, rows(mb)["inputs"]),
+            stage=lambda chunk, x, mb: model.layers(chunk, x, rows(mb)["positions"], rows(mb)["segment_ids"]),
             last=self._last_stage_terms,
             outer=others, stack=stack, batch=batch, layout=current_layout(), prepare=model.stack_for_compute,
             tail=tail,
@@ -192,7 +226,7 @@ class Steps:
         """The objective of one microbatch leaving the pipeline's last stage: head, loss, and the MTP
         modules' head and loss on the states they computed there."""
         logits, mtp_logits = self.model.head_for_training(others, x, mtp_states)
-        return objective_terms(logits, aux, mb, mtp_logits, self.model.cfg.mtp.loss_weight)
+        return self.objective.terms(logits, aux, mb, mtp_logits)
 
     @contextlib.contextmanager
     def _tracing(self, batch):
@@ -203,19 +237,24 @@ class Steps:
         with use_layout(dataclasses.replace(self.layout, zigzag=split)), nested_maps(self.layout.pipeline is not None):
             yield context.reordered(batch, self.layout)
 
-    def _eval_sums(self, params, batch, frozen=None):
+    def _eval_sums(self, params, batch, extra=None):
+        frozen, reference = self._inputs(extra)
         with self._tracing(batch) as batch:
-            _, (loss, count, _) = self._objective(params, batch, frozen)
+            _, (loss, count, _) = self._objective(params, self._with_reference(reference, batch), frozen)
             return jnp.stack([loss, count])
 
-    def _grad_sums(self, params, batch, frozen=None, step=None):
-        """(loss sum, token count, weighted aux sums) and summed gradients over the global batch,
-        microbatch by microbatch."""
+    def _grad_sums(self, params, batch, frozen=None, step=None, reference=None):
+        """(loss sum, count, weighted aux sums) and summed gradients over the global batch, microbatch by
+        microbatch (with a reference policy's parameters, its log-probs computed microbatch by microbatch)."""
         pipeline = self.layout.pipeline
         if pipeline is not None and pipeline.name == "1f1b":
-            grad_fn = self._one_f_one_b_grads
+            policy_grads = self._one_f_one_b_grads
         else:
-            grad_fn = jax.grad(self._objective, has_aux=True)
+            policy_grads = jax.grad(self._objective, has_aux=True)
+
+        def grad_fn(params, micro, frozen, step):
+            return policy_grads(params, self._with_reference(reference, micro), frozen, step)
+
         pin = lambda g: jax.lax.with_sharding_constraint(g, self.shardings.grads)  # noqa: E731
         if self.grad_accum == 1:
             grads, sums = grad_fn(params, batch, frozen, step)
@@ -234,20 +273,23 @@ class Steps:
         (sums, grads), _ = jax.lax.scan(one_microbatch, (zero_sums, zero_grads), micro_batches)
         return sums, grads
 
-    def _mean_loss_and_grads(self, params, batch, frozen=None, step=None):
-        """(mean loss, mean aux terms, mean gradients, target tokens counted) over the global batch."""
+    def _mean_loss_and_grads(self, params, batch, frozen=None, step=None, reference=None):
+        """(mean loss, mean aux terms, mean gradients, count: target tokens, or pairs) over the global batch."""
         with self._tracing(batch) as batch:
-            (loss, count, weighted_aux), grads = self._grad_sums(params, batch, frozen, step)
+            (loss, count, weighted_aux), grads = self._grad_sums(params, batch, frozen, step, reference)
             divisor = jnp.maximum(count, 1.0)
             aux = {name: term / divisor for name, term in weighted_aux.items()}
             return loss / divisor, aux, jax.tree.map(lambda g: g / divisor, grads), count
 
-    def _loss_and_grads(self, params, batch, frozen=None):
-        loss, _, grads, _ = self._mean_loss_and_grads(params, batch, frozen)
+    def _loss_and_grads(self, params, batch, extra=None):
+        frozen, reference = self._inputs(extra)
+        loss, _, grads, _ = self._mean_loss_and_grads(params, batch, frozen, reference=reference)
         return loss, grads
 
     def _train_step(self, state: TrainState, batch):
-        loss, aux, grads_and_loads, count = self._mean_loss_and_grads(state.params, batch, state.frozen, state.step)
+        frozen, reference = self._inputs(self.extra_inputs(state)[0] if self.extra_inputs(state) else None)
+        loss, aux, grads_and_loads, count = self._mean_loss_and_grads(state.params, batch, frozen, state.step,
+                                                                      reference)
         grads = grads_and_loads if self.adapters else self.model.without_expert_loads(grads_and_loads)
         grad_norm = optax.tree.norm(grads)
         # The update, the balancing and the skip: tools/profile_step.py --scope optimizer sums their kernels.
