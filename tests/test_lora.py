@@ -366,3 +366,42 @@ def test_dropout_masks_do_not_depend_on_the_layout(stdlib_batches, dropped):
     """ZeRO-3 over 8 devices draws the masks one device draws (the random bits are the sharding's own)."""
     got = dropout_losses(stdlib_batches, {"model.lora.dropout": 0.3, "mesh.fsdp": 8}, devices=8)
     np.testing.assert_allclose(got, dropped, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- the recipe (docs/finetuning.md, 7.)
+
+
+@pytest.mark.slow
+def test_import_sft_with_lora_dpo_with_lora_export(llama_dir, tmp_path):
+    """The recipe: the DPO run starts from the SFT run's merged model with new adapters, and its PEFT
+    export on the SFT model's merged export gives its own merged export's logits."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from test_hf import cli
+    from ushard import hf
+    from ushard.hf_convert import _hf_settings
+
+    pairs = os.path.join(os.path.dirname(__file__), "data", "preference.jsonl")
+    model = [f"--config.model.{k}={v}" for k, v in _hf_settings(hf.model_config(hf.read_config(llama_dir),
+                                                                                  llama_dir)).items()]
+    common = ["--config", "tiny", *model, "--config.model.lora.rank=4", "--config.train.seq_len=32",
+              "--config.train.batch_size=8", "--config.train.steps=3", "--config.train.eval_every=0",
+              "--config.train.warmup_steps=0"]
+    runs = {name: str(tmp_path / name) for name in ("sft", "dpo", "adapter", "sft_hf", "hf")}
+    assert cli("train", *common, "--workdir", runs["sft"], f"--config.checkpoint.init_from={llama_dir}",
+               "--config.data.source=jsonl", f"--config.data.paths={pairs}", "--config.data.prompt_field=prompt",
+               "--config.data.completion_field=chosen")[0] == 0
+    status, out, _ = cli("train", *common, "--workdir", runs["dpo"], f"--config.checkpoint.init_from={runs['sft']}",
+                         "--config.train.objective=dpo", "--config.data.source=preference",
+                         f"--config.data.paths={pairs}")
+    assert status == 0 and "is a LoRA run: its adapters merged into their base" in out
+    assert cli("convert", "--from", runs["dpo"], "--to-peft", runs["adapter"])[0] == 0
+    assert cli("convert", "--from", runs["sft"], "--to-hf", runs["sft_hf"])[0] == 0
+    assert cli("convert", "--from", runs["dpo"], "--to-hf", runs["hf"])[0] == 0
+    ids = torch.from_numpy(np.random.default_rng(4).integers(0, VOCAB, (2, LENGTH))).long()
+    with torch.no_grad():
+        merged = tf.AutoModelForCausalLM.from_pretrained(runs["hf"])(input_ids=ids).logits.numpy()
+        sft = tf.AutoModelForCausalLM.from_pretrained(runs["sft_hf"])
+        adapted = peft.PeftModel.from_pretrained(sft, runs["adapter"])(input_ids=ids).logits.numpy()
+    assert relative_error(adapted, merged) <= 1e-5

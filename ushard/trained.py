@@ -20,7 +20,7 @@ from ushard.mesh import build_mesh
 from ushard.models.config import LoraConfig
 from ushard.models.definition import ModelDef, model_definition
 from ushard.sharding import Layout, check_divisible, use_layout, with_shardings
-from ushard.training import lora
+from ushard.training import init_from, lora
 
 
 @dataclass
@@ -78,7 +78,7 @@ def load_model(workdir: str, devices=None, log=print) -> TrainedModel:
     model_cfg = saved_model_config(saved)
     params = state["params"]
     if model_cfg.lora.rank:  # a LoRA run: its adapters merged into the base, a plain model from here on
-        params = lora.merged_params(saved, model_definition(model_cfg), params, state["base_check"],
+        params = init_from.merged_params(saved, model_definition(model_cfg), params, state["base_check"],
                                     abstract_params(model_definition(model_cfg), layout), log)
         model_cfg = dataclasses.replace(model_cfg, lora=LoraConfig())
     return TrainedModel(model_definition(model_cfg), params, layout, step, tokenizer,

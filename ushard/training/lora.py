@@ -13,7 +13,6 @@ every layout shards it with the base's rules; the rank axis is unnamed.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,7 +23,6 @@ from ushard.errors import UserError
 from ushard.models.config import LoraConfig
 from ushard.models.definition import ModelDef, tree_paths
 from ushard.models.low_rank import LowRankAdapted, adapter_names, input_axes, quantized, scale_names
-from ushard.training.init_from import initial_params
 
 # The projections a target may name: attention's (latent attention's too), the MLPs' and the experts'.
 PROJECTIONS = ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b", "w_gate", "w_up", "w_down", "w_gate_up")
@@ -214,25 +212,3 @@ def same_base(saved, now) -> bool:
 def base_check_shape(model: ModelDef) -> jax.ShapeDtypeStruct:
     """The shape of `fingerprint`'s result for `model`'s parameters."""
     return jax.ShapeDtypeStruct((len(jax.tree.leaves(model.shapes)), 2), jnp.float32)
-
-
-def base_params(saved_config: dict, model: ModelDef, target, log=print):
-    """The parameters a LoRA run's base was made of, by its saved config: `checkpoint.init_from`'s, else
-    the seed's random ones; laid out as `target` (the model's abstract parameters with shardings)."""
-    path = saved_config.get("checkpoint", {}).get("init_from")
-    if path:
-        return initial_params(path, dataclasses.replace(model.cfg, lora=LoraConfig()), target, log)
-    shardings = jax.tree.map(lambda t: t.sharding, target)
-    return jax.jit(model.init, static_argnums=0, out_shardings=shardings)(saved_config["train"]["seed"])
-
-
-def merged_params(saved_config: dict, model: ModelDef, adapters, base_check, target, log=print):
-    """A LoRA run's model as inference uses it: its adapters folded into the base they were trained on
-    (in the parameters' dtype), refused in a sentence if the base found is another."""
-    lora = Adapters(model, model.cfg.lora)
-    base = base_params(saved_config, model, target, log)
-    if not same_base(jax.device_get(base_check), jax.device_get(fingerprint(lora.frozen(base)))):
-        source = saved_config.get("checkpoint", {}).get("init_from") or "the seed's random weights"
-        raise UserError(f"the LoRA adapters were trained on another base than {source} holds now; restore the "
-                        "base they were trained on.")
-    return jax.jit(lora.merge, out_shardings=jax.tree.map(lambda t: t.sharding, target))(base, adapters)
