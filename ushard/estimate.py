@@ -445,6 +445,8 @@ def refuse_unmodelled(setup) -> None:
 def device_work(setup) -> DeviceWork:
     layout, plan, cfg, t = setup.layout, setup.plan, setup.model_config, setup.config.train
     rows = t.batch_size // t.grad_accum // layout.size("act_batch")
+    if setup.steps.objective.name == "dpo":  # a row each for a pair's chosen and rejected sequence
+        rows *= 2
     stages, chunks = layout.size("layers"), 1
     if plan.pipeline is not None:
         rows //= plan.pipeline.microbatches
