@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from ushard.data.packing import FIELDS as BATCH_FIELDS
 from ushard.models.definition import ModelDef
 from ushard.models.mtp import with_mtp_fields
+from ushard.models.stack import REMAT_POLICIES
 from ushard.parallel import context
 from ushard.parallel.maps import nested_maps
 from ushard.parallel.pipeline import StageTail, one_f_one_b
@@ -77,20 +78,28 @@ def opt_state_shardings(model: ModelDef, tx: optax.GradientTransformation, layou
     return jax.tree_util.tree_map_with_path(sharding, abstract_opt)
 
 
-def objective_terms(logits, aux, batch, mtp_logits=(), mtp_weight: float = 0.0):
+def objective_terms(logits, aux, batch, mtp_logits=(), mtp_weight: float = 0.0, mtp_summed=None):
     """(cross-entropy sum + token-weighted aux terms, (cross-entropy sum, token count, weighted aux)).
 
     With multi-token prediction (`mtp_logits`, one per depth; ushard/models/mtp.py), aux gains
     "mtp_loss": `mtp_weight` times the mean over depths of each depth's cross-entropy summed over its
     counted positions and divided by the main loss's token count (DeepSeek-V3's 1/T), so that it adds
-    up over microbatches as the main loss does."""
+    up over microbatches as the main loss does. `mtp_summed` = (that sum over depths, the depth), where
+    the caller summed it (`mtp_cross_entropy`) instead of passing the logits."""
     loss, count = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
     if mtp_logits:
-        summed = sum(cross_entropy_sums(lg, batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])[0]
-                     for k, lg in enumerate(mtp_logits, 1))
-        aux = {**aux, "mtp_loss": mtp_weight * summed / len(mtp_logits) / jnp.maximum(count, 1.0)}
+        mtp_summed = mtp_cross_entropy(mtp_logits, batch), len(mtp_logits)
+    if mtp_summed is not None:
+        summed, depth = mtp_summed
+        aux = {**aux, "mtp_loss": mtp_weight * summed / depth / jnp.maximum(count, 1.0)}
     weighted_aux = {name: term * count for name, term in aux.items()}
     return loss + sum(weighted_aux.values(), 0.0), (loss, count, weighted_aux)
+
+
+def mtp_cross_entropy(mtp_logits, batch):
+    """Each MTP depth's cross-entropy summed over its counted positions, summed over the depths."""
+    return sum(cross_entropy_sums(lg, batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])[0]
+               for k, lg in enumerate(mtp_logits, 1))
 
 
 class Steps:
@@ -130,8 +139,33 @@ class Steps:
         return with_shardings(jax.eval_shape(lambda: self._init(seed)), self.shardings.state)
 
     def _objective(self, params, batch):
+        pipeline, cfg = self.layout.pipeline, self.model.cfg
+        if cfg.mtp.depth and pipeline is not None and pipeline.name != "1f1b" and pipeline.microbatches > 1:
+            return self._objective_mtp_by_microbatch(params, batch, pipeline.microbatches)
         logits, aux, mtp_logits = self.model.apply_for_training(params, batch)
-        return objective_terms(logits, aux, batch, mtp_logits, self.model.cfg.mtp.loss_weight)
+        return objective_terms(logits, aux, batch, mtp_logits, cfg.mtp.loss_weight)
+
+    def _objective_mtp_by_microbatch(self, params, batch, count: int):
+        """`_objective` under GPipe or circular, whose stages return the whole accumulation part: the MTP
+        modules, their head and loss then run on the pipeline's microbatches one after another (a
+        `lax.scan`, each under the model's remat), not on the whole part at once, where their block's
+        activations and expert buffers were a part's (docs/dev-notes.md). 1F1B runs them inside the last
+        stage's slots (`StageTail`)."""
+        model, cfg = self.model, self.model.cfg
+        logits, aux, x = model.apply_before_mtp(params, batch)
+        mtp, others = model.split_mtp(params)
+        fields = [f for f in batch if f.startswith("mtp_") or f in ("positions", "segment_ids")]
+        parts = jax.tree.map(lambda a: split_rows(a, count, self.layout), (x, {f: batch[f] for f in fields}))
+
+        def one(total, part):
+            x, mb = part
+            states = model.mtp_states(mtp, x, model.mtp_embeddings(others, mb), mb)
+            return total + mtp_cross_entropy(model.mtp_head(others, states), mb), None
+
+        if cfg.remat != "none":
+            one = jax.checkpoint(one, policy=REMAT_POLICIES[cfg.remat])
+        summed, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), parts)
+        return objective_terms(logits, aux, batch, mtp_weight=cfg.mtp.loss_weight, mtp_summed=(summed, cfg.mtp.depth))
 
     def _one_f_one_b_grads(self, params, batch):
         """What `jax.grad(self._objective, has_aux=True)` returns, by the 1F1B pipeline schedule: the
