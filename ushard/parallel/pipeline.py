@@ -14,7 +14,9 @@ slots cost nothing.
 - GPipe and circular (`run_stages`) run forward only: they are the pipelined implementation of the
   layer stack (`ushard.models.stack.run_layers`), with embedding, final norm, head and loss outside.
   Their backward pass is autodiff of the tick loop, which keeps every tick's residuals: activation
-  memory grows with the number of microbatches. Circular runs `repeats` rounds: stage s holds chunks
+  memory grows with the number of microbatches. Under remat each tick's slot runs under a remat
+  boundary of its own (`tick_policy`), without which the tick's chunk of weights is one of them.
+  Circular runs `repeats` rounds: stage s holds chunks
   s, s + S, s + 2S, ... of the layers (virtual stages), and a microbatch goes round the ring of stages
   `repeats` times, which divides the bubble by `repeats`.
 - 1F1B (`one_f_one_b`) runs forward and backward work in the same tick (stage s: the forward of
