@@ -177,6 +177,15 @@ TPU = {
     # written (estimate.logits_gradient; 1.31 of the compiled peak when one was charged, now 1.00).
     "qwen3_1_7b_v5p8_unrolled": ("qwen3_1_7b", {"model.n_layers": 4, "model.scan_unroll": 4, "mesh.fsdp": 8,
                                                 "train.batch_size": 16}),
+    # deepseek_v3_layout's kind of step, small: circular over experts (ragged, grouped matmul), ZeRO-1, an MTP
+    # module after the stages (estimate.tick_loop_buffers, grouped_matmul_backward; 0.93 of the compiled peak).
+    "tiny_moe_v5p8_circular_expert2_mtp": ("tiny_moe", {
+        "model.d_model": 256, "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 1024, "model.n_layers": 4,
+        "model.moe.expert_d_ff": 256, "model.moe.capacity_factor": 0.0, "model.moe.dispatch": "ragged",
+        "model.vocab_size": 32768, "train.seq_len": 1024, "train.batch_size": 16, "mesh.pipeline": 2, "mesh.expert": 2,
+        "mesh.fsdp": 2, "parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2,
+        "parallel.pipeline_microbatches": 2, "model.remat": "full", "model.compute_dtype": "bfloat16",
+        "parallel.zero_stage": 1, "model.mtp.depth": 1}),
 }
 
 
@@ -383,3 +392,15 @@ def test_the_mtp_modules_are_traced_where_they_keep_residuals():
              "parallel.pipeline_microbatches": 2}
     assert estimate(tpu_setup("tiny", **gpipe, **mtp)).saved_activations == estimate(
         tpu_setup("tiny", **gpipe, **{"model.remat": "full"})).saved_activations
+
+
+def test_an_moe_models_leading_dense_layers_are_outside_its_layer_trace():
+    """deepseek_v2_lite's and deepseek_v3's first dense layers: the one-layer trace is an MoE layer's
+    after them (`stack_and_outer`; a trace of one layer in all was no valid model)."""
+    from ushard import estimate as e
+
+    moe = {"mesh.expert": 2, "mesh.fsdp": 2, "model.n_layers": 3}
+    dense, plain = tpu_setup("tiny_moe", **moe, **{"model.moe.first_dense_layers": 1}), tpu_setup("tiny_moe", **moe)
+    layer = [e.stack_and_outer(s, e.device_work(s), "none", 1)[0] for s in (dense, plain)]
+    assert layer[0] == layer[1] > 0
+    assert estimate(dense).peak > 0

@@ -560,10 +560,13 @@ def layer_period(setup) -> int:
 
 
 def stack_and_outer(setup, work: DeviceWork, remat: str, layers: int) -> tuple[int, int]:
-    """(residual bytes of `layers` stacked layers, of everything else: embedding, head, loss), from
-    traces of `layers` and twice as many (the scanned stack's residuals grow with its length)."""
-    once = device_residual_bytes(setup, work, remat, layers)
-    twice = device_residual_bytes(setup, work, remat, 2 * layers)
+    """(residual bytes of `layers` stacked layers, of everything else: embedding, head, loss, and an MoE
+    model's leading dense layers), from traces of `layers` and twice as many (the scanned stack's
+    residuals grow with its length) after the dense layers."""
+    moe = setup.model_config.moe
+    dense = moe.first_dense_layers if moe.num_experts else 0
+    once = device_residual_bytes(setup, work, remat, dense + layers)
+    twice = device_residual_bytes(setup, work, remat, dense + 2 * layers)
     return twice - once, 2 * once - twice
 
 
