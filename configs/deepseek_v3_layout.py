@@ -12,17 +12,17 @@ What differs, and why:
 - Schedule: DeepSeek ran DualPipe (two pipelines in opposite directions, overlapping the expert
   all-to-alls with computation), which ushard does not have. The nearest it has is the circular
   (interleaved) schedule: 4 rounds of one layer each, 16 microbatches (the fewest it takes), bubble
-  15 / (4·16 + 15) = 19%. 1F1B is refused for MoE models (its per-device rows would skew the
-  balancing statistics). Circular keeps every tick's residuals, the stage's weights in bf16 among
-  them (4·16 + 15 ticks of one layer here): on a v5p that, not the activations, sets the microbatch
-  count; 24 microbatches needed 103 GiB of temporaries a chip (docs/benchmarks.md).
+  15 / (4·16 + 15) = 19%. 1F1B does not take DeepSeek-V3's 3 dense layers (a second stack) and is
+  not used. Circular keeps every tick's layer inputs (4·16 + 15 ticks of one layer here); until
+  2026-12-02 it kept each tick's bf16 chunk of weights too, and then 24 microbatches needed 103 GiB
+  of temporaries a chip (docs/benchmarks.md).
 - Layers: 64 MoE layers where DeepSeek-V3 has 61 (3 dense, then 58 MoE). ushard's stages are equal,
   and each stack of layers (the leading dense ones, the MoE ones) is split over the stages on its
   own, so both counts must be multiples of mesh.pipeline x parallel.pipeline_repeats; 61 is prime.
   The report does not say how its 61 layers sat on the 16 stages. The nearest equal split keeps
   every layer an MoE layer: 64, 6 more MoE layers and 3 fewer dense ones than DeepSeek-V3. The
-  multi-token prediction module runs after the stages with the head, on the whole accumulation part
-  (under 1F1B it would run inside the last stage's ticks, a microbatch at a time).
+  multi-token prediction module runs after the stages with the head, the pipeline's microbatches
+  one after another (under 1F1B it would run inside the last stage's ticks).
 - Batch: 16384 sequences of 4096 (67M tokens) in 8 gradient-accumulation parts of 2048, each in 16
   microbatches of 128 sequences, one a device over expert x fsdp at 2048 devices. DeepSeek-V3's batch
   was 15360 (after a ramp from 3072 over the first 469B tokens; ushard has no batch schedule), which
@@ -33,10 +33,9 @@ What differs, and why:
   because the dispatch then sized its buffers for the worst case (every local token at every expert,
   14 GiB a layer at 4096 tokens a device) and did not fit.
 
-Compiled for TPU without a TPU in docs/benchmarks.md ("DeepSeek-V3's layout compiled for 2,048 v5p
-chips"): it does not fit yet, 176.84 GiB of temporaries a chip (99.85 without the MTP module) of the
-v5p's 95.7; the GQA stand-in it laid out before needed 93.3. At 1024 devices each holds two
-sequences of a microbatch, not compiled.
+Compiled for TPU without a TPU in docs/benchmarks.md ("DeepSeek-V3's layout fits 2,048 v5p chips"):
+68.77 GiB a chip (16.88 GiB of arguments, 51.89 of temporaries) of the v5p's 95.74; `ushard plan`
+estimates 64.74 (0.94). At 1024 devices each holds two sequences of a microbatch, not compiled.
 """
 
 from ushard.configs.deepseek_v3 import get_config as deepseek_v3_config

@@ -5,6 +5,7 @@ kind runs by default; the rest of the grid (more ZeRO stages, remat policies, wi
 MoE dispatch modes, the shipped configs) is marked slow."""
 
 import json
+import math
 import os
 
 import jax
@@ -176,6 +177,15 @@ TPU = {
     # written (estimate.logits_gradient; 1.31 of the compiled peak when one was charged, now 1.00).
     "qwen3_1_7b_v5p8_unrolled": ("qwen3_1_7b", {"model.n_layers": 4, "model.scan_unroll": 4, "mesh.fsdp": 8,
                                                 "train.batch_size": 16}),
+    # deepseek_v3_layout's kind of step, small: circular over experts (ragged, grouped matmul), ZeRO-1, an MTP
+    # module after the stages (estimate.tick_loop_buffers, grouped_matmul_backward; 0.93 of the compiled peak).
+    "tiny_moe_v5p8_circular_expert2_mtp": ("tiny_moe", {
+        "model.d_model": 256, "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 1024, "model.n_layers": 4,
+        "model.moe.expert_d_ff": 256, "model.moe.capacity_factor": 0.0, "model.moe.dispatch": "ragged",
+        "model.vocab_size": 32768, "train.seq_len": 1024, "train.batch_size": 16, "mesh.pipeline": 2, "mesh.expert": 2,
+        "mesh.fsdp": 2, "parallel.pipeline_schedule": "circular", "parallel.pipeline_repeats": 2,
+        "parallel.pipeline_microbatches": 2, "model.remat": "full", "model.compute_dtype": "bfloat16",
+        "parallel.zero_stage": 1, "model.mtp.depth": 1}),
 }
 
 
@@ -330,3 +340,67 @@ def test_the_gpu_estimate_is_within_15_percent_of_the_measured_peaks(row):
     config = load_config(row["config"], row["overrides"])
     setup = build(config, jax.devices()[:row["gpus"]], "gpu", GPU_KINDS[row["hardware"]])
     assert estimate(setup).peak / 2**30 == pytest.approx(row["peak_gib"], rel=0.15)
+
+
+def test_on_tpus_gpipe_and_circular_hold_the_tick_loops_weight_gradient_and_the_cast_stage():
+    """The backward tick loop's float32 gradient of the stage's weights (carried, and the zeros it
+    starts from) and the stage cast to bfloat16 (estimate.tick_loop_buffers); under remat no tick keeps
+    its chunk of weights (models.stack.tick_policy), so the saved activations hold none."""
+    from ushard import estimate as e
+
+    pipeline = {"mesh.pipeline": 2, "mesh.fsdp": 2, "model.n_layers": 4, "parallel.pipeline_schedule": "circular",
+                "parallel.pipeline_repeats": 2, "parallel.pipeline_microbatches": 2, "model.remat": "full",
+                "model.compute_dtype": "bfloat16", "parallel.zero_stage": 1}
+    setup = tpu_setup("tiny", **pipeline)
+    stack = jax.tree.leaves(setup.model.split_stack(setup.model.shapes)[0])
+    names = jax.tree.leaves(setup.model.split_stack(setup.model.logical)[0], is_leaf=lambda x: isinstance(x, tuple))
+    whole = sum(math.prod(setup.layout.sharding(n).shard_shape(s.shape)) for s, n in zip(stack, names))
+    m = estimate(setup)
+    assert m.pipeline_buffers == whole * (2 * 4 + 2) > 0
+    work = e.device_work(setup)
+    chunk = e.stack_and_outer(setup, work, "full", work.layers)
+    assert m.saved_activations == e.ticks(setup.layout.pipeline, work.stages) * chunk[0] + 2 * chunk[1]
+    unkept = estimate(tpu_setup("tiny", **{**pipeline, "model.remat": "none"}))
+    assert unkept.saved_activations > m.saved_activations  # without remat the ticks keep their weights too
+
+
+def test_on_tpus_a_ragged_moe_layers_backward_holds_six_more_receive_buffers():
+    """The grouped matmul's backward writes its masked operands and row gradients
+    (estimate.grouped_matmul_backward): six arrays of the ragged receive buffer's rows by the width."""
+    from ushard import estimate as e
+    from ushard.parallel.expert import receive_rows
+
+    ragged = {"mesh.expert": 2, "mesh.fsdp": 2, "model.moe.dispatch": "ragged", "model.moe.capacity_factor": 0.0}
+    setup = tpu_setup("tiny_moe", **ragged)
+    cfg, work = setup.model_config, e.device_work(setup)
+    rows = receive_rows(work.rows * work.length * cfg.moe.top_k, 2, cfg.moe.num_experts // 2, cfg.moe.top_k,
+                        cfg.moe.dispatch_headroom)
+    itemsize = jax.numpy.dtype(cfg.compute_dtype).itemsize
+    assert e.grouped_matmul_backward(setup, work) == 6 * rows * cfg.d_model * itemsize > 0
+    padded = tpu_setup("tiny_moe", **{**ragged, "model.moe.dispatch": "padded", "model.moe.capacity_factor": 1.25})
+    assert e.grouped_matmul_backward(padded, e.device_work(padded)) == 0
+
+
+def test_the_mtp_modules_are_traced_where_they_keep_residuals():
+    """Without a pipeline the MTP modules' residuals are counted with the rest; after GPipe's or circular's
+    stages they run microbatch by microbatch under remat and keep only their inputs."""
+    mtp = {"model.mtp.depth": 1, "model.remat": "full"}
+    plain = {"mesh.fsdp": 4}
+    assert estimate(tpu_setup("tiny", **plain, **mtp)).saved_activations > estimate(
+        tpu_setup("tiny", **plain, **{"model.remat": "full"})).saved_activations
+    gpipe = {"mesh.pipeline": 2, "mesh.fsdp": 2, "parallel.pipeline_schedule": "gpipe",
+             "parallel.pipeline_microbatches": 2}
+    assert estimate(tpu_setup("tiny", **gpipe, **mtp)).saved_activations == estimate(
+        tpu_setup("tiny", **gpipe, **{"model.remat": "full"})).saved_activations
+
+
+def test_an_moe_models_leading_dense_layers_are_outside_its_layer_trace():
+    """deepseek_v2_lite's and deepseek_v3's first dense layers: the one-layer trace is an MoE layer's
+    after them (`stack_and_outer`; a trace of one layer in all was no valid model)."""
+    from ushard import estimate as e
+
+    moe = {"mesh.expert": 2, "mesh.fsdp": 2, "model.n_layers": 3}
+    dense, plain = tpu_setup("tiny_moe", **moe, **{"model.moe.first_dense_layers": 1}), tpu_setup("tiny_moe", **moe)
+    layer = [e.stack_and_outer(s, e.device_work(s), "none", 1)[0] for s in (dense, plain)]
+    assert layer[0] == layer[1] > 0
+    assert estimate(dense).peak > 0

@@ -159,6 +159,10 @@ LAYOUTS = {
     "ring": {"mesh.sequence": 4, "mesh.fsdp": 2, "parallel.context_parallel": "ring"},
     "1f1b": {"mesh.pipeline": 2, "parallel.pipeline_schedule": "1f1b", "parallel.pipeline_microbatches": 4,
              "mesh.fsdp": 4},
+    # The modules after GPipe's stages run microbatch by microbatch (`Steps._objective_mtp_by_microbatch`),
+    # each under the remat policy, as do the ticks (`models.stack.tick_policy`).
+    "gpipe_remat": {"mesh.pipeline": 2, "parallel.pipeline_schedule": "gpipe", "parallel.pipeline_microbatches": 4,
+                    "mesh.fsdp": 4, "model.remat": "full"},
 }
 
 
@@ -170,7 +174,7 @@ def single(stdlib_batches):
 # fsdp and the ring in the slow tier (`-m slow`): ZeRO-3 places the modules' weights as any other's,
 # and the DeepSeek model's ring row (tests/test_family_layouts.py) trains with a module.
 @pytest.mark.parametrize("layout", [pytest.param("fsdp", marks=pytest.mark.slow),
-                                    pytest.param("ring", marks=pytest.mark.slow), "1f1b"])
+                                    pytest.param("ring", marks=pytest.mark.slow), "1f1b", "gpipe_remat"])
 def test_layouts_match_one_device(single, stdlib_batches, layout):
     got = run_config(small_config("tiny", **MTP, **LAYOUTS[layout]), jax.devices()[:8], stdlib_batches)
     assert_same_training(got, single, RTOL, RTOL)

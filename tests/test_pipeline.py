@@ -379,6 +379,30 @@ def test_pipeline_sweep_matches_one_device(one_device, stdlib_batches, name):
     check_layout(SWEEP[name], one_device, stdlib_batches)
 
 
+def tick_weights(hlo: str, ticks: int) -> list[str]:
+    """Arrays of `ticks` rows of the small model's MLP weights ([ticks, layers a chunk, 64, 128] or
+    transposed): a copy of a chunk's weights for each tick."""
+    return sorted(set(re.findall(rf"\w+\[{ticks},\d+,(?:64,128|128,64)\]", hlo)))
+
+
+def test_a_circular_tick_under_remat_keeps_no_chunk_of_weights(one_device, stdlib_batches):
+    """Under remat each GPipe or circular tick runs under a remat boundary keeping what the layers'
+    remat keeps (`models.stack.tick_policy`), so the backward pass takes its chunk of weights again
+    from the stage's: the same training as one device, and no [ticks, ...] copy of a chunk's weights
+    in the step. Without remat the tick keeps them (three: the MLP's weights), as it did under remat
+    before (the conditional's residuals are its outputs)."""
+    settings = pipelined("circular", 2, 4, REMAT)
+    got = run_config(small_config(**settings), devices_for(settings), stdlib_batches)
+    assert_same_training(got, one_device)
+    ticks = 2 * 4 + 2 - 1
+    assert not tick_weights(got["hlo"], ticks)
+    setup = build(small_config(**{**settings, "model.remat": "none"}), devices_for(settings))
+    shape = (setup.config.train.batch_size, setup.config.train.seq_len)
+    batch = {field: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.layout.batch) for field in BATCH_FIELDS}
+    traced = str(jax.make_jaxpr(setup.steps.loss_and_grads)(setup.steps.abstract_state().params, batch))
+    assert len(tick_weights(traced, ticks)) >= 2, tick_weights(traced, ticks)
+
+
 UNROLLED = {"model.scan_unroll": 4}  # each of 2 stages' 4 layers unrolled, as configs/bench_1b.py's 16
 
 

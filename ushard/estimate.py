@@ -16,8 +16,12 @@ What is counted, per device:
   stage's weights prepared for compute, its float32 weight-gradient accumulator, the activations and
   gradients passed between stages.
 - GPipe and circular pipelines: autodiff of the tick loop stacks each tick's residuals (the stage's
-  for one microbatch through one chunk, and the chunk's weights the tick sliced out), and the backward
-  pass of a tick pulls back through a whole chunk (`layer_working_set`).
+  for one microbatch through one chunk, and without remat the chunk's weights the tick sliced out),
+  and the backward pass of a tick pulls back through a chunk (`layer_working_set`); on TPUs the tick
+  loop's float32 weight gradient and the stage cast for compute (`tick_loop_buffers`). The MTP
+  modules after their stages run microbatch by microbatch (`residual_shapes`).
+- A ragged MoE dispatch on TPUs: the grouped matmul's backward writes six more arrays of the receive
+  buffer's size (`grouped_matmul_backward`).
 
 How dimensions are attributed: model code names logical axes, but a residual is only a shape. The
 model is traced a second time with every dimension that tensor parallelism splits scaled by its own
@@ -108,6 +112,8 @@ from ushard.kernels.attention import traced_off_the_chip
 from ushard.mesh import build_mesh
 from ushard.models import dispatch
 from ushard.models.definition import model_definition
+from ushard.models.mtp import with_mtp_fields
+from ushard.models.stack import tick_policy
 from ushard.parallel.expert import EXPERT_MATMUL, receive_rows
 from ushard.parallel.pipeline import ring_size
 from ushard.sharding import Layout, Seams, use_layout
@@ -127,7 +133,8 @@ class MemoryEstimate:
     saved_activations: int  # kept by the forward pass for the backward pass (all microbatches in flight)
     layer_activations: int  # one layer's activations while its backward pass runs
     gradients: int  # float32, laid out as the ZeRO stage lays them out
-    pipeline_buffers: int = 0  # 1F1B: prepared weights, gradient accumulators, activations between stages
+    pipeline_buffers: int = 0  # 1F1B: prepared weights, gradient accumulators, activations between stages;
+    # GPipe and circular on TPUs: the tick loop's weight gradient and the stage cast (`tick_loop_buffers`)
     vocabulary_buffers: int = 0  # as the forward pass starts: the outer weights as computed, the embedding's gradient
     kept_state: int = 0  # the old optimizer moments, copied to keep them for a step found non-finite
     kept_weights: int = 0  # ZeRO-3: every layer's gathered weights, kept from the forward pass to the backward
@@ -252,7 +259,8 @@ def estimate(setup) -> MemoryEstimate:
         kept_weights=kept_weights(setup),
         layer_activations=layer_working_set(setup, work, layer, chunk),
         gradients=copies * gradient_bytes(setup, state),
-        pipeline_buffers=one_f_one_b_buffers(setup, work) if one_f_one_b else 0,
+        pipeline_buffers=(one_f_one_b_buffers(setup, work) if one_f_one_b
+                          else tick_loop_buffers(setup) if pipeline is not None else 0),
         logits_gradient=logits_gradient(setup, work),
         gradients_apart=gpu_without_remat(setup),
         gradients_at_loss=setup.model_config.scan_unroll < setup.model_config.n_layers,
@@ -476,10 +484,12 @@ def saved_activations(setup, work: DeviceWork, layer: int, chunk: tuple[int, int
     stack, outer = chunk
     if pipeline.name != "1f1b":
         # GPipe and circular: autodiff of the tick loop stacks every tick's residuals, the stage's for
-        # one microbatch through one chunk and the chunk's weights, which the tick slices out of the
-        # stage's rounds (so they are not an argument). Embedding, head and loss run outside the
-        # pipeline, on every microbatch at once.
-        return ticks(pipeline, work.stages) * (stack + chunk_weights(setup, work)) + pipeline.microbatches * outer
+        # one microbatch through one chunk, and where the tick keeps them (no remat boundary of its own:
+        # `models.stack.tick_policy`) the chunk's weights, which the tick slices out of the stage's
+        # rounds (so they are not an argument). Embedding, head and loss run outside the pipeline, on
+        # every microbatch at once.
+        weights = chunk_weights(setup, work) if tick_policy(remat, setup.layout) is None else 0
+        return ticks(pipeline, work.stages) * (stack + weights) + pipeline.microbatches * outer
     # 1F1B: its ring holds `ring_size` microbatches' residuals of the
     # stage's layers whatever their number. The ring is a carry of the tick loop that each tick
     # rewrites in a conditional: the loop holds it twice (in and out), and the forward slot holds the
@@ -494,11 +504,11 @@ def ticks(pipeline, stages: int) -> int:
     return rounds * pipeline.microbatches + stages - 1
 
 
-def chunk_weights(setup, work: DeviceWork) -> int:
-    """One device's bytes of one chunk's layer weights (`work.layers` layers) in the held dtype, as the
-    tick slices them: out of the stored shard, or, where ZeRO-3 keeps the gathered weights
-    (reshard_after_forward false), out of the gathered ones."""
-    model, layout, dtype = setup.model, setup.layout, held_dtype(setup)
+def chunk_weights(setup, work: DeviceWork, dtype=None) -> int:
+    """One device's bytes of one chunk's layer weights (`work.layers` layers) in the held dtype (or
+    `dtype`), as the tick slices them: out of the stored shard, or, where ZeRO-3 keeps the gathered
+    weights (reshard_after_forward false), out of the gathered ones."""
+    model, layout, dtype = setup.model, setup.layout, dtype or held_dtype(setup)
     stack = model.split_stack(model.shapes)[0]
     if layout.zero.keep_gathered:  # ZeRO-3 over fsdp, reshard_after_forward false
         names = model.split_stack(model.logical)[0]
@@ -520,10 +530,34 @@ def layer_working_set(setup, work: DeviceWork, layer: int, chunk: tuple[int, int
     if gpu_without_remat(setup):
         # The layer's activations are among the saved ones, which its backward pass frees as it goes.
         return stream_gradients(setup, work)
+    extra = grouped_matmul_backward(setup, work)
     if pipeline is None or pipeline.name == "1f1b":
-        return layer + stream_gradients(setup, work)
+        return layer + extra + stream_gradients(setup, work)
     stack = chunk[0]
-    return stack + max(stack, layer * work.layers // layer_period(setup)) + stream_gradients(setup, work)
+    if tick_policy(setup.model_config.remat, setup.layout) is not None:
+        # Under a tick's own remat boundary (`models.stack.tick_policy`) the chunk's layers are pulled
+        # back one at a time, each recomputed from its kept input, into the chunk's float32 weight
+        # gradient, which the layer loop's backward stacks before the tick adds it to the stage's.
+        return (stack + max(stack, layer) + chunk_weights(setup, work, jnp.float32) + extra
+                + stream_gradients(setup, work))
+    return stack + max(stack, layer * work.layers // layer_period(setup)) + extra + stream_gradients(setup, work)
+
+
+def grouped_matmul_backward(setup, work: DeviceWork) -> int:
+    """What the backward pass of an MoE layer's ragged dispatch holds beyond the layer's activations, on
+    TPUs: the grouped matmul's backward (ushard/kernels/grouped_matmul.py `_backward`) writes its masked
+    operands and row gradients, a Pallas kernel's operands being unfused, and with the recomputed
+    output the layer's backward holds seven arrays of the receive buffer's rows by the model width
+    where its activations (the trace) hold one: six more (libtpu's buffers of qwen3_30b_a3b's and
+    deepseek_v3_layout's backward loops, docs/dev-notes.md). Not checked on GPUs; the CPU's
+    `ragged_dot` is XLA's."""
+    cfg, moe = setup.model_config, setup.model_config.moe
+    if setup.plan.platform != "tpu" or not moe.num_experts or work.dispatch != "ragged" or work.expert_groups == 1:
+        return 0
+    local = moe.num_experts // work.expert_groups
+    rows = receive_rows(work.rows * work.length * moe.top_k, work.expert_groups, local, moe.top_k,
+                        moe.dispatch_headroom)
+    return 6 * rows * cfg.d_model * jnp.dtype(cfg.compute_dtype).itemsize
 
 
 def layer_period(setup) -> int:
@@ -533,10 +567,13 @@ def layer_period(setup) -> int:
 
 
 def stack_and_outer(setup, work: DeviceWork, remat: str, layers: int) -> tuple[int, int]:
-    """(residual bytes of `layers` stacked layers, of everything else: embedding, head, loss), from
-    traces of `layers` and twice as many (the scanned stack's residuals grow with its length)."""
-    once = device_residual_bytes(setup, work, remat, layers)
-    twice = device_residual_bytes(setup, work, remat, 2 * layers)
+    """(residual bytes of `layers` stacked layers, of everything else: embedding, head, loss, and an MoE
+    model's leading dense layers), from traces of `layers` and twice as many (the scanned stack's
+    residuals grow with its length) after the dense layers."""
+    moe = setup.model_config.moe
+    dense = moe.first_dense_layers if moe.num_experts else 0
+    once = device_residual_bytes(setup, work, remat, dense + layers)
+    twice = device_residual_bytes(setup, work, remat, dense + 2 * layers)
     return twice - once, 2 * once - twice
 
 
@@ -566,6 +603,29 @@ def one_f_one_b_buffers(setup, work: DeviceWork) -> int:
     passed = 2 * work.rows * work.length * cfg.d_model * compute_dtype.itemsize
     tick_gradients = 2 * compute_bytes(outer_shapes, outer_names, jnp.promote_types(cfg.param_dtype, held_dtype(setup)))
     return prepared + accumulators + passed + vocabulary_weights(setup) + tick_gradients
+
+
+def tick_loop_buffers(setup) -> int:
+    """GPipe's and circular's own buffers (ushard/parallel/pipeline.py, run_stages): the float32
+    gradient of the stage's layer weights, laid out as computed (the stages' map takes the weights as
+    computed: whole over fsdp), which the backward tick loop carries and, as it starts, holds beside
+    the zeros it starts from; and the stage's weights in the compute dtype, cast once for every tick
+    where that makes a copy. (libtpu's buffers of deepseek_v3_layout: the loop's carry, its zeros and
+    the cast weights, re-laid-out for the rounds, are live together as the backward loop starts.) On
+    TPUs only: the CPU grid of tests/test_estimate.py matches without them (XLA:CPU holds float32, and
+    its peak is elsewhere); GPUs are not checked."""
+    layout, cfg, model = setup.layout, setup.model_config, setup.model
+    if setup.plan.platform != "tpu":
+        return 0
+    names, shapes = model.split_stack(model.logical)[0], model.split_stack(model.shapes)[0]
+
+    def compute_bytes(dtype):
+        return shard_bytes(jax.tree.map(lambda s, n: jax.ShapeDtypeStruct(s.shape, dtype, sharding=layout.sharding(n)),
+                                        shapes, names, is_leaf=_is_names))
+
+    compute_dtype = jnp.dtype(cfg.compute_dtype)
+    copied = gathers_weights(setup) or compute_dtype != cfg.param_dtype
+    return 2 * compute_bytes(jnp.float32) + (compute_bytes(compute_dtype) if copied else 0)
 
 
 # --------------------------------------------------------------------------- traces
@@ -664,8 +724,11 @@ def residual_shapes(setup, work: DeviceWork, remat: str, n_layers: int, scaled: 
     length = work.length
     if scaled:
         s = SCALES
+        # Latent attention expands a key and a value for every query head: no groups to scale (its
+        # query heads then read as K/V heads, split as they are).
+        groups = 1 if cfg.mla.kv_lora_rank else s["groups"]
         cfg = dataclasses.replace(
-            cfg, n_kv_heads=cfg.n_kv_heads * s["kv_heads"], n_heads=cfg.n_heads * s["kv_heads"] * s["groups"],
+            cfg, n_kv_heads=cfg.n_kv_heads * s["kv_heads"], n_heads=cfg.n_heads * s["kv_heads"] * groups,
             d_model=cfg.d_model * s["kv_heads"] * s["groups"] * s["head_dim"], head_dim=cfg.head_dim * s["head_dim"],
             d_ff=cfg.d_ff * s["mlp"],
             vocab_size=cfg.vocab_size * s["vocab"],
@@ -677,10 +740,23 @@ def residual_shapes(setup, work: DeviceWork, remat: str, n_layers: int, scaled: 
     token_ids = jax.ShapeDtypeStruct((work.rows, length), jnp.int32)
     batch = dict.fromkeys(setup.steps.batch_shardings, token_ids)
 
+    # What training runs (`Steps._objective`), the multi-token prediction modules with it, but where a
+    # GPipe or circular step runs them microbatch by microbatch under remat (`_objective_mtp_by_microbatch`):
+    # there they keep nothing beyond their inputs for the backward pass.
+    pipeline = setup.layout.pipeline
+    by_microbatch = (pipeline is not None and pipeline.name != "1f1b" and pipeline.microbatches > 1
+                     and cfg.remat != "none")
+    depth = 0 if by_microbatch else cfg.mtp.depth
+
     def objective(params, batch):
+        batch = with_mtp_fields(batch, depth)
         with use_layout(trace_layout(work)):
-            logits, aux = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
-        return objective_terms(logits, aux, batch)[0]
+            if depth:
+                logits, aux, mtp_logits = model.apply_for_training(params, batch)
+            else:
+                logits, aux = model.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
+                mtp_logits = ()
+        return objective_terms(logits, aux, batch, mtp_logits, cfg.mtp.loss_weight)[0]
 
     with traced_off_the_chip():
         residuals = ad_checkpoint.saved_residuals(objective, params, batch)

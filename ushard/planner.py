@@ -241,7 +241,7 @@ TERMS = {
     "saved_activations": "activations kept for the backward pass",
     "layer_activations": "working set of the layers being pulled back",
     "gradients": "gradients (float32)",
-    "pipeline_buffers": "pipeline buffers (1F1B)",
+    "pipeline_buffers": "pipeline buffers",
     "vocabulary_buffers": "vocabulary's buffers (outer weights, embedding gradient)",
     "kept_state": "old optimizer moments kept (on_nonfinite=skip)",
     "logits_gradient": "logits' gradient",

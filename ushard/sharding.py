@@ -205,7 +205,8 @@ class Seams:
     """The parallel code a model reaches through the active layout, wired in by `build` from
     ushard/parallel (the model imports none of it): None where the layout needs none.
 
-    run_stack(stage, stack, x, args, layout) -> (x, aux): the layer stack split into pipeline stages.
+    run_stack(stage, stack, x, args, layout, tick_policy=None) -> (x, aux): the layer stack split into
+    pipeline stages (`tick_policy`: the remat policy of a tick, ushard.models.stack.tick_policy).
     context_attention(q, kv, segment_ids, xla_block, block_kernel, window=0, expansion=None) -> out:
     attention over a sequence split over the devices, what travels between them `kv`: the keys and
     values (k, v), or with an `Expansion` the arrays each device makes them from.

@@ -84,6 +84,13 @@ class ModelDef:
         x, aux = module.layers(module.embed(batch["inputs"]), batch["positions"], batch["segment_ids"])
         return module.head(x), aux, self._mtp_logits(module, x, batch)
 
+    def apply_before_mtp(self, params, batch):
+        """`apply_for_training` without the MTP modules: (logits, aux, the layers' output x, which the
+        modules take: `mtp_states`)."""
+        module = self.module(params)
+        x, aux = module.layers(module.embed(batch["inputs"]), batch["positions"], batch["segment_ids"])
+        return module.head(x), aux, x
+
     # A pipeline's last stage (1F1B) runs `apply_for_training`'s end in two parts: the MTP modules
     # inside its slots (`mtp_states`, on the embeddings `mtp_embeddings` looks up outside them), then
     # `head_for_training` on the layers' output and the modules' states.
@@ -105,6 +112,11 @@ class ModelDef:
         """(logits of the layers' output x, the MTP modules' logits of their `states`)."""
         module = self.module(others)
         return module.head(x), [module.logits(s) for s in states]
+
+    def mtp_head(self, others, states) -> list:
+        """The MTP modules' logits of their `states` (the shared head alone)."""
+        module = self.module(others)
+        return [module.logits(s) for s in states]
 
     def _mtp_logits(self, module, x, batch) -> list:
         tokens = mtp_tokens(batch, self.cfg.mtp.depth)

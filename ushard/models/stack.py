@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from ushard.kernels.attention import FUSED_ATTENTION
 from ushard.models.low_rank import LowRankAdapted, adapter_names, scale_names
@@ -50,6 +51,10 @@ REMAT_POLICIES["dots_attention_norms"] = _saveable.save_from_both_policies(
 )
 
 
+# A layer's input under remat: what a pipeline tick's remat boundary keeps beside the layers' own policy.
+LAYER_INPUT = "layer_input"
+
+
 def run_layers(layers: nnx.Module, x, *args, remat: str = "none", unroll: int = 1, compute_dtype=None):
     """x through every layer of the stacked module `layers`; returns (x, aux summed over layers).
 
@@ -63,8 +68,18 @@ def run_layers(layers: nnx.Module, x, *args, remat: str = "none", unroll: int = 
 
     layout = current_layout()
     if layout is not None and layout.pipeline is not None:
-        return layout.seams.run_stack(stage, layer_states, x, args, layout)
+        return layout.seams.run_stack(stage, layer_states, x, args, layout, tick_policy=tick_policy(remat, layout))
     return stage(layer_states, x, args)
+
+
+def tick_policy(remat: str, layout):
+    """What a GPipe or circular tick keeps for its backward pass (`run_stages`' `tick_policy`): what the
+    layers' remat keeps, and each layer's input (`scan_layers` names it), which the layers' remat
+    boundary keeps as its input. None (the tick keeps everything, its weights too) without remat, and
+    with ZeRO-3's gathered weights kept on purpose (they are inputs of the layers' remat boundary)."""
+    if remat == "none" or layout.zero.keep_gathered:
+        return None
+    return _saveable.save_from_both_policies(REMAT_POLICIES[remat], _saveable.save_only_these_names(LAYER_INPUT))
 
 
 def scan_layers(graphdef, layer_states, x, args, remat: str, unroll: int, compute_dtype):
@@ -77,7 +92,8 @@ def scan_layers(graphdef, layer_states, x, args, remat: str, unroll: int, comput
         # Unrolled layers are one graph: unless CSE is blocked there, XLA merges the backward pass's
         # recomputation with the forward pass and keeps every activation, as if remat were off
         # (docs/dev-notes.md). A rolled scan keeps the two apart itself, and blocking costs speed there.
-        one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=unroll > 1)
+        remat_body = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat], prevent_cse=unroll > 1)
+        one_layer = lambda x, layer_state: remat_body(checkpoint_name(x, LAYER_INPUT), layer_state)  # noqa: E731
     layout = current_layout()
     if layout is not None and layout.zero.keep_gathered:
         # Gathered outside the remat boundary, the weights become inputs the backward pass keeps.

@@ -14,7 +14,9 @@ slots cost nothing.
 - GPipe and circular (`run_stages`) run forward only: they are the pipelined implementation of the
   layer stack (`ushard.models.stack.run_layers`), with embedding, final norm, head and loss outside.
   Their backward pass is autodiff of the tick loop, which keeps every tick's residuals: activation
-  memory grows with the number of microbatches. Circular runs `repeats` rounds: stage s holds chunks
+  memory grows with the number of microbatches. Under remat each tick's slot runs under a remat
+  boundary of its own (`tick_policy`), without which the tick's chunk of weights is one of them.
+  Circular runs `repeats` rounds: stage s holds chunks
   s, s + S, s + 2S, ... of the layers (virtual stages), and a microbatch goes round the ring of stages
   `repeats` times, which divides the bubble by `repeats`.
 - 1F1B (`one_f_one_b`) runs forward and backward work in the same tick (stage s: the forward of
@@ -115,13 +117,20 @@ def ring_size(stages: int) -> int:
 # --------------------------------------------------------------------------- the forward schedules
 
 
-def run_stages(stage, stack, x, args, layout: Layout):
+def run_stages(stage, stack, x, args, layout: Layout, tick_policy=None):
     """The pipelined layer stack: (y, aux) = stage(chunk_{V-1}, ... stage(chunk_0, x, args) ..., args).
 
     stage(chunk, x, args) -> (x, aux) runs consecutive layers (`chunk`: `stack` with fewer rows) on one
     microbatch; `stack` is the stacked layers' pytree, [layers, ...] leaves; x [B, ...] and `args` (a
     pytree of per-row arrays [B, ...]) are split into microbatches. Returns y [B, ...] and the aux terms
     summed over layers and averaged over microbatches. Differentiable (autodiff of the tick loop).
+
+    `tick_policy` (a `jax.checkpoint` policy: what the stage's own remat keeps, its layers' inputs
+    included), where given, puts each tick's slot, its conditional with it, under a remat boundary
+    keeping only that. Without it the conditional's residuals are its outputs, the tick's chunk of
+    weights among them (JAX forwards no input of a `lax.cond` to the backward pass), and autodiff of
+    the tick loop keeps one chunk a tick; with it the backward pass takes its chunk again from the
+    stage's weights, which the loop holds once.
     """
     pipe, axis, stages = layout.pipeline, stage_axis(layout), layout.size("layers")
     count, repeats = pipe.microbatches, pipe.repeats if pipe.name == "circular" else 1
@@ -138,6 +147,12 @@ def run_stages(stage, stack, x, args, layout: Layout):
     chained = carry_aux(stage)
     branch_free = slots_branch_free(layout)
 
+    def slot(chunks, m, round_, start, mb):
+        return when(m != IDLE, chained, take(chunks, round_), start, mb, axis=axis, branch_free=branch_free)
+
+    if tick_policy is not None:
+        slot = jax.checkpoint(slot, policy=tick_policy)
+
     def body(chunks, xs, args):
         index = jax.lax.axis_index(axis)
         chunks = jax.tree.map(lambda c: c[:, 0], chunks)  # this stage's chunk of each round
@@ -152,8 +167,7 @@ def run_stages(stage, stack, x, args, layout: Layout):
                 m, round_, arrived = row[index, 0], row[index, 1], row[index, 2]
                 slots = put(slots, arrived, received, arrived != IDLE)
                 start = jax.tree.map(lambda a, b: jnp.where(index == 0, a, b), take(slots, m), received)
-                out = when(m != IDLE, chained, take(chunks, round_), start, take(args, m), axis=axis,
-                           branch_free=branch_free)
+                out = slot(chunks, m, round_, start, take(args, m))
                 done = (index == stages - 1) & (round_ == repeats - 1)
                 slots = put(slots, m, out, done & (m != IDLE))
                 return (slots, jax.lax.ppermute(out, axis, forward)), None

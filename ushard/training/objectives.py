@@ -20,20 +20,28 @@ from ushard.errors import UserError
 from ushard.training.loss import cross_entropy_sums
 
 
-def objective_terms(logits, aux, batch, mtp_logits=(), mtp_weight: float = 0.0):
+def objective_terms(logits, aux, batch, mtp_logits=(), mtp_weight: float = 0.0, mtp_summed=None):
     """(cross-entropy sum + token-weighted aux terms, (cross-entropy sum, token count, weighted aux)).
 
     With multi-token prediction (`mtp_logits`, one per depth; ushard/models/mtp.py), aux gains
     "mtp_loss": `mtp_weight` times the mean over depths of each depth's cross-entropy summed over its
     counted positions and divided by the main loss's token count (DeepSeek-V3's 1/T), so that it adds
-    up over microbatches as the main loss does."""
+    up over microbatches as the main loss does. `mtp_summed` = (that sum over depths, the depth), where
+    the caller summed it (`mtp_cross_entropy`) instead of passing the logits."""
     loss, count = cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
     if mtp_logits:
-        summed = sum(cross_entropy_sums(lg, batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])[0]
-                     for k, lg in enumerate(mtp_logits, 1))
-        aux = {**aux, "mtp_loss": mtp_weight * summed / len(mtp_logits) / jnp.maximum(count, 1.0)}
+        mtp_summed = mtp_cross_entropy(mtp_logits, batch), len(mtp_logits)
+    if mtp_summed is not None:
+        summed, depth = mtp_summed
+        aux = {**aux, "mtp_loss": mtp_weight * summed / depth / jnp.maximum(count, 1.0)}
     weighted_aux = {name: term * count for name, term in aux.items()}
     return loss + sum(weighted_aux.values(), 0.0), (loss, count, weighted_aux)
+
+
+def mtp_cross_entropy(mtp_logits, batch):
+    """Each MTP depth's cross-entropy summed over its counted positions, summed over the depths."""
+    return sum(cross_entropy_sums(lg, batch[f"mtp_targets_{k}"], batch[f"mtp_mask_{k}"])[0]
+               for k, lg in enumerate(mtp_logits, 1))
 
 
 class LanguageModelling:

@@ -26,13 +26,14 @@ from jax.sharding import NamedSharding
 
 from ushard.models.definition import ModelDef
 from ushard.models.mtp import with_mtp_fields
+from ushard.models.stack import REMAT_POLICIES
 from ushard.parallel import context
 from ushard.parallel.maps import nested_maps
 from ushard.parallel.pipeline import StageTail, one_f_one_b
 from ushard.sharding import Layout, current_layout, split_rows, use_layout, with_shardings
 from ushard.training import dpo
 from ushard.training.lora import Adapters, fingerprint
-from ushard.training.objectives import LanguageModelling
+from ushard.training.objectives import LanguageModelling, mtp_cross_entropy, objective_terms
 from ushard.training.state import TrainState
 
 
@@ -180,9 +181,35 @@ class Steps:
         return with_shardings(jax.eval_shape(lambda: self._init(seed)), self.shardings.state)
 
     def _objective(self, params, batch, frozen=None, step=None):
-        model_batch = self.objective.model_batch(batch)
-        logits, aux, mtp_logits = self.model.apply_for_training(self.model_params(params, frozen, step), model_batch)
+        pipeline, cfg = self.layout.pipeline, self.model.cfg
+        model_params = self.model_params(params, frozen, step)
+        if (cfg.mtp.depth and self.objective.name == "lm" and pipeline is not None and pipeline.name != "1f1b"
+                and pipeline.microbatches > 1):
+            return self._objective_mtp_by_microbatch(model_params, batch, pipeline.microbatches)
+        logits, aux, mtp_logits = self.model.apply_for_training(model_params, self.objective.model_batch(batch))
         return self.objective.terms(logits, aux, batch, mtp_logits)
+
+    def _objective_mtp_by_microbatch(self, params, batch, count: int):
+        """`_objective` under GPipe or circular, whose stages return the whole accumulation part: the MTP
+        modules, their head and loss then run on the pipeline's microbatches one after another (a
+        `lax.scan`, each under the model's remat), not on the whole part at once, where their block's
+        activations and expert buffers were a part's (docs/dev-notes.md). 1F1B runs them inside the last
+        stage's slots (`StageTail`)."""
+        model, cfg = self.model, self.model.cfg
+        logits, aux, x = model.apply_before_mtp(params, batch)
+        mtp, others = model.split_mtp(params)
+        fields = [f for f in batch if f.startswith("mtp_") or f in ("positions", "segment_ids")]
+        parts = jax.tree.map(lambda a: split_rows(a, count, self.layout), (x, {f: batch[f] for f in fields}))
+
+        def one(total, part):
+            x, mb = part
+            states = model.mtp_states(mtp, x, model.mtp_embeddings(others, mb), mb)
+            return total + mtp_cross_entropy(model.mtp_head(others, states), mb), None
+
+        if cfg.remat != "none":
+            one = jax.checkpoint(one, policy=REMAT_POLICIES[cfg.remat])
+        summed, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), parts)
+        return objective_terms(logits, aux, batch, mtp_weight=cfg.mtp.loss_weight, mtp_summed=(summed, cfg.mtp.depth))
 
     def _with_reference(self, reference, batch):
         """The batch with the reference policy's log-probs (DPO, computed from its parameters)."""
