@@ -108,6 +108,12 @@ class NonfiniteRow:
         return self.count >= self.limit
 
 
+# How many steps the host may dispatch ahead of the devices. Unbounded (until the next log or save
+# step), two processes on CPU stopped for good some 260 steps ahead, each blocked in a dispatch, and
+# every step in flight holds its batch on the devices: a few steps ahead keep the devices fed.
+STEPS_AHEAD = 16
+
+
 class Trainer:
     """One training run: `build(config)` (mesh, layout, model, steps) with data, checkpoints and the loop."""
 
@@ -291,6 +297,8 @@ class Trainer:
             state, metrics = step_fn(state, batch)
             step += 1
             pending.append((step, position, metrics))
+            if len(pending) > STEPS_AHEAD:  # the host no further than STEPS_AHEAD steps ahead of the devices
+                jax.block_until_ready(pending[-STEPS_AHEAD - 1][2]["loss"])
             if bar:
                 bar.update(1)
             # Several processes act on a signal at the next log or save step, where they all agree
@@ -298,9 +306,10 @@ class Trainer:
             stop = None if together else signals.received  # read once: a signal may land at any moment
             log_now = step % t.log_every == 0 or step == t.steps
             save_now = (every and step % every == 0) or step == t.steps
+            agree_now = together and step % processes.AGREE_EVERY_STEPS == 0
             if not together and self.checkpoints:
                 self.checkpoints.check()  # a failed background save stops the run now, not at the next save
-            if not (log_now or save_now or stop):
+            if not (log_now or save_now or stop or agree_now):
                 continue
             values = jax.device_get([m for _, _, m in pending])  # one transfer; waits for the device
             fetched = [(s, i, m) for (s, i, _), m in zip(pending, values)]

@@ -1,6 +1,7 @@
 """What the processes of a multi-process run decide together, and how they notice one that is gone.
 
-- `agree`: at a step that every process treats as a sync point (a log or save step), every process
+- `agree`: at a step that every process treats as a sync point (a log or save step, and at least every
+  `AGREE_EVERY_STEPS` steps whatever the log and save intervals), every process
   says whether a signal reached it and whether something failed on it (a background save, the
   metrics file); all then act on the union. A preemption notice that reaches one host, or the hosts
   seconds apart, thus stops every process at the same step, after the same save; a process that stopped
@@ -26,6 +27,9 @@ import numpy as np
 
 from ushard.errors import UserError
 
+# The most steps between two agreements: what bounds a signal's delay when train.log_every and
+# checkpoint.every are long.
+AGREE_EVERY_STEPS = 50
 FAILURE_KEY = "ushard/failure/{process}/{step}"  # a process's own sentence for a failure it agreed on
 LEFT = "left"  # a process's heartbeat once its run has ended
 
