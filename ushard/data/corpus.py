@@ -118,6 +118,15 @@ def cut_into_pieces(doc_lengths: np.ndarray, chunk: int) -> tuple[np.ndarray, np
     return n // k + (index < n % k), doc, index
 
 
+def data_position(state: dict, order: dict) -> int:
+    """A data state's position, where the state belongs to `order`. A bug in the caller otherwise, not
+    the user's: a restored state goes through its source's check_resume first."""
+    if not isinstance(state, dict) or state.get("order") != order:
+        raise ValueError(f"the data state {state!r:.200} belongs to another data order; pass a restored "
+                         f"state through check_resume first")
+    return int(state["position"])
+
+
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """A fixed bijective mix of 64-bit integers (wrapping arithmetic): stable across library versions."""
     with np.errstate(over="ignore"):

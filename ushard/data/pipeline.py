@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ushard.data.corpus import Corpus, load_corpus, require_window, splitmix64
+from ushard.data.corpus import Corpus, data_position, load_corpus, require_window, splitmix64
 from ushard.data.packing import FIELDS, PackedStream, pack_whole, window_rows
 from ushard.data.preference import PreferenceBatches
 from ushard.errors import UserError
@@ -147,11 +147,7 @@ class Batches:
         return {"position": 0, "order": dict(self.order)}
 
     def _position(self, state: dict) -> int:
-        # A bug in the caller, not the user's: a restored state goes through check_resume first.
-        if not isinstance(state, dict) or state.get("order") != self.order:
-            raise ValueError(f"the data state {state!r:.200} belongs to another data order; pass a restored "
-                             f"state through check_resume first")
-        return int(state["position"])
+        return data_position(state, self.order)
 
     def check_resume(self, saved: dict, restart: bool) -> dict:
         """The state to continue from, given the data state a checkpoint saved (see the module docstring)."""

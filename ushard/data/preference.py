@@ -32,11 +32,11 @@ import zlib
 import numpy as np
 
 from ushard.data.chat import chat_template, prompt_completion
-from ushard.data.corpus import name_hashes, splitmix64
+from ushard.data.corpus import data_position, name_hashes, splitmix64
 from ushard.data.packing import FIELDS, row_fields
-from ushard.data.sources import ROLES, glob_files, jsonl_lines, path_patterns
+from ushard.data.sources import ROLES, glob_files, jsonl_lines, open_parquet, path_patterns
 from ushard.data.tokenizer import get_tokenizer
-from ushard.errors import UserError, install_hint
+from ushard.errors import UserError
 
 KEYS = ("prompt", "chosen", "rejected")
 REJECTED = "rejected_"  # the prefix of the rejected rows' fields
@@ -79,15 +79,7 @@ def jsonl_rows(path: str):
 
 
 def parquet_rows(path: str):
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UserError(f"preference records in Parquet need pyarrow; {install_hint('data')}.") from None
-    try:
-        file = pq.ParquetFile(path)
-    except (OSError, pa.ArrowException) as e:
-        raise UserError(f"cannot read {path} as Parquet: {' '.join(str(e).split()).rstrip('.')}.") from None
+    _, file = open_parquet(path, "preference records in Parquet")
     missing = [key for key in KEYS if key not in file.schema_arrow.names]
     if missing:
         raise UserError(f"{path} has no column {missing[0]!r}; preference records need {_fields()}.")
@@ -272,10 +264,7 @@ class PreferenceBatches:
         return {"position": 0, "order": dict(self.order)}
 
     def _position(self, state: dict) -> int:
-        if not isinstance(state, dict) or state.get("order") != self.order:
-            raise ValueError(f"the data state {state!r:.200} belongs to another data order; pass a restored "
-                             f"state through check_resume first")
-        return int(state["position"])
+        return data_position(state, self.order)
 
     def check_resume(self, saved: dict, restart: bool) -> dict:
         order = saved.get("order") if isinstance(saved, dict) else None

@@ -142,18 +142,24 @@ def read_conversations(path: str):
         yield name, messages
 
 
-def parquet_records(path: str, *columns: str):
-    """(path:row, text) for each row of string columns, read a row group at a time (several columns:
-    (path:row, (text, ...))); rows with a null among them are skipped."""
+def open_parquet(path: str, what: str):
+    """(pyarrow, the opened ParquetFile) of `path`, or a sentence: pyarrow missing (`what` needs it),
+    or a file that is not Parquet."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError(f"data.source='parquet' needs pyarrow; {install_hint('data')}.") from None
+        raise UserError(f"{what} needs pyarrow; {install_hint('data')}.") from None
     try:
-        file = pq.ParquetFile(path)
+        return pa, pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as e:
         raise UserError(f"cannot read {path} as Parquet: {' '.join(str(e).split()).rstrip('.')}.") from None
+
+
+def parquet_records(path: str, *columns: str):
+    """(path:row, text) for each row of string columns, read a row group at a time (several columns:
+    (path:row, (text, ...))); rows with a null among them are skipped."""
+    pa, file = open_parquet(path, "data.source='parquet'")
     schema = file.schema_arrow
     key = "data.parquet_column names the text column" if len(columns) == 1 else \
         "data.prompt_field and data.completion_field name its columns"
