@@ -58,9 +58,10 @@ def compiler_log():
             lines.extend(log.read().splitlines())
 
 
-def run_config(config, devices, batches):
+def run_config(config, devices, batches, before_running=None):
     """Step-0 loss and gradients, the compiled train step (memory, HLO, compiler log) and the losses
-    of train.steps steps."""
+    of train.steps steps. `before_running(hlo text)` checks the compiled step before any step runs
+    (a step that would hang in a rendezvous is refused before it runs)."""
     trainer = Trainer(config, devices=devices, batches=batches)
     state = trainer.steps.init(config.train.seed)
     batches = trainer.global_batches(config.train.steps)
@@ -68,6 +69,8 @@ def run_config(config, devices, batches):
     with compiler_log() as log:
         loss0, grads0 = trainer.steps.loss_and_grads(state.params, first, *trainer.steps.extra_inputs(state))
         compiled = trainer.steps.train_step.lower(state, first).compile()
+    if before_running is not None:
+        before_running(compiled.as_text())
     result = {
         "trainer": trainer,
         "loss0": float(loss0),

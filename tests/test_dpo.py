@@ -525,6 +525,7 @@ def test_lora_dpo_starts_at_log_2_and_learns(lora_single):
     assert lora_single["losses"][2] < lora_single["losses"][0]
 
 
+@pytest.mark.slow  # the default tier: the reference under LoRA (above), and fsdp ZeRO-3 without LoRA
 def test_lora_dpo_under_zero3_with_accumulation_matches_one_device(lora_single):
     got = run_dpo(8, **LORA, **{"mesh.fsdp": 8, "parallel.zero_stage": 3, "train.grad_accum": 2})
     assert_same_dpo_training(got, lora_single, trained_rtol=LORA_DPO_TRAINED)

@@ -112,7 +112,7 @@ def with_random_b(state, seed=2, size=0.05):
     return state.replace(params=jax.tree_util.tree_map_with_path(fill, state.params))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])  # the same path
 def test_lora_trains_as_peft_and_its_export_loads_in_peft(kind, request, tmp_path):
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
@@ -230,17 +230,18 @@ def test_a_target_that_names_no_projection_is_refused():
 # --------------------------------------------------------------------------- what is trained, where
 
 
-def test_only_the_adapters_are_trained_and_all_reduced():
-    """Pure data parallelism: the optimizer state is the adapters' shapes, and the step's gradient
-    all-reduce moves no more than the adapters' bytes."""
-    config = small_config("tiny", **LORA, **{"mesh.data": 8, "mesh.fsdp": 1})
-    trainer = Trainer(config, devices=jax.devices()[:8])
+def test_only_the_adapters_are_trained_and_all_reduced(single, stdlib_batches):
+    """Pure data parallelism over 8 devices trains as one device; the optimizer state is the adapters'
+    shapes, and the step's gradient all-reduce moves no more than the adapters' bytes."""
+    got = lora_run({"mesh.data": 8}, 8, stdlib_batches)
+    assert_same_training(got, single)
+    trainer = got["trainer"]
     state = trainer.steps.init(0)
     adapter_leaves = jax.tree.leaves(state.params)
     adapter_bytes = sum(x.size * 4 for x in adapter_leaves)
     moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
     assert sorted(x.shape for x in moments) == sorted([x.shape for x in adapter_leaves] * 2)
-    hlo = trainer.steps.train_step.lower(state, trainer.global_batches(1)[0]).compile().as_text()
+    hlo = got["hlo"]
     reduced = 0
     for shape in re.findall(r"= (\([^)]*\)|\S+) all-reduce(?:-start)?\(", hlo):
         for dims in re.findall(r"f32\[([0-9,]*)\]", shape):
@@ -262,7 +263,7 @@ LORA_LAYOUTS = {
     "tensor2_sp_float8": ({"mesh.tensor": 2, "mesh.fsdp": 4, "parallel.sequence_parallel": True,
                            "model.lora.base_dtype": "float8"}, 8),
 }
-QUICK = ("fsdp8_zero3",)
+QUICK = ()  # the default tier's layout: data=8 in test_only_the_adapters_are_trained_and_all_reduced
 
 
 def lora_run(overrides, devices, batches, moe=False):
@@ -325,6 +326,7 @@ def test_float8_quantization_and_its_product():
     np.testing.assert_allclose(adapted.merged(), dequantized + 0.5 * jnp.einsum("dz,zhk->dhk", a, b), rtol=1e-6)
 
 
+@pytest.mark.slow  # test_float8_quantization_and_its_product keeps the product's point
 def test_a_float8_base_trains_as_the_exact_base_within_its_rounding(single, single_float8):
     got = single_float8
     frozen = got["trainer"].steps.init(0).frozen
