@@ -115,8 +115,7 @@ class Adapters:
         key = jax.random.key(seed)
         out = {}
         for i, w in enumerate(self.weights):
-            shapes = self.shapes
-            shape_a, shape_b = _get(shapes, w.path)["lora_a"], _get(shapes, w.path)["lora_b"]
+            shape_a, shape_b = _get(self.shapes, w.path)["lora_a"], _get(self.shapes, w.path)["lora_b"]
             fan_in = math.prod(w.shape[w.stacked + w.lead:w.stacked + w.lead + w.ins])
             bound = fan_in ** -0.5
             a = jax.random.uniform(jax.random.fold_in(key, i), shape_a.shape, shape_a.dtype, -bound, bound)

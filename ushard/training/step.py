@@ -147,7 +147,7 @@ class Steps:
         """What `pair_reference_logps` takes of a state at step 0: the frozen base (LoRA) or the params."""
         return state.frozen if self.adapters is not None else state.params
 
-    def _inputs(self, extra):
+    def _inputs(self, extra=None):
         """(LoRA's frozen base, the reference policy's parameters) from `extra_inputs`'s argument."""
         if self.adapters is not None:
             reference = self.adapters.base_params(extra) if self.objective.reference == "frozen" else None
@@ -314,7 +314,7 @@ class Steps:
         return loss, grads
 
     def _train_step(self, state: TrainState, batch):
-        frozen, reference = self._inputs(self.extra_inputs(state)[0] if self.extra_inputs(state) else None)
+        frozen, reference = self._inputs(*self.extra_inputs(state))
         loss, aux, grads_and_loads, count = self._mean_loss_and_grads(state.params, batch, frozen, state.step,
                                                                       reference)
         grads = grads_and_loads if self.adapters else self.model.without_expert_loads(grads_and_loads)
